@@ -1,0 +1,70 @@
+"""moara_jax: MoARa (module-aware rank allocation + block-wise magnitude--direction
+decomposition) for GaLore-family low-rank training, as composable Optax transforms.
+
+The chain for one target matrix is ``decompose -> project -> inner_adam -> recompose``
+(:func:`scale_by_moara`); :func:`moara_adamw` partitions a model's parameters by module type.
+"""
+
+from moara_jax._accounting import state_bytes
+from moara_jax._adam import InnerAdamState, adamw, inner_adam
+from moara_jax._alignment import matrix_alignment, module_alignment, reconstruct
+from moara_jax._allocation import (
+    DEFAULT_DONORS,
+    DEFAULT_RECEIVERS,
+    MLA_DONORS,
+    allocate_ranks,
+    default_donors,
+    rank_table,
+    resolve_module_ranks,
+)
+from moara_jax._chain import decompose, recompose, scale_by_galore, scale_by_moara, stage_chain
+from moara_jax._decomposition import alignment, block_decompose, block_recompose, num_blocks
+from moara_jax._labels import (
+    LLAMA_MODULE_TYPES,
+    MLA_MODULE_TYPES,
+    MODULE_TYPES,
+    label_tree,
+    module_label,
+)
+from moara_jax._nodes import Decomposed, LowRank
+from moara_jax._optimizer import moara_adamw
+from moara_jax._projection import ProjectState, project, projection_side
+
+__all__ = [
+    "DEFAULT_DONORS",
+    "DEFAULT_RECEIVERS",
+    "Decomposed",
+    "InnerAdamState",
+    "LLAMA_MODULE_TYPES",
+    "LowRank",
+    "MLA_DONORS",
+    "MLA_MODULE_TYPES",
+    "MODULE_TYPES",
+    "ProjectState",
+    "adamw",
+    "alignment",
+    "allocate_ranks",
+    "block_decompose",
+    "block_recompose",
+    "decompose",
+    "default_donors",
+    "inner_adam",
+    "label_tree",
+    "matrix_alignment",
+    "moara_adamw",
+    "module_alignment",
+    "module_label",
+    "num_blocks",
+    "project",
+    "projection_side",
+    "rank_table",
+    "recompose",
+    "reconstruct",
+    "resolve_module_ranks",
+    "scale_by_galore",
+    "scale_by_moara",
+    "stage_chain",
+    "state_bytes",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,162 @@
+"""``inner_adam``: Adam in galore-torch's formulation, on plain leaves and on stage nodes.
+
+Every Adam in the project computes ``step_size * mu / (sqrt(nu) + eps)`` with
+``step_size = sqrt(1 - b2**t) / (1 - b1**t)``, i.e. ``m_hat / (sqrt(v_hat) + eps / sqrt(1 - b2**t))``:
+galore-torch's ``GaLoreAdamW`` (and HF's ``AdamW``) step. ``optax.scale_by_adam`` adds ``eps`` to
+``sqrt(v_hat)`` instead, which differs in the first steps.
+
+On a :class:`LowRank` leaf the moments are the *direction* moments (low-rank shaped); on a
+:class:`Decomposed` leaf the block magnitudes get their own Adam, fed ``M`` itself as if it were a
+gradient, with float32 moments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moara_jax._nodes import Decomposed, LowRank, is_node
+
+
+class InnerAdamState(NamedTuple):
+    """State of :func:`inner_adam`. Per leaf, exactly the groups that apply are arrays; the
+    others are ``None``.
+    """
+
+    count: jax.Array  # shape=(), dtype=jnp.int32: steps taken.
+    mu: Any  # first moments of plain (unprojected) leaves.
+    nu: Any  # second moments of plain leaves.
+    dir_mu: Any  # first moments of low-rank (projected direction / gradient) values.
+    dir_nu: Any  # second moments of low-rank values.
+    mag_mu: Any  # first moments of block magnitudes (float32 by default).
+    mag_nu: Any  # second moments of block magnitudes.
+
+
+def _check(b1: float, b2: float, eps: float) -> None:
+    """Validates Python numbers (injected hyperparameters arrive as arrays and are not checked)."""
+    for name, value, ok in (("b1", b1, lambda v: 0.0 <= v < 1.0),
+                            ("b2", b2, lambda v: 0.0 <= v < 1.0),
+                            ("eps", eps, lambda v: v >= 0.0)):
+        if isinstance(value, (int, float)) and not ok(value):
+            raise ValueError(f"{name} out of range: {value!r}")
+
+
+def adam_direction(
+    g: jax.Array, mu: jax.Array, nu: jax.Array, count_inc: jax.Array, b1: float, b2: float,
+    eps: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One galore-torch Adam step on ``g``: returns ``(direction, new_mu, new_nu)``.
+
+    Math in float32; moments stored in their own dtype; direction in ``g``'s dtype.
+    """
+    g32 = g.astype(jnp.float32)
+    mu32 = b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32
+    nu32 = b2 * nu.astype(jnp.float32) + (1.0 - b2) * jnp.square(g32)
+    t = count_inc.astype(jnp.float32)
+    step_size = jnp.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+    direction = step_size * (mu32 / (jnp.sqrt(nu32) + eps))
+    return direction.astype(g.dtype), mu32.astype(mu.dtype), nu32.astype(nu.dtype)
+
+
+def inner_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    mu_dtype: Any = None,
+    mag_dtype: Any = "float32",
+) -> optax.GradientTransformation:
+    """Adam (galore-torch formulation) on every leaf, understanding the chain's nodes.
+
+    Args:
+      b1, b2, eps: Adam's decay rates and stabiliser.
+      mu_dtype: dtype of the (direction and plain) moments; ``None`` follows the leaf's dtype.
+      mag_dtype: dtype of the magnitude moments (float32 by default, as in the paper).
+
+    Returns:
+      A transform mapping a gradient to its Adam direction (no learning rate), a ``LowRank`` to a
+      ``LowRank`` of Adam directions with the same basis, a ``Decomposed`` to a ``Decomposed`` of
+      Adam directions.
+    """
+    _check(b1, b2, eps)
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+    mag_dtype = jnp.dtype(mag_dtype)
+
+    def zeros(x, dtype=None):
+        return jnp.zeros(x.shape, dtype or mu_dtype or x.dtype)
+
+    def init_fn(params):
+        leaves, treedef = jax.tree.flatten(params, is_leaf=is_node)
+        groups = {k: [] for k in ("mu", "dir", "mag")}
+        for u in leaves:
+            mag = u.mag if isinstance(u, Decomposed) else None
+            core = u.direction if isinstance(u, Decomposed) else u
+            low = core.value if isinstance(core, LowRank) else None
+            groups["mag"].append(None if mag is None else zeros(mag, mag_dtype))
+            groups["dir"].append(None if low is None else zeros(low))
+            groups["mu"].append(zeros(core) if low is None else None)
+
+        def tree(k):
+            return treedef.unflatten(groups[k])
+
+        return InnerAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=tree("mu"), nu=tree("mu"),
+            dir_mu=tree("dir"), dir_nu=tree("dir"),
+            mag_mu=tree("mag"), mag_nu=tree("mag"),
+        )
+
+    def update_fn(updates, state, params=None):
+        del params
+        count_inc = optax.safe_increment(state.count)
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
+
+        def up(x):
+            return treedef.flatten_up_to(x)
+
+        fields = [up(f) for f in state[1:]]
+        new = [[] for _ in fields]
+        out = []
+        for u, mu, nu, dmu, dnu, gmu, gnu in zip(leaves, *fields, strict=True):
+            core = u.direction if isinstance(u, Decomposed) else u
+            if isinstance(core, LowRank):
+                d, dmu, dnu = adam_direction(core.value, dmu, dnu, count_inc, b1, b2, eps)
+                core_out = LowRank(d, core.basis, core.side)
+            else:
+                core_out, mu, nu = adam_direction(core, mu, nu, count_inc, b1, b2, eps)
+            if isinstance(u, Decomposed):
+                dm, gmu, gnu = adam_direction(u.mag, gmu, gnu, count_inc, b1, b2, eps)
+                out.append(Decomposed(dm, core_out))
+            else:
+                out.append(core_out)
+            for lst, v in zip(new, (mu, nu, dmu, dnu, gmu, gnu), strict=True):
+                lst.append(v)
+        new_state = InnerAdamState(count_inc, *(treedef.unflatten(v) for v in new))
+        return treedef.unflatten(out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    mu_dtype: Any = None,
+) -> optax.GradientTransformation:
+    """AdamW in galore-torch's formulation (decoupled weight decay ``-lr * wd * p``).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> tx = adamw(1e-3)
+      >>> params = {"w": jnp.ones(3)}
+      >>> updates, _ = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+    """
+    return optax.chain(
+        inner_adam(b1, b2, eps, mu_dtype=mu_dtype),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )

@@ -1,0 +1,86 @@
+"""The alignment diagnostic: ``S = cos(vec G, vec G_recon)`` per target matrix and module type."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moara_jax._chain import FAN_IN_AXIS
+from moara_jax._decomposition import alignment, decompose_along, recompose_along
+from moara_jax._labels import OTHER, module_label
+from moara_jax._projection import ProjectState, project_back, project_value, projection_side
+
+
+def reconstruct(g: jax.Array, basis: jax.Array, block_size: int | None = None) -> jax.Array:
+    """``G_recon`` of a Flax-layout gradient: ``Rep_B(M) * (P P^T V)``, or ``P P^T G`` without
+    ``block_size``; float32."""
+    g = g.astype(jnp.float32)
+    side = projection_side(g.shape)
+    basis = basis.astype(jnp.float32)
+    if block_size is None:
+        return project_back(project_value(g, basis, side), basis, side)
+    mag, v = decompose_along(g, block_size, FAN_IN_AXIS)
+    v_proj = project_back(project_value(v, basis, side), basis, side)
+    return recompose_along(mag, v_proj, block_size, FAN_IN_AXIS)
+
+
+def _bases_by_path(opt_state: Any) -> dict[str, jax.Array]:
+    """Every projection basis in an optimizer state, keyed by its parameter path string."""
+    found: dict[str, jax.Array] = {}
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ProjectState))
+    for node in nodes:
+        if not isinstance(node, ProjectState):
+            continue
+        leaves = jax.tree_util.tree_flatten_with_path(
+            node.basis, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
+        )[0]
+        for path, b in leaves:
+            if not isinstance(b, optax.MaskedNode):
+                found[jax.tree_util.keystr(path)] = b
+    return found
+
+
+def matrix_alignment(
+    grads: Any, opt_state: Any, *, block_size: int | None = None
+) -> dict[str, jax.Array]:
+    """``S(W, t)`` of every projected matrix, keyed by parameter path; stacked leaves
+    ``(L, fan_in, fan_out)`` give an array of ``L`` cosines. The bases come from ``opt_state`` (the
+    ones used for the last update)."""
+    bases = _bases_by_path(opt_state)
+    out = {}
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        key = jax.tree_util.keystr(path)
+        if key in bases:
+            out[key] = alignment(g, reconstruct(g, bases[key], block_size))
+    return out
+
+
+def module_alignment(
+    grads: Any, opt_state: Any, *, block_size: int | None = None, label_fn=module_label
+) -> dict[str, float]:
+    """``S_tau`` for this step: the mean over matrices (and stacked layers) of each module type.
+
+    Args:
+      grads: the gradient pytree (same structure as the parameters).
+      opt_state: the state of a ``moara_adamw``/``scale_by_galore``/``scale_by_moara`` optimizer
+        after the update that used these gradients.
+      block_size: decompose before projecting (``G_recon = Rep_B(M) * (P P^T V)``), else
+        ``P P^T G``.
+      label_fn: path -> module type.
+
+    Returns:
+      ``{module_type: S_tau}`` as Python floats (calls ``jax.device_get``; use
+      :func:`matrix_alignment` inside ``jit``).
+    """
+    per = matrix_alignment(grads, opt_state, block_size=block_size)
+    paths = {jax.tree_util.keystr(p): p for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    sums: dict[str, list] = defaultdict(list)
+    for key, s in jax.device_get(per).items():
+        label = label_fn(paths[key])
+        if label != OTHER:
+            sums[label].extend(jnp.ravel(jnp.asarray(s)).tolist())
+    return {k: float(sum(v) / len(v)) for k, v in sums.items()}

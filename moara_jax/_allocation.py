@@ -1,0 +1,156 @@
+"""Budget-preserving static rank allocation (Section 3.2, Algorithm 1 Phase 3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+
+from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label
+from moara_jax._projection import effective_rank
+
+DEFAULT_DONORS = ("q", "k")
+MLA_DONORS = ("q_b", "kv_b")
+DEFAULT_RECEIVERS = ("down",)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def allocate_ranks(
+    r_base: int,
+    module_types: Iterable[str],
+    donors: Iterable[str] = DEFAULT_DONORS,
+    receivers: Iterable[str] = DEFAULT_RECEIVERS,
+    delta: int | None = None,
+) -> dict[str, int]:
+    """Per-module-type ranks: donors ``r_base - delta``, receivers ``r_base + delta |D| / |R|``.
+
+    All other types keep ``r_base``, so the sum over module types equals ``len(types) * r_base``.
+
+    Args:
+      r_base: the uniform baseline rank.
+      module_types: the model's module types, e.g. ``('q','k','v','o','up','gate','down')``.
+      donors, receivers: disjoint subsets of ``module_types``.
+      delta: rank each donor gives; defaults to ``r_base // 2``.
+
+    Raises:
+      ValueError: naming the argument, for a non-positive ``r_base``/``delta``, a donor or
+        receiver not in ``module_types``, overlapping sets, ``delta >= r_base``, or
+        ``delta * |D|`` not divisible by ``|R|``.
+
+    Example:
+      >>> allocate_ranks(256, ("q", "k", "v", "o", "up", "gate", "down"))["down"]
+      512
+    """
+    _positive_int("r_base", r_base)
+    types = tuple(dict.fromkeys(module_types))
+    donors, receivers = tuple(donors), tuple(receivers)
+    for name, group in (("donors", donors), ("receivers", receivers)):
+        unknown = [t for t in group if t not in types]
+        if unknown:
+            raise ValueError(f"{name}: unknown module types {unknown}; known: {list(types)}")
+        if len(set(group)) != len(group):
+            raise ValueError(f"{name}: repeated module types in {list(group)}")
+    if set(donors) & set(receivers):
+        raise ValueError(f"donors and receivers overlap: {sorted(set(donors) & set(receivers))}")
+    if bool(donors) != bool(receivers):
+        raise ValueError("donors and receivers must both be empty or both be non-empty")
+    delta = r_base // 2 if delta is None else delta
+    if isinstance(delta, bool) or not isinstance(delta, int) or delta < 0:
+        raise ValueError(f"delta must be a non-negative integer, got {delta!r}")
+    if delta >= r_base:
+        raise ValueError(f"delta ({delta}) must be smaller than r_base ({r_base})")
+    gain, rem = divmod(delta * len(donors), max(len(receivers), 1))
+    if rem:
+        raise ValueError(
+            f"delta * |donors| = {delta * len(donors)} is not divisible by |receivers| = "
+            f"{len(receivers)}; choose delta so the budget splits into whole ranks"
+        )
+    ranks = {t: r_base for t in types}
+    for t in donors:
+        ranks[t] = r_base - delta
+    for t in receivers:
+        ranks[t] = r_base + gain
+    return ranks
+
+
+def default_donors(module_types: Iterable[str]) -> tuple[str, ...]:
+    """``('q', 'k')``, or ``('q_b', 'kv_b')`` for an MLA model (no q/k projections)."""
+    types = set(module_types)
+    if not {"q", "k"} <= types and set(MLA_DONORS) <= types:
+        return MLA_DONORS
+    return DEFAULT_DONORS
+
+
+def resolve_module_ranks(
+    module_types: Iterable[str],
+    *,
+    r_base: int,
+    rank_allocation: bool = True,
+    ranks: Mapping[str, int] | None = None,
+    donors: Iterable[str] | None = None,
+    receivers: Iterable[str] = DEFAULT_RECEIVERS,
+    delta: int | None = None,
+) -> dict[str, int]:
+    """The requested rank of each present module type (before per-matrix clipping)."""
+    types = tuple(t for t in dict.fromkeys(module_types) if t != OTHER)
+    _positive_int("r_base", r_base)
+    if ranks is not None:
+        for t, r in ranks.items():
+            _positive_int(f"ranks[{t!r}]", r)
+        out = {t: int(ranks.get(t, r_base)) for t in types}
+        return out
+    if not rank_allocation or not types:
+        return {t: r_base for t in types}
+    if donors is None:
+        # The default sets apply to the types the model has (a partial tree moves no rank).
+        donors = tuple(t for t in default_donors(types) if t in types)
+        receivers = tuple(t for t in receivers if t in types)
+        if not donors or not receivers:
+            donors, receivers = (), ()
+    return allocate_ranks(r_base, types, donors, receivers, delta)
+
+
+def rank_table(
+    params: Any,
+    *,
+    r_base: int,
+    rank_allocation: bool = True,
+    ranks: Mapping[str, int] | None = None,
+    donors: Iterable[str] | None = None,
+    receivers: Iterable[str] = DEFAULT_RECEIVERS,
+    delta: int | None = None,
+    label_fn=module_label,
+) -> list[dict[str, Any]]:
+    """The rank of every target matrix: ``path, module, shape, requested, used`` (clipping shows
+    as ``used < requested``). Works on ``jax.eval_shape`` output."""
+    labels = label_tree(params, label_fn)
+    present = [lab for lab in jax.tree.leaves(labels) if lab != OTHER]
+    requested = resolve_module_ranks(
+        present, r_base=r_base, rank_allocation=rank_allocation, ranks=ranks, donors=donors,
+        receivers=receivers, delta=delta,
+    )
+    rows = []
+    for (path, x), lab in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(labels), strict=True
+    ):
+        if lab == OTHER:
+            continue
+        r = requested[lab]
+        rows.append(
+            {
+                "path": jax.tree_util.keystr(path),
+                "module": lab,
+                "shape": tuple(int(s) for s in x.shape),
+                "requested": r,
+                "used": effective_rank(x.shape, r),
+            }
+        )
+    return rows
+
+
+__all__ = ["allocate_ranks", "rank_table", "resolve_module_ranks", "MLA_MODULE_TYPES"]

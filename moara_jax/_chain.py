@@ -1,0 +1,186 @@
+"""``decompose`` and ``recompose`` stages, ``stage_chain``, and the two scale-by transforms.
+
+``scale_by_moara = stage_chain(decompose, project, inner_adam, recompose)`` (Algorithm 1, one
+target matrix per leaf) and ``scale_by_galore = stage_chain(project, inner_adam, recompose)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moara_jax._adam import inner_adam
+from moara_jax._decomposition import DEFAULT_EPS, _check_block_size, decompose_along, recompose_along
+from moara_jax._nodes import Decomposed, LowRank, is_node
+from moara_jax._projection import project, project_back
+
+# Flax kernels are (..., fan_in, fan_out): the fan_in axis is where blocks run.
+FAN_IN_AXIS = -2
+
+
+def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Like ``optax.chain``, but each transform is initialised on what the previous one emits.
+
+    The chain's stages change the shape of what flows between them (``project`` emits low-rank
+    values, which ``inner_adam`` keeps moments for), so ``optax.chain``, which initialises every
+    transform on the parameters, cannot size their states. Here transform ``i + 1`` is initialised
+    on ``jax.eval_shape`` of transform ``i``'s update applied to the parameters (as a stand-in
+    gradient); nothing is computed or allocated for that. For shape-preserving transforms this is
+    ``optax.chain``.
+    """
+
+    def init_fn(params):
+        states = []
+        example = params
+        for i, tx in enumerate(transforms):
+            state = tx.init(example)
+            states.append(state)
+            if i + 1 < len(transforms):
+                example = jax.eval_shape(lambda u, s, t=tx: t.update(u, s, params)[0], example, state)
+        return tuple(states)
+
+    def update_fn(updates, state, params=None):
+        new_states = []
+        for tx, s in zip(transforms, state, strict=True):
+            updates, s = tx.update(updates, s, params)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _check_matrix(path, x) -> None:
+    if x.ndim < 2:
+        raise ValueError(
+            f"decompose: parameter {jax.tree_util.keystr(path)} has shape {x.shape}; only "
+            "matrices (..., fan_in, fan_out) can be decomposed (label it as a non-target)"
+        )
+
+
+def decompose(block_size: int, eps: float = DEFAULT_EPS) -> optax.GradientTransformation:
+    """Splits every leaf (a Flax kernel ``(..., fan_in, fan_out)``) into block magnitude and direction.
+
+    Blocks of ``block_size`` run along fan_in within each fan_out unit, exactly the paper's rows
+    of ``W = kernel^T``. Emits :class:`Decomposed` nodes with ``mag`` of shape
+    ``(..., ceil(fan_in / B), fan_out)`` (float32) and a direction of the leaf's shape and dtype.
+    Stateless.
+    """
+    _check_block_size(block_size)
+
+    def init_fn(params):
+        jax.tree_util.tree_map_with_path(_check_matrix, params)
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        del params
+        out = jax.tree.map(
+            lambda g: Decomposed(*decompose_along(g, block_size, FAN_IN_AXIS, eps)), updates
+        )
+        return out, state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.GradientTransformation:
+    """Maps nodes back to full-shape updates: ``Rep_B(dM) * (scale * P dV_low)``.
+
+    A :class:`LowRank` becomes ``scale * P low`` (GaLore's ``project_back``); a
+    :class:`Decomposed` multiplies its (back-projected) direction by the repeated block
+    magnitudes. The block size is read from the shapes (``mag`` has ``ceil(fan_in / B)`` rows), or
+    given. The result is cast to the parameter dtype when ``params`` is passed (else to the
+    direction's dtype). Stateless.
+    """
+
+    def back(u: Any, p: Any):
+        core = u.direction if isinstance(u, Decomposed) else u
+        if isinstance(core, LowRank):
+            full = scale * project_back(core.value.astype(jnp.float32), core.basis, core.side)
+        else:
+            full = scale * core.astype(jnp.float32)
+        if isinstance(u, Decomposed):
+            b = block_size or _infer_block(full.shape[FAN_IN_AXIS], u.mag.shape[FAN_IN_AXIS])
+            full = recompose_along(u.mag, full, b, FAN_IN_AXIS)
+        dtype = p.dtype if p is not None else (core.basis.dtype if isinstance(core, LowRank) else core.dtype)
+        return full.astype(dtype)
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            out = jax.tree.map(lambda u: back(u, None), updates, is_leaf=is_node)
+        else:
+            out = jax.tree.map(back, updates, params, is_leaf=is_node)
+        return out, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _infer_block(n: int, k: int) -> int:
+    """The smallest ``B`` with ``ceil(n / B) == k`` (any ``B`` in that range recomposes alike)."""
+    b = -(-n // k)
+    if -(-n // b) != k:
+        raise ValueError(f"cannot infer a block size from {n} entries in {k} blocks")
+    return b
+
+
+def scale_by_moara(
+    rank: int | Callable[[Any], int],
+    block_size: int,
+    *,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    decompose_eps: float = DEFAULT_EPS,
+    mu_dtype: Any = None,
+    mag_dtype: Any = "float32",
+    proj_type: str = "std",
+    svd: str = "exact",
+    seed: int = 0,
+    canonical_signs: bool = False,
+    name: str | Callable[[Any], str] | None = None,
+) -> optax.GradientTransformation:
+    """MoARa's direction for every leaf: decompose -> project -> inner Adam -> recompose.
+
+    Every leaf is a target matrix (Flax layout ``(..., fan_in, fan_out)``); the output is a
+    direction with no learning rate, so ``optax.chain(scale_by_moara(...), optax.scale(-lr))`` is
+    a full optimizer. See :func:`moara_adamw` for per-module ranks and non-target parameters.
+
+    References:
+      MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507.
+    """
+    _check_block_size(block_size)
+    return stage_chain(
+        decompose(block_size, decompose_eps),
+        project(rank, update_proj_gap, proj_type, svd=svd, seed=seed,
+                canonical_signs=canonical_signs, name=name),
+        inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype),
+        recompose(scale, block_size),
+    )
+
+
+def scale_by_galore(
+    rank: int | Callable[[Any], int],
+    *,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    mu_dtype: Any = None,
+    proj_type: str = "std",
+    svd: str = "exact",
+    seed: int = 0,
+    canonical_signs: bool = False,
+    name: str | Callable[[Any], str] | None = None,
+) -> optax.GradientTransformation:
+    """GaLore-Adam's direction for every leaf (galore-torch ``GaLoreAdamW``, without the lr)."""
+    return stage_chain(
+        project(rank, update_proj_gap, proj_type, svd=svd, seed=seed,
+                canonical_signs=canonical_signs, name=name),
+        inner_adam(b1, b2, eps, mu_dtype=mu_dtype),
+        recompose(scale),
+    )

@@ -1,0 +1,140 @@
+"""Block-wise magnitude--direction decomposition (paper Section 3.1, Appendix B.1).
+
+Pure functions. The public pair works in the paper's orientation: a gradient ``g`` of shape
+``(..., m, n)`` (m = fan_out rows, n = fan_in columns; leading axes are batch axes) is split along
+each row into contiguous blocks of ``block_size`` entries, right-zero-padded to a multiple of the
+block size. The private ``*_along`` helpers do the same math along any axis, which is how the Optax
+stages work on Flax kernels ``(..., fan_in, fan_out)`` without transposing them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_EPS = 1e-12
+
+
+def _check_block_size(block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+
+
+def num_blocks(n: int, block_size: int) -> int:
+    """Number of blocks ``ceil(n / block_size)`` a row of ``n`` entries is split into."""
+    _check_block_size(block_size)
+    return math.ceil(n / block_size)
+
+
+def _blocked(x: jnp.ndarray, block_size: int, axis: int) -> jnp.ndarray:
+    """Pads ``axis`` to a multiple of ``block_size`` and splits it into ``(k, block_size)``."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    k = math.ceil(n / block_size)
+    pad = k * block_size - n
+    if pad:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad)
+        x = jnp.pad(x, widths)
+    return x.reshape(x.shape[:axis] + (k, block_size) + x.shape[axis + 1 :])
+
+
+def _unblocked(x: jnp.ndarray, n: int, axis: int) -> jnp.ndarray:
+    """Inverse of :func:`_blocked`: merges ``(k, block_size)`` at ``axis`` and crops to ``n``."""
+    axis = axis % (x.ndim - 1)
+    merged = x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
+    return jax.lax.slice_in_dim(merged, 0, n, axis=axis)
+
+
+def decompose_along(
+    g: jnp.ndarray, block_size: int, axis: int, eps: float = DEFAULT_EPS
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Block decomposition along ``axis``: returns ``(mag, dir)``.
+
+    ``mag`` has ``axis`` replaced by ``ceil(n / block_size)``; ``dir`` has ``g``'s shape. The norm is
+    taken in float32 (and returned in float32); ``dir`` keeps ``g``'s dtype.
+    """
+    _check_block_size(block_size)
+    axis = axis % g.ndim
+    n = g.shape[axis]
+    blocks = _blocked(g.astype(jnp.float32), block_size, axis)
+    mag = jnp.sqrt(jnp.sum(jnp.square(blocks), axis=axis + 1))
+    direction = blocks / (jnp.expand_dims(mag, axis + 1) + eps)
+    return mag, _unblocked(direction, n, axis).astype(g.dtype)
+
+
+def repeat_blocks_along(mag: jnp.ndarray, block_size: int, n: int, axis: int) -> jnp.ndarray:
+    """``Rep_B``: repeats each block magnitude over its ``block_size`` entries, cropped to ``n``."""
+    axis = axis % mag.ndim
+    rep = jnp.repeat(mag, block_size, axis=axis, total_repeat_length=mag.shape[axis] * block_size)
+    return jax.lax.slice_in_dim(rep, 0, n, axis=axis)
+
+
+def recompose_along(
+    mag: jnp.ndarray, direction: jnp.ndarray, block_size: int, axis: int
+) -> jnp.ndarray:
+    """``Rep_B(mag) * dir`` along ``axis``, in ``dir``'s shape; float32 math, ``dir``'s dtype out."""
+    _check_block_size(block_size)
+    axis = axis % direction.ndim
+    n = direction.shape[axis]
+    expected = math.ceil(n / block_size)
+    if mag.shape[axis] != expected:
+        raise ValueError(
+            f"mag has {mag.shape[axis]} blocks on axis {axis}, expected ceil({n}/{block_size})"
+            f" = {expected}"
+        )
+    rep = repeat_blocks_along(mag.astype(jnp.float32), block_size, n, axis)
+    return (rep * direction.astype(jnp.float32)).astype(direction.dtype)
+
+
+def block_decompose(
+    g: jnp.ndarray, block_size: int, eps: float = DEFAULT_EPS
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Splits ``g`` of shape ``(..., m, n)`` into block magnitudes and unit-norm block directions.
+
+    Each row is split into contiguous blocks of ``block_size`` entries (the last one right-zero-
+    padded); ``m_ij = ||g_ij||_2`` and ``v_ij = g_ij / (m_ij + eps)``, with ``eps`` in the
+    denominator only. Padding is discarded.
+
+    Args:
+      g: array of shape ``(..., m, n)`` in the paper's orientation (rows = fan_out units).
+      block_size: the block size ``B >= 1``. ``B = 1`` gives signs, ``B >= n`` row-wise norms.
+      eps: stabiliser in the denominator.
+
+    Returns:
+      ``(mag, dir)``: ``mag`` of shape ``(..., m, ceil(n / B))`` in float32 and ``dir`` of ``g``'s
+      shape and dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> mag, d = block_decompose(jnp.array([[3.0, 4.0, 0.0]]), block_size=2)
+      >>> mag.tolist()
+      [[5.0, 0.0]]
+    """
+    if g.ndim < 2:
+        raise ValueError(f"block_decompose needs a matrix (..., m, n), got shape {g.shape}")
+    return decompose_along(g, block_size, axis=-1, eps=eps)
+
+
+def block_recompose(mag: jnp.ndarray, direction: jnp.ndarray, block_size: int) -> jnp.ndarray:
+    """Inverse of :func:`block_decompose` (up to ``eps``): ``Rep_B(mag) * dir``, cropped to ``n``."""
+    if direction.ndim < 2:
+        raise ValueError(f"block_recompose needs a matrix (..., m, n), got {direction.shape}")
+    return recompose_along(mag, direction, block_size, axis=-1)
+
+
+def alignment(g: jnp.ndarray, g_recon: jnp.ndarray, eps: float = 1e-30) -> jnp.ndarray:
+    """Cosine similarity of the flattened matrices ``g`` and ``g_recon``.
+
+    Leading axes are batch axes: for inputs ``(..., a, b)`` the result has shape ``(...)``, one
+    cosine per matrix. Computed in float32; a zero matrix gives 0, never NaN.
+    """
+    if g.shape != g_recon.shape:
+        raise ValueError(f"alignment needs equal shapes, got {g.shape} and {g_recon.shape}")
+    a = g.astype(jnp.float32)
+    b = g_recon.astype(jnp.float32)
+    dot = jnp.sum(a * b, axis=(-2, -1))
+    norms = jnp.sqrt(jnp.sum(a * a, axis=(-2, -1)) * jnp.sum(b * b, axis=(-2, -1)))
+    return dot / jnp.maximum(norms, eps)

@@ -1,0 +1,127 @@
+"""``moara_adamw``: the user-level optimizer (MoARa or GaLore on target modules, AdamW elsewhere)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moara_jax._adam import inner_adam
+from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks
+from moara_jax._chain import scale_by_galore, scale_by_moara
+from moara_jax._decomposition import _check_block_size
+from moara_jax._labels import OTHER, label_tree, module_label
+
+TARGET = "target"
+
+
+def moara_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    r_base: int,
+    block_size: int | None = None,
+    decompose: bool = True,
+    rank_allocation: bool = True,
+    ranks: Mapping[str, int] | None = None,
+    donors: Iterable[str] | None = None,
+    receivers: Iterable[str] = DEFAULT_RECEIVERS,
+    delta: int | None = None,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    mu_dtype: Any = None,
+    mag_dtype: Any = "float32",
+    svd: str = "exact",
+    seed: int = 0,
+    canonical_signs: bool = False,
+    label_fn: Callable[[Any], str] = module_label,
+) -> optax.GradientTransformation:
+    """MoARa-AdamW: per-module-rank GaLore projection with optional block decomposition.
+
+    Parameters whose path ``label_fn`` maps to a module type (``q k v o up gate down``, MLA's
+    ``q_a q_b kv_a kv_b``) and that are matrices get :func:`scale_by_moara` (``decompose=True``) or
+    :func:`scale_by_galore`, with their module type's rank; every other parameter gets AdamW. All
+    Adams use galore-torch's formulation, so ``decompose=False, rank_allocation=False`` is
+    galore-torch's ``GaLoreAdamW`` with the paper's two parameter groups.
+
+    The paper's four conditions: vanilla GaLore (``decompose=False, rank_allocation=False``),
+    +Rank (``decompose=False``), +Decomp (``rank_allocation=False``), Full (defaults).
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      r_base: the uniform baseline rank.
+      block_size: the decomposition block size ``B`` (required when ``decompose``).
+      decompose: carry block magnitudes outside the projection.
+      rank_allocation: move rank from donors to receivers (``allocate_ranks``).
+      ranks: explicit per-module-type ranks (e.g. a profiled allocation); overrides the rule.
+        Module types it does not name get ``r_base``.
+      donors, receivers, delta: the allocation rule; donors default to ``('q', 'k')``, or
+        ``('q_b', 'kv_b')`` for MLA models.
+      update_proj_gap, scale: GaLore's refresh interval ``T`` and scale.
+      b1, b2, eps: Adam hyperparameters (paper: 0.9, 0.999, 1e-6).
+      weight_decay: decoupled weight decay on every parameter (``-lr * wd * p``).
+      mu_dtype: moment dtype; ``None`` follows the parameter dtype. Magnitude moments use
+        ``mag_dtype`` (float32).
+      svd: ``'exact'`` or ``'randomized'`` basis refresh (``seed`` seeds the latter).
+      canonical_signs: make each basis vector's largest entry positive (backend-independent).
+      label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> params = {"mlp": {"down_proj": {"kernel": jnp.ones((64, 32))}}, "norm": jnp.ones(32)}
+      >>> tx = moara_adamw(1e-3, r_base=8, block_size=16)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update(params, state, params)
+      >>> params = optax.apply_updates(params, updates)
+    """
+    if decompose:
+        if block_size is None:
+            raise ValueError("block_size is required when decompose=True")
+        _check_block_size(block_size)
+    common = dict(update_proj_gap=update_proj_gap, scale=scale, b1=b1, b2=b2, eps=eps,
+                  mu_dtype=mu_dtype, svd=svd, seed=seed, canonical_signs=canonical_signs)
+    # Validate the rank arguments now (on a generic Llama block), not at the first update.
+    resolve_module_ranks(("q", "k", "v", "o", "up", "gate", "down"), r_base=r_base,
+                         rank_allocation=rank_allocation, ranks=ranks, donors=donors,
+                         receivers=receivers, delta=delta)
+
+    def build(tree) -> optax.GradientTransformation:
+        labels = label_tree(tree, label_fn)
+        present = [lab for lab in dict.fromkeys(jax.tree.leaves(labels)) if lab != OTHER]
+        module_ranks = resolve_module_ranks(
+            present, r_base=r_base, rank_allocation=rank_allocation, ranks=ranks, donors=donors,
+            receivers=receivers, delta=delta,
+        )
+        # One transform over all target matrices (ranks per leaf): one refresh cond per step and
+        # SVD batches shared across module types of the same shape.
+        rank_of = lambda path: module_ranks[label_fn(path)]  # noqa: E731
+        if decompose:
+            target = scale_by_moara(rank_of, block_size, mag_dtype=mag_dtype, name=label_fn,
+                                    **common)
+        else:
+            target = scale_by_galore(rank_of, name=label_fn, **common)
+        groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)
+        return optax.partition(
+            {TARGET: target, OTHER: inner_adam(b1, b2, eps, mu_dtype=mu_dtype)}, groups
+        )
+
+    def init_fn(params):
+        return build(params).init(params)
+
+    def update_fn(updates, state, params=None):
+        return build(updates).update(updates, state, params)
+
+    return optax.chain(
+        optax.GradientTransformation(init_fn, update_fn),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )

@@ -1,0 +1,286 @@
+"""The ``project`` stage: GaLore's low-rank projection of each target matrix.
+
+Works on Flax kernels ``(..., fan_in, fan_out)``. Shape rules are those of galore-torch's
+``proj_type='std'`` in the paper's orientation ``W = kernel^T`` (m = fan_out, n = fan_in): the
+smaller of (fan_in, fan_out) is projected to the rank; on a tie (square) the fan_in side, which is
+galore-torch's ``'right'``. The basis is refreshed every ``update_proj_gap`` steps (step 0
+included) from the SVD of the matrix it receives (the gradient, or the block direction after
+``decompose``), under one ``lax.cond`` per call, in float32; same-shaped matrices share one batched
+SVD. Between refreshes the basis is kept in the state.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moara_jax._nodes import Decomposed, LowRank, is_node
+
+PROJ_TYPES = ("std",)
+SVD_METHODS = ("exact", "randomized")
+
+
+class ProjectState(NamedTuple):
+    """State of :func:`project`."""
+
+    count: jax.Array  # shape=(), dtype=jnp.int32: steps taken.
+    basis: Any  # per leaf (..., d, r) in the leaf's dtype, d the projected side.
+
+
+def projection_side(shape: tuple[int, ...]) -> str:
+    """``'in'`` to project the fan_in axis (-2), ``'out'`` for the fan_out axis (-1).
+
+    galore-torch ``'std'``: ``m >= n`` (fan_out >= fan_in) projects the fan_in side.
+    """
+    fan_in, fan_out = shape[-2], shape[-1]
+    return "in" if fan_out >= fan_in else "out"
+
+
+def effective_rank(shape: tuple[int, ...], rank: int) -> int:
+    """The rank actually used: ``min(rank, fan_in, fan_out)``."""
+    return min(rank, shape[-2], shape[-1])
+
+
+def _check_args(rank: int, update_proj_gap: int, proj_type: str, svd: str) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be a positive integer, got {rank!r}")
+    if isinstance(update_proj_gap, bool) or not isinstance(update_proj_gap, int) or (
+        update_proj_gap < 1
+    ):
+        raise ValueError(f"update_proj_gap must be a positive integer, got {update_proj_gap!r}")
+    if proj_type not in PROJ_TYPES:
+        raise ValueError(f"proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
+    if svd not in SVD_METHODS:
+        raise ValueError(f"svd must be one of {SVD_METHODS}, got {svd!r}")
+
+
+def _matrix_of(u: Any) -> jax.Array:
+    """The matrix a stage node projects: the direction of a ``Decomposed``, else the leaf."""
+    return u.direction if isinstance(u, Decomposed) else u
+
+
+def _per_matrix(fn, x: jax.Array):
+    """Applies a LAPACK-backed ``fn`` to a batch of matrices ``(B, a, b)``.
+
+    On CPU the batch is looped with ``lax.map``: jaxlib's batched LAPACK kernels fan a batch out
+    over the intra-op thread pool and wait for it, and several CPU devices doing that at once
+    (a sharded run under ``--xla_force_host_platform_device_count``) can deadlock the pool. On GPU
+    the batched cuSOLVER call is kept.
+    """
+    if x.ndim > 2 and x.shape[0] > 1 and jax.default_backend() == "cpu":
+        return jax.lax.map(fn, x)
+    return fn(x)
+
+
+def _svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return _per_matrix(lambda x: jnp.linalg.svd(x, full_matrices=False), w)
+
+
+def _exact_basis(g: jax.Array, side: str, r: int) -> jax.Array:
+    """Top-``r`` singular vectors of the projected side, float32, like galore-torch.
+
+    The SVD is taken of the paper-orientation matrix ``W = g^T`` (as galore-torch does), so that
+    the sign conventions of LAPACK's factors match the reference's.
+    """
+    w = jnp.swapaxes(g.astype(jnp.float32), -1, -2)  # (..., fan_out, fan_in)
+    u, _, vh = _svd(w)
+    if side == "in":
+        return jnp.swapaxes(vh[..., :r, :], -1, -2)  # (..., fan_in, r)
+    return u[..., :, :r]  # (..., fan_out, r)
+
+
+def _orthonormal(x: jax.Array) -> jax.Array:
+    return _per_matrix(lambda m: jnp.linalg.qr(m)[0], x)
+
+
+def _randomized_basis(
+    g: jax.Array, side: str, r: int, key: jax.Array, oversample: int, power_iters: int
+) -> jax.Array:
+    """Randomized range finder with subspace (power) iteration, then a small exact SVD.
+
+    Halko, Martinsson & Tropp (2011), Algorithms 4.4 and 5.1: ``Q = orth(A Omega)``, a few rounds of
+    ``Q = orth(A orth(A^T Q))``, then the top-``r`` left singular vectors of ``A`` from the SVD of
+    the small ``Q^T A``. ``A`` is the leaf with the projected side first.
+    """
+    a = g.astype(jnp.float32)
+    if side == "out":
+        a = jnp.swapaxes(a, -1, -2)  # (..., fan_out, fan_in)
+    d, e = a.shape[-2], a.shape[-1]
+    k = min(r + oversample, d, e)
+    omega = jax.random.normal(key, a.shape[:-2] + (e, k), jnp.float32)
+    q = _orthonormal(a @ omega)
+    for _ in range(power_iters):
+        z = _orthonormal(jnp.swapaxes(a, -1, -2) @ q)
+        q = _orthonormal(a @ z)
+    small = jnp.swapaxes(q, -1, -2) @ a  # (..., k, e)
+    ub, _, _ = _svd(small)
+    return q @ ub[..., :, :r]
+
+
+def canonicalize_signs(basis: jax.Array) -> jax.Array:
+    """Flips each basis vector (column) so that its largest-magnitude entry is positive."""
+    idx = jnp.argmax(jnp.abs(basis), axis=-2, keepdims=True)
+    sign = jnp.sign(jnp.take_along_axis(basis, idx, axis=-2))
+    return basis * jnp.where(sign == 0, 1.0, sign)
+
+
+def refresh_bases(
+    mats: list[jax.Array],
+    ranks: list[int],
+    svd: str = "exact",
+    key: jax.Array | None = None,
+    oversample: int = 8,
+    power_iters: int = 2,
+    canonical_signs: bool = False,
+) -> list[jax.Array]:
+    """New bases for a list of matrices; same-shaped ones share one batched SVD.
+
+    Matrices of one shape (stacked layers and, e.g., q/k/v/o of a block) are concatenated into a
+    single batch and factored once at the largest rank any of them asks for; each then takes its
+    leading ``r`` vectors (the top-``r`` subspace is nested in the top-``r_max`` one).
+
+    Returns float32 bases ``(..., d, r)``, one per matrix, in order.
+    """
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, m in enumerate(mats):
+        groups[tuple(m.shape[-2:])].append(i)
+    out: list[jax.Array | None] = [None] * len(mats)
+    for gi, (shape2, idx) in enumerate(groups.items()):
+        side = projection_side(shape2)
+        r_max = max(ranks[i] for i in idx)
+        flat = [mats[i].reshape((-1,) + shape2) for i in idx]
+        batch = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=0)
+        if svd == "exact":
+            bases = _exact_basis(batch, side, r_max)
+        else:
+            sub = jax.random.fold_in(key, gi)
+            bases = _randomized_basis(batch, side, r_max, sub, oversample, power_iters)
+        if canonical_signs:
+            bases = canonicalize_signs(bases)
+        offset = 0
+        for i, f in zip(idx, flat, strict=True):
+            n = f.shape[0]
+            b = bases[offset : offset + n, :, : ranks[i]]
+            out[i] = b.reshape(mats[i].shape[:-2] + b.shape[-2:])
+            offset += n
+    return out  # type: ignore[return-value]
+
+
+def project_value(g: jax.Array, basis: jax.Array, side: str) -> jax.Array:
+    """``basis^T g`` (side 'in') or ``g basis`` (side 'out'), in ``g``'s dtype."""
+    basis = basis.astype(g.dtype)
+    if side == "in":
+        return jnp.swapaxes(basis, -1, -2) @ g
+    return g @ basis
+
+
+def project_back(low: jax.Array, basis: jax.Array, side: str) -> jax.Array:
+    """Inverse map of :func:`project_value`: ``basis low`` or ``low basis^T``."""
+    basis = basis.astype(low.dtype)
+    if side == "in":
+        return basis @ low
+    return low @ jnp.swapaxes(basis, -1, -2)
+
+
+def _path_str(path) -> str:
+    return jax.tree_util.keystr(path) if path else "<leaf>"
+
+
+def project(
+    rank: int | Callable[[Any], int],
+    update_proj_gap: int = 200,
+    proj_type: str = "std",
+    *,
+    svd: str = "exact",
+    seed: int = 0,
+    oversample: int = 8,
+    power_iters: int = 2,
+    canonical_signs: bool = False,
+    name: str | Callable[[Any], str] | None = None,
+) -> optax.GradientTransformation:
+    """Projects every leaf (or the direction of a ``Decomposed`` leaf) onto a rank-``rank`` basis.
+
+    Args:
+      rank: projection rank, or a function of the parameter's key path giving its rank (one
+        transform, hence one refresh ``cond`` and shared SVD batches, for all modules). Clipped
+        to ``min(fan_in, fan_out)`` per matrix, with a warning.
+      update_proj_gap: steps between basis refreshes (GaLore's ``T``); step 0 refreshes.
+      proj_type: ``'std'`` (galore-torch's default shape rule).
+      svd: ``'exact'`` (full SVD, as galore-torch) or ``'randomized'`` (range finder with
+        ``power_iters`` rounds of subspace iteration and ``oversample`` extra columns).
+      seed: seed of the randomized range finder (folded with the step).
+      canonical_signs: flip each basis vector so its largest-magnitude entry is positive.
+        Singular vectors are defined up to sign and LAPACK/cuSOLVER builds differ; with this the
+        basis (and the run) no longer depends on the backend's convention. galore-torch keeps
+        the raw signs (the default here).
+      name: module type named in the clipping warning (e.g. ``'down'``), or a function of the
+        key path giving it.
+
+    Returns:
+      A transform that emits :class:`LowRank` nodes (inside ``Decomposed`` when given one).
+    """
+    _check_args(rank if isinstance(rank, int) else 1, update_proj_gap, proj_type, svd)
+    rank_fn = rank if callable(rank) else (lambda path: rank)
+    name_fn = name if callable(name) else (lambda path: name)
+
+    def init_fn(params):
+        def make(path, u):
+            m = _matrix_of(u)
+            if m.ndim < 2:
+                raise ValueError(
+                    f"project: parameter {_path_str(path)} has shape {m.shape}; only matrices "
+                    "(..., fan_in, fan_out) can be projected (label it as a non-target)"
+                )
+            requested = rank_fn(path)
+            _check_args(requested, update_proj_gap, proj_type, svd)
+            r = effective_rank(m.shape, requested)
+            if r < requested:
+                module = name_fn(path)
+                what = f"module {module!r} at " if module else ""
+                warnings.warn(
+                    f"projection rank {requested} for {what}{_path_str(path)} (Flax shape "
+                    f"{tuple(m.shape)}) exceeds min(fan_in, fan_out) = {r}; clipped to {r}",
+                    stacklevel=3,
+                )
+            d = m.shape[-2] if projection_side(m.shape) == "in" else m.shape[-1]
+            return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
+
+        basis = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
+        return ProjectState(count=jnp.zeros([], jnp.int32), basis=basis)
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
+        old = treedef.flatten_up_to(state.basis)
+        mats = [_matrix_of(u) for u in leaves]
+        ranks = [o.shape[-1] for o in old]
+
+        def refresh():
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+            new = refresh_bases(mats, ranks, svd, key, oversample, power_iters, canonical_signs)
+            return [n.astype(o.dtype) for n, o in zip(new, old, strict=True)]
+
+        if leaves:
+            bases = jax.lax.cond(
+                state.count % update_proj_gap == 0, refresh, lambda: list(old)
+            )
+        else:
+            bases = []
+        out = []
+        for u, m, b in zip(leaves, mats, bases, strict=True):
+            side = projection_side(m.shape)
+            low = LowRank(project_value(m, b, side), b, side)
+            out.append(Decomposed(u.mag, low) if isinstance(u, Decomposed) else low)
+        new_state = ProjectState(
+            count=optax.safe_increment(state.count),
+            basis=jax.tree.unflatten(treedef, bases),
+        )
+        return jax.tree.unflatten(treedef, out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,230 @@
+"""Contract battery run over every optimizer variant (in the spirit of optax.contrib's
+``_common_test.py``): jit, no recompilation, convergence, dtypes, MultiSteps, inject_hyperparams,
+zero gradients, checkpoint round trip, and argument errors."""
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import moara_jax as mj
+
+VARIANTS = {
+    "full": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5),
+    "decomp": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, rank_allocation=False,
+                                        update_proj_gap=5),
+    "rank": lambda lr: mj.moara_adamw(lr, r_base=4, decompose=False, update_proj_gap=5),
+    "galore": lambda lr: mj.moara_adamw(lr, r_base=4, decompose=False, rank_allocation=False,
+                                        update_proj_gap=5),
+    "randomized": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5,
+                                            svd="randomized"),
+    "adamw": lambda lr: mj.adamw(lr),
+    # The stages composed by hand, partitioned by ndim as in optax's Muon.
+    "chain": lambda lr: optax.partition(
+        {"matrix": optax.chain(mj.scale_by_moara(4, 8, update_proj_gap=5), optax.scale(-lr)),
+         "vector": mj.adamw(lr)},
+        lambda p: jax.tree.map(lambda x: "matrix" if x.ndim >= 2 else "vector", p)),
+}
+
+
+def _params(dtype=jnp.float32, seed=0):
+    """A tiny Llama-style tree: stacked attention, unscanned MLP, a norm and an embedding."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 6)
+    n = lambda key, s: (0.1 * jax.random.normal(key, s)).astype(dtype)  # noqa: E731
+    return {
+        "embed_tokens": {"embedding": n(k[0], (10, 16))},
+        "layers": {
+            "self_attn": {"q_proj": {"kernel": n(k[1], (2, 16, 16))},
+                          "k_proj": {"kernel": n(k[2], (2, 16, 8))}},
+            "mlp": {"down_proj": {"kernel": n(k[3], (40, 16))},
+                    "up_proj": {"kernel": n(k[4], (16, 40))}},
+            "norm": {"scale": jnp.ones((16,), dtype)},
+        },
+    }
+
+
+def _loss(params, target):
+    return sum(jnp.sum(jnp.square(p.astype(jnp.float32) - t))
+               for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(target), strict=True))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_converges_on_matrix_targets_under_jit_without_retracing(name):
+    chex.clear_trace_counter()
+    tx = VARIANTS[name](0.1)
+    params = _params()
+    rng = np.random.default_rng(1)
+
+    def low_rank_target(p):  # rank-2 matrices (reachable by rank-2..8 projections), any vector
+        if p.ndim < 2:
+            return jnp.asarray(rng.standard_normal(p.shape), jnp.float32)
+        a = rng.standard_normal(p.shape[:-1] + (2,))
+        b = rng.standard_normal(p.shape[:-2] + (2, p.shape[-1]))
+        return jnp.asarray(a @ b / 2, jnp.float32)
+
+    target = jax.tree.map(low_rank_target, params)
+    state = tx.init(params)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(params, state):
+        grads = jax.grad(_loss)(params, target)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    first = float(_loss(params, target))
+    for _ in range(80):
+        params, state = step(params, state)
+    last = float(_loss(params, target))
+    assert np.isfinite(last) and last < 0.5 * first, (first, last)
+
+
+@pytest.mark.parametrize("name", ["full", "galore", "adamw"])
+def test_bf16_params_keep_dtypes(name):
+    tx = VARIANTS[name](0.01)
+    params = _params(jnp.bfloat16)
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    chex.assert_trees_all_equal_dtypes(updates, params)
+    for node in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mj.InnerAdamState)):
+        if isinstance(node, mj.InnerAdamState):
+            for leaf in jax.tree.leaves((node.mu, node.dir_mu, node.nu, node.dir_nu)):
+                assert leaf.dtype == jnp.bfloat16  # moments follow the parameter dtype
+            for leaf in jax.tree.leaves((node.mag_mu, node.mag_nu)):
+                assert leaf.dtype == jnp.float32  # magnitude moments are float32
+
+
+def test_mu_dtype_overrides_moment_dtype():
+    tx = mj.moara_adamw(0.01, r_base=4, block_size=8, mu_dtype=jnp.float32)
+    state = tx.init(_params(jnp.bfloat16))
+    dtypes = {x.dtype for x in jax.tree.leaves(state) if x.ndim > 0}
+    assert jnp.dtype(jnp.bfloat16) in dtypes  # bases stay in the parameter dtype
+    sizes = mj.state_bytes(state)
+    fp32 = mj.state_bytes(tx.init(_params(jnp.float32)))
+    assert sizes["direction_moments"] == fp32["direction_moments"]
+
+
+@pytest.mark.parametrize("name", ["full", "galore"])
+def test_zero_gradients_give_finite_zero_updates(name):
+    tx = VARIANTS[name](0.01)
+    params = _params()
+    state = tx.init(params)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    update = jax.jit(tx.update)
+    for _ in range(3):
+        updates, state = update(zeros, state, params)
+        for u in jax.tree.leaves(updates):
+            assert np.isfinite(np.asarray(u)).all()
+            np.testing.assert_array_equal(np.asarray(u), 0.0)
+
+
+def test_multisteps_and_inject_hyperparams():
+    params = _params()
+    grads = _params(seed=1)
+    tx = optax.MultiSteps(VARIANTS["full"](0.01), every_k_schedule=2)
+    state = tx.init(params)
+    u1, state = jax.jit(tx.update)(grads, state, params)
+    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(u1))  # accumulating
+    u2, state = jax.jit(tx.update)(grads, state, params)
+    assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(u2))
+
+    static = ("r_base", "block_size", "update_proj_gap", "decompose", "rank_allocation",
+              "label_fn")
+    injected = optax.inject_hyperparams(mj.moara_adamw, static_args=static)(
+        learning_rate=0.01, r_base=4, block_size=8)
+    plain = mj.moara_adamw(0.01, r_base=4, block_size=8)
+    s_inj, s_plain = injected.init(params), plain.init(params)
+    u_inj, s_inj = jax.jit(injected.update)(grads, s_inj, params)
+    u_plain, _ = jax.jit(plain.update)(grads, s_plain, params)
+    chex.assert_trees_all_close(u_inj, u_plain, rtol=1e-4, atol=1e-7)
+    s_inj.hyperparams["learning_rate"] = jnp.asarray(0.02)
+    u_inj2, _ = jax.jit(injected.update)(grads, s_inj, params)
+    assert jax.tree.leaves(u_inj2)[0].shape == jax.tree.leaves(u_plain)[0].shape
+
+
+def test_state_is_arrays_and_survives_orbax_round_trip(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = VARIANTS["full"](0.01)
+    params = _params()
+    grads = [jax.tree.map(lambda p, i=i: jnp.full_like(p, 0.1 * (i + 1)) + p, params)
+             for i in range(8)]
+    state = tx.init(params)
+    for g in grads[:4]:
+        _, state = tx.update(g, state, params)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "state", state)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "state", jax.eval_shape(lambda: state))
+    a, b = state, restored
+    for g in grads[4:]:  # crosses a refresh at step 5
+        ua, a = tx.update(g, a, params)
+        ub, b = tx.update(g, b, params)
+        chex.assert_trees_all_equal(ua, ub)
+
+
+def test_svd_runs_only_inside_the_refresh_cond():
+    tx = mj.scale_by_galore(4, update_proj_gap=10)
+    params = {"w": jnp.ones((8, 12))}
+    state = tx.init(params)
+    jaxpr = jax.make_jaxpr(tx.update)(params, state, params)
+    top = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+    assert "cond" in top and "svd" not in top
+    conds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond"]
+    branches = conds[0].params["branches"]
+    assert any("svd" in str(b) for b in branches)
+
+
+def test_argument_errors_name_the_argument():
+    with pytest.raises(ValueError, match="rank"):
+        mj.scale_by_galore(0)
+    with pytest.raises(ValueError, match="block_size"):
+        mj.scale_by_moara(4, 0)
+    with pytest.raises(ValueError, match="block_size"):
+        mj.moara_adamw(0.1, r_base=4, block_size=None)
+    with pytest.raises(ValueError, match="r_base"):
+        mj.moara_adamw(0.1, r_base=0, block_size=8)
+    with pytest.raises(ValueError, match="donors"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, donors=("qq",))
+    with pytest.raises(ValueError, match="update_proj_gap"):
+        mj.scale_by_galore(4, update_proj_gap=0)
+    with pytest.raises(ValueError, match="svd"):
+        mj.scale_by_galore(4, svd="lanczos")
+    with pytest.raises(ValueError, match="only matrices"):
+        mj.scale_by_galore(4).init({"bias": jnp.ones(3)})
+
+
+def test_rank_clipping_is_reported_with_module_and_both_numbers():
+    params = {"mlp": {"down_proj": {"kernel": jnp.ones((40, 6))}},
+              "self_attn": {"q_proj": {"kernel": jnp.ones((6, 6))},
+                            "k_proj": {"kernel": jnp.ones((6, 6))}}}
+    tx = mj.moara_adamw(0.1, r_base=4, block_size=4)  # down gets 8 > min(40, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = tx.init(params)
+    messages = [str(w.message) for w in caught]
+    assert any("'down'" in m and "8" in m and "clipped to 6" in m for m in messages), messages
+    rows = {r["module"]: r for r in mj.rank_table(params, r_base=4)}
+    assert rows["down"]["requested"] == 8 and rows["down"]["used"] == 6
+    assert mj.state_bytes(state)["projection_bases"] > 0
+
+
+def test_randomized_refresh_agrees_with_exact_basis():
+    """Principal angles between the randomized and exact top-r subspaces are small when the
+    spectrum has a gap."""
+    rng = np.random.default_rng(0)
+    u = np.linalg.qr(rng.standard_normal((96, 96)))[0]
+    v = np.linalg.qr(rng.standard_normal((160, 160)))[0]
+    s = np.concatenate([np.linspace(10, 5, 8), 0.2 * np.ones(88)])
+    g = jnp.asarray((u[:, :96] * s) @ v[:96], jnp.float32)  # Flax (fan_in=96, fan_out=160)
+    exact = mj.project(8).update({"w": g}, mj.project(8).init({"w": g}))[1].basis["w"]
+    rand_tx = mj.project(8, svd="randomized")
+    rand = rand_tx.update({"w": g}, rand_tx.init({"w": g}))[1].basis["w"]
+    cosines = np.linalg.svd(np.asarray(exact).T @ np.asarray(rand), compute_uv=False)
+    angles = np.degrees(np.arccos(np.clip(cosines, -1, 1)))
+    assert angles.max() < 1.0, angles
