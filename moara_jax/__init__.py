@@ -7,7 +7,12 @@ The chain for one target matrix is ``decompose -> project -> inner_adam -> recom
 
 from moara_jax._accounting import state_bytes
 from moara_jax._adam import InnerAdamState, adamw, inner_adam
-from moara_jax._alignment import matrix_alignment, module_alignment, reconstruct
+from moara_jax._alignment import (
+    matrix_alignment,
+    module_alignment,
+    projection_bases,
+    reconstruct,
+)
 from moara_jax._allocation import (
     DEFAULT_DONORS,
     DEFAULT_RECEIVERS,
@@ -56,6 +61,7 @@ __all__ = [
     "module_label",
     "num_blocks",
     "project",
+    "projection_bases",
     "projection_side",
     "rank_table",
     "recompose",

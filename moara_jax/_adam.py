@@ -37,15 +37,22 @@ class InnerAdamState(NamedTuple):
 
 def _check(b1: float, b2: float, eps: float) -> None:
     """Validates Python numbers (injected hyperparameters arrive as arrays and are not checked)."""
-    for name, value, ok in (("b1", b1, lambda v: 0.0 <= v < 1.0),
-                            ("b2", b2, lambda v: 0.0 <= v < 1.0),
-                            ("eps", eps, lambda v: v >= 0.0)):
+    for name, value, ok in (
+        ("b1", b1, lambda v: 0.0 <= v < 1.0),
+        ("b2", b2, lambda v: 0.0 <= v < 1.0),
+        ("eps", eps, lambda v: v >= 0.0),
+    ):
         if isinstance(value, (int, float)) and not ok(value):
             raise ValueError(f"{name} out of range: {value!r}")
 
 
 def adam_direction(
-    g: jax.Array, mu: jax.Array, nu: jax.Array, count_inc: jax.Array, b1: float, b2: float,
+    g: jax.Array,
+    mu: jax.Array,
+    nu: jax.Array,
+    count_inc: jax.Array,
+    b1: float,
+    b2: float,
     eps: float,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One galore-torch Adam step on ``g``: returns ``(direction, new_mu, new_nu)``.
@@ -103,9 +110,12 @@ def inner_adam(
 
         return InnerAdamState(
             count=jnp.zeros([], jnp.int32),
-            mu=tree("mu"), nu=tree("mu"),
-            dir_mu=tree("dir"), dir_nu=tree("dir"),
-            mag_mu=tree("mag"), mag_nu=tree("mag"),
+            mu=tree("mu"),
+            nu=tree("mu"),
+            dir_mu=tree("dir"),
+            dir_nu=tree("dir"),
+            mag_mu=tree("mag"),
+            mag_nu=tree("mag"),
         )
 
     def update_fn(updates, state, params=None):

@@ -28,8 +28,9 @@ def reconstruct(g: jax.Array, basis: jax.Array, block_size: int | None = None) -
     return recompose_along(mag, v_proj, block_size, FAN_IN_AXIS)
 
 
-def _bases_by_path(opt_state: Any) -> dict[str, jax.Array]:
-    """Every projection basis in an optimizer state, keyed by its parameter path string."""
+def projection_bases(opt_state: Any) -> dict[str, jax.Array]:
+    """Every projection basis ``P`` in an optimizer state, keyed by its parameter's path string
+    (``jax.tree_util.keystr``); stacked leaves keep their leading axes."""
     found: dict[str, jax.Array] = {}
     nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ProjectState))
     for node in nodes:
@@ -50,7 +51,7 @@ def matrix_alignment(
     """``S(W, t)`` of every projected matrix, keyed by parameter path; stacked leaves
     ``(L, fan_in, fan_out)`` give an array of ``L`` cosines. The bases come from ``opt_state`` (the
     ones used for the last update)."""
-    bases = _bases_by_path(opt_state)
+    bases = projection_bases(opt_state)
     out = {}
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         key = jax.tree_util.keystr(path)

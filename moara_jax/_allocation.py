@@ -131,8 +131,13 @@ def rank_table(
     labels = label_tree(params, label_fn)
     present = [lab for lab in jax.tree.leaves(labels) if lab != OTHER]
     requested = resolve_module_ranks(
-        present, r_base=r_base, rank_allocation=rank_allocation, ranks=ranks, donors=donors,
-        receivers=receivers, delta=delta,
+        present,
+        r_base=r_base,
+        rank_allocation=rank_allocation,
+        ranks=ranks,
+        donors=donors,
+        receivers=receivers,
+        delta=delta,
     )
     rows = []
     for (path, x), lab in zip(

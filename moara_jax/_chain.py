@@ -14,7 +14,12 @@ import jax.numpy as jnp
 import optax
 
 from moara_jax._adam import inner_adam
-from moara_jax._decomposition import DEFAULT_EPS, _check_block_size, decompose_along, recompose_along
+from moara_jax._decomposition import (
+    DEFAULT_EPS,
+    _check_block_size,
+    decompose_along,
+    recompose_along,
+)
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import project, project_back
 
@@ -40,7 +45,9 @@ def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTran
             state = tx.init(example)
             states.append(state)
             if i + 1 < len(transforms):
-                example = jax.eval_shape(lambda u, s, t=tx: t.update(u, s, params)[0], example, state)
+                example = jax.eval_shape(
+                    lambda u, s, t=tx: t.update(u, s, params)[0], example, state
+                )
         return tuple(states)
 
     def update_fn(updates, state, params=None):
@@ -104,7 +111,11 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
         if isinstance(u, Decomposed):
             b = block_size or _infer_block(full.shape[FAN_IN_AXIS], u.mag.shape[FAN_IN_AXIS])
             full = recompose_along(u.mag, full, b, FAN_IN_AXIS)
-        dtype = p.dtype if p is not None else (core.basis.dtype if isinstance(core, LowRank) else core.dtype)
+        dtype = (
+            p.dtype
+            if p is not None
+            else (core.basis.dtype if isinstance(core, LowRank) else core.dtype)
+        )
         return full.astype(dtype)
 
     def update_fn(updates, state, params=None):
@@ -155,8 +166,15 @@ def scale_by_moara(
     _check_block_size(block_size)
     return stage_chain(
         decompose(block_size, decompose_eps),
-        project(rank, update_proj_gap, proj_type, svd=svd, seed=seed,
-                canonical_signs=canonical_signs, name=name),
+        project(
+            rank,
+            update_proj_gap,
+            proj_type,
+            svd=svd,
+            seed=seed,
+            canonical_signs=canonical_signs,
+            name=name,
+        ),
         inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype),
         recompose(scale, block_size),
     )
@@ -179,8 +197,15 @@ def scale_by_galore(
 ) -> optax.GradientTransformation:
     """GaLore-Adam's direction for every leaf (galore-torch ``GaLoreAdamW``, without the lr)."""
     return stage_chain(
-        project(rank, update_proj_gap, proj_type, svd=svd, seed=seed,
-                canonical_signs=canonical_signs, name=name),
+        project(
+            rank,
+            update_proj_gap,
+            proj_type,
+            svd=svd,
+            seed=seed,
+            canonical_signs=canonical_signs,
+            name=name,
+        ),
         inner_adam(b1, b2, eps, mu_dtype=mu_dtype),
         recompose(scale),
     )

@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from moara_jax._adam import inner_adam
@@ -87,26 +86,47 @@ def moara_adamw(
         if block_size is None:
             raise ValueError("block_size is required when decompose=True")
         _check_block_size(block_size)
-    common = dict(update_proj_gap=update_proj_gap, scale=scale, b1=b1, b2=b2, eps=eps,
-                  mu_dtype=mu_dtype, svd=svd, seed=seed, canonical_signs=canonical_signs)
+    common = dict(
+        update_proj_gap=update_proj_gap,
+        scale=scale,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        mu_dtype=mu_dtype,
+        svd=svd,
+        seed=seed,
+        canonical_signs=canonical_signs,
+    )
     # Validate the rank arguments now (on a generic Llama block), not at the first update.
-    resolve_module_ranks(("q", "k", "v", "o", "up", "gate", "down"), r_base=r_base,
-                         rank_allocation=rank_allocation, ranks=ranks, donors=donors,
-                         receivers=receivers, delta=delta)
+    resolve_module_ranks(
+        ("q", "k", "v", "o", "up", "gate", "down"),
+        r_base=r_base,
+        rank_allocation=rank_allocation,
+        ranks=ranks,
+        donors=donors,
+        receivers=receivers,
+        delta=delta,
+    )
 
     def build(tree) -> optax.GradientTransformation:
         labels = label_tree(tree, label_fn)
         present = [lab for lab in dict.fromkeys(jax.tree.leaves(labels)) if lab != OTHER]
         module_ranks = resolve_module_ranks(
-            present, r_base=r_base, rank_allocation=rank_allocation, ranks=ranks, donors=donors,
-            receivers=receivers, delta=delta,
+            present,
+            r_base=r_base,
+            rank_allocation=rank_allocation,
+            ranks=ranks,
+            donors=donors,
+            receivers=receivers,
+            delta=delta,
         )
         # One transform over all target matrices (ranks per leaf): one refresh cond per step and
         # SVD batches shared across module types of the same shape.
         rank_of = lambda path: module_ranks[label_fn(path)]  # noqa: E731
         if decompose:
-            target = scale_by_moara(rank_of, block_size, mag_dtype=mag_dtype, name=label_fn,
-                                    **common)
+            target = scale_by_moara(
+                rank_of, block_size, mag_dtype=mag_dtype, name=label_fn, **common
+            )
         else:
             target = scale_by_galore(rank_of, name=label_fn, **common)
         groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)

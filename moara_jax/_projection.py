@@ -50,8 +50,10 @@ def effective_rank(shape: tuple[int, ...], rank: int) -> int:
 def _check_args(rank: int, update_proj_gap: int, proj_type: str, svd: str) -> None:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank must be a positive integer, got {rank!r}")
-    if isinstance(update_proj_gap, bool) or not isinstance(update_proj_gap, int) or (
-        update_proj_gap < 1
+    if (
+        isinstance(update_proj_gap, bool)
+        or not isinstance(update_proj_gap, int)
+        or (update_proj_gap < 1)
     ):
         raise ValueError(f"update_proj_gap must be a positive integer, got {update_proj_gap!r}")
     if proj_type not in PROJ_TYPES:
@@ -267,9 +269,7 @@ def project(
             return [n.astype(o.dtype) for n, o in zip(new, old, strict=True)]
 
         if leaves:
-            bases = jax.lax.cond(
-                state.count % update_proj_gap == 0, refresh, lambda: list(old)
-            )
+            bases = jax.lax.cond(state.count % update_proj_gap == 0, refresh, lambda: list(old))
         else:
             bases = []
         out = []

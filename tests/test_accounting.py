@@ -14,8 +14,11 @@ PAPER_MIB = {
     "7b": (7177.02, 7563.02, 8041.02, 8427.02),
 }
 # hidden, intermediate, layers, r_base, block size (paper Appendix D; vocab 32000, T5 tokenizer)
-DIMS = {"350m": (1024, 2736, 24, 256, 32), "1b": (2048, 5461, 24, 512, 64),
-        "7b": (4096, 11008, 32, 1024, 128)}
+DIMS = {
+    "350m": (1024, 2736, 24, 256, 32),
+    "1b": (2048, 5461, 24, 512, 64),
+    "7b": (4096, 11008, 32, 1024, 128),
+}
 CONDITIONS = [(False, False), (True, False), (False, True), (True, True)]
 
 
@@ -27,11 +30,15 @@ def llama2_shapes(hidden, inter, layers, vocab=32000, dtype=jnp.bfloat16):
         "layers": {
             "input_layernorm": {"scale": s(layers, hidden)},
             "post_attention_layernorm": {"scale": s(layers, hidden)},
-            "self_attn": {n: {"kernel": s(layers, hidden, hidden)}
-                          for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-            "mlp": {"gate_proj": {"kernel": s(layers, hidden, inter)},
-                    "up_proj": {"kernel": s(layers, hidden, inter)},
-                    "down_proj": {"kernel": s(layers, inter, hidden)}},
+            "self_attn": {
+                n: {"kernel": s(layers, hidden, hidden)}
+                for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+            },
+            "mlp": {
+                "gate_proj": {"kernel": s(layers, hidden, inter)},
+                "up_proj": {"kernel": s(layers, hidden, inter)},
+                "down_proj": {"kernel": s(layers, inter, hidden)},
+            },
         },
         "norm": {"scale": s(hidden)},
         "lm_head": {"kernel": s(hidden, vocab)},
@@ -43,8 +50,9 @@ def test_state_bytes_reproduce_paper_table(size):
     hidden, inter, layers, r_base, block = DIMS[size]
     params = llama2_shapes(hidden, inter, layers)
     for (decompose, allocate), want in zip(CONDITIONS, PAPER_MIB[size], strict=True):
-        tx = mj.moara_adamw(0.01, r_base=r_base, block_size=block, decompose=decompose,
-                            rank_allocation=allocate)
+        tx = mj.moara_adamw(
+            0.01, r_base=r_base, block_size=block, decompose=decompose, rank_allocation=allocate
+        )
         state = jax.eval_shape(tx.init, params)
         assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
         got = mj.state_bytes(state)
@@ -57,9 +65,12 @@ def test_state_bytes_reproduce_paper_table(size):
 def test_components_at_7b_match_appendix_g_increments():
     """Appendix G: +864 MiB from rank allocation and +386 MiB from decomposition at 7B."""
     params = llama2_shapes(4096, 11008, 32)
-    get = lambda d, a: mj.state_bytes(jax.eval_shape(  # noqa: E731
-        mj.moara_adamw(0.005, r_base=1024, block_size=128, decompose=d, rank_allocation=a).init,
-        params))
+    get = lambda d, a: mj.state_bytes(
+        jax.eval_shape(  # noqa: E731
+            mj.moara_adamw(0.005, r_base=1024, block_size=128, decompose=d, rank_allocation=a).init,
+            params,
+        )
+    )
     base, full = get(False, False), get(True, True)
     assert (full["direction_moments"] - base["direction_moments"]) / 2**20 == 864
     assert round(full["magnitude_moments"] / 2**20) == 386
@@ -67,8 +78,10 @@ def test_components_at_7b_match_appendix_g_increments():
 
 
 def test_concrete_state_matches_abstract_accounting():
-    params = {"q_proj": {"kernel": jnp.zeros((32, 32), jnp.bfloat16)},
-              "down_proj": {"kernel": jnp.zeros((48, 32), jnp.bfloat16)},
-              "norm": jnp.zeros(32, jnp.bfloat16)}
+    params = {
+        "q_proj": {"kernel": jnp.zeros((32, 32), jnp.bfloat16)},
+        "down_proj": {"kernel": jnp.zeros((48, 32), jnp.bfloat16)},
+        "norm": jnp.zeros(32, jnp.bfloat16),
+    }
     tx = mj.moara_adamw(0.01, r_base=8, block_size=16)
     assert mj.state_bytes(tx.init(params)) == mj.state_bytes(jax.eval_shape(tx.init, params))

@@ -9,31 +9,36 @@ from hypothesis import strategies as st
 import moara_jax as mj
 
 
-@pytest.mark.parametrize("path,label", [
-    ("model/layers/0/self_attn/q_proj/kernel", "q"),
-    ("layers.self_attn.k_proj.kernel", "k"),
-    (("layers", "self_attn", "v_proj", "kernel"), "v"),
-    ("model.layers.3.self_attn.o_proj.weight", "o"),
-    ("layers/mlp/gate_proj/kernel", "gate"),
-    ("layers/mlp/up_proj/kernel", "up"),
-    ("layers/mlp/down_proj/kernel", "down"),
-    ("layers/self_attn/q_a_proj/kernel", "q_a"),
-    ("layers/self_attn/q_b_proj/kernel", "q_b"),
-    ("layers/self_attn/kv_a_proj_with_mqa/kernel", "kv_a"),
-    ("layers/self_attn/kv_b_proj/kernel", "kv_b"),
-    ("layers/self_attn/q_proj/bias", "other"),
-    ("layers/self_attn/q_a_layernorm/scale", "other"),
-    ("embed_tokens/embedding", "other"),
-    ("lm_head/kernel", "other"),
-    ("norm/scale", "other"),
-])
+@pytest.mark.parametrize(
+    "path,label",
+    [
+        ("model/layers/0/self_attn/q_proj/kernel", "q"),
+        ("layers.self_attn.k_proj.kernel", "k"),
+        (("layers", "self_attn", "v_proj", "kernel"), "v"),
+        ("model.layers.3.self_attn.o_proj.weight", "o"),
+        ("layers/mlp/gate_proj/kernel", "gate"),
+        ("layers/mlp/up_proj/kernel", "up"),
+        ("layers/mlp/down_proj/kernel", "down"),
+        ("layers/self_attn/q_a_proj/kernel", "q_a"),
+        ("layers/self_attn/q_b_proj/kernel", "q_b"),
+        ("layers/self_attn/kv_a_proj_with_mqa/kernel", "kv_a"),
+        ("layers/self_attn/kv_b_proj/kernel", "kv_b"),
+        ("layers/self_attn/q_proj/bias", "other"),
+        ("layers/self_attn/q_a_layernorm/scale", "other"),
+        ("embed_tokens/embedding", "other"),
+        ("lm_head/kernel", "other"),
+        ("norm/scale", "other"),
+    ],
+)
 def test_module_label(path, label):
     assert mj.module_label(path) == label
 
 
 def test_module_label_on_jax_key_paths():
-    params = {"layers": {"mlp": {"down_proj": {"kernel": jnp.ones((4, 2))}}},
-              "layers_0": [{"q_proj": {"kernel": jnp.ones((2, 2))}}]}
+    params = {
+        "layers": {"mlp": {"down_proj": {"kernel": jnp.ones((4, 2))}}},
+        "layers_0": [{"q_proj": {"kernel": jnp.ones((2, 2))}}],
+    }
     labels = jax.tree.leaves(mj.label_tree(params))
     assert sorted(labels) == ["down", "q"]
 
@@ -45,8 +50,12 @@ def test_paper_allocation():
     assert mla["q_b"] == mla["kv_b"] == 128 and mla["down"] == 512 and mla["q_a"] == 256
 
 
-@given(r_base=st.integers(2, 2048), n_donors=st.integers(1, 3), n_receivers=st.integers(1, 3),
-       data=st.data())
+@given(
+    r_base=st.integers(2, 2048),
+    n_donors=st.integers(1, 3),
+    n_receivers=st.integers(1, 3),
+    data=st.data(),
+)
 def test_budget_is_preserved(r_base, n_donors, n_receivers, data):
     types = mj.LLAMA_MODULE_TYPES
     donors = types[:n_donors]
@@ -75,15 +84,23 @@ def test_allocation_errors_name_the_problem():
 
 def test_explicit_ranks_and_mla_default_donors_in_rank_table():
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    mla = {"self_attn": {"q_a_proj": {"kernel": s(64, 48)}, "q_b_proj": {"kernel": s(48, 64)},
-                         "kv_a_proj_with_mqa": {"kernel": s(64, 40)},
-                         "kv_b_proj": {"kernel": s(32, 64)}, "o_proj": {"kernel": s(64, 64)}},
-           "mlp": {"down_proj": {"kernel": s(96, 64)}}}
+    mla = {
+        "self_attn": {
+            "q_a_proj": {"kernel": s(64, 48)},
+            "q_b_proj": {"kernel": s(48, 64)},
+            "kv_a_proj_with_mqa": {"kernel": s(64, 40)},
+            "kv_b_proj": {"kernel": s(32, 64)},
+            "o_proj": {"kernel": s(64, 64)},
+        },
+        "mlp": {"down_proj": {"kernel": s(96, 64)}},
+    }
     rows = {r["module"]: r for r in mj.rank_table(mla, r_base=16)}
     assert rows["q_b"]["requested"] == rows["kv_b"]["requested"] == 8
     assert rows["down"]["requested"] == 32 and rows["o"]["requested"] == 16
-    explicit = {r["module"]: r["requested"]
-                for r in mj.rank_table(mla, r_base=16, ranks={"down": 24, "o": 4})}
+    explicit = {
+        r["module"]: r["requested"]
+        for r in mj.rank_table(mla, r_base=16, ranks={"down": 24, "o": 4})
+    }
     assert explicit["down"] == 24 and explicit["o"] == 4 and explicit["q_a"] == 16
     tx = mj.moara_adamw(0.01, r_base=16, block_size=8, ranks={"down": 24})
     basis = jax.eval_shape(tx.init, mla)

@@ -64,8 +64,9 @@ def test_block_at_least_n_is_rowwise(shape, extra, seed):
     g = _matrix(seed, shape)
     mag, d = mj.block_decompose(jnp.asarray(g), shape[-1] + extra)
     np.testing.assert_allclose(mag[..., 0], np.linalg.norm(g, axis=-1), rtol=1e-5)
-    np.testing.assert_allclose(d, g / np.linalg.norm(g, axis=-1, keepdims=True), rtol=1e-4,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        d, g / np.linalg.norm(g, axis=-1, keepdims=True), rtol=1e-4, atol=1e-6
+    )
 
 
 @settings(max_examples=10, deadline=None)

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_matches_reference
 
 import moara_jax as mj
-from helpers import assert_matches_reference
 
 torch = pytest.importorskip("torch")
 galore_torch = pytest.importorskip("galore_torch")
@@ -26,8 +26,15 @@ def _torch_run(shapes_groups, grads_seq, rank, gap, scale):
     if others:
         groups.append({"params": others})
     if targets:
-        groups.append({"params": targets, "rank": rank, "update_proj_gap": gap, "scale": scale,
-                       "proj_type": "std"})
+        groups.append(
+            {
+                "params": targets,
+                "rank": rank,
+                "update_proj_gap": gap,
+                "scale": scale,
+                "proj_type": "std",
+            }
+        )
     opt = galore_torch.GaLoreAdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
     history = []
     for grads in grads_seq:
@@ -54,8 +61,12 @@ def _grads(rng, shapes, steps, drift=0.3):
     base = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     seq = []
     for _ in range(steps):
-        seq.append({n: (b + drift * rng.standard_normal(b.shape)).astype(np.float32)
-                    for n, b in base.items()})
+        seq.append(
+            {
+                n: (b + drift * rng.standard_normal(b.shape)).astype(np.float32)
+                for n, b in base.items()
+            }
+        )
     return seq
 
 
@@ -79,11 +90,14 @@ def _sign_fix(monkeypatch):
         s = torch.sign(out[idx, torch.arange(out.shape[1])])
         return out * s[None, :]
 
-    monkeypatch.setattr(galore_torch.galore_projector.GaLoreProjector, "get_orthogonal_matrix",
-                        fixed)
+    monkeypatch.setattr(
+        galore_torch.galore_projector.GaLoreProjector, "get_orthogonal_matrix", fixed
+    )
 
 
-@pytest.mark.parametrize("torch_shape", [(48, 48), (96, 40), (40, 96)], ids=["square", "tall", "wide"])
+@pytest.mark.parametrize(
+    "torch_shape", [(48, 48), (96, 40), (40, 96)], ids=["square", "tall", "wide"]
+)
 @pytest.mark.parametrize("canonical", [False, True], ids=["raw_svd", "canonical_signs"])
 def test_scale_by_galore_matches_galore_torch(torch_shape, canonical, monkeypatch):
     rank, gap, scale, steps = 8, 3, 0.25, 8  # refreshes at steps 0, 3, 6
@@ -92,8 +106,10 @@ def test_scale_by_galore_matches_galore_torch(torch_shape, canonical, monkeypatc
     if canonical:
         _sign_fix(monkeypatch)
     ref = _torch_run({"w": (torch_shape, True)}, seq, rank, gap, scale)
-    tx = optax.chain(mj.scale_by_galore(rank, update_proj_gap=gap, scale=scale,
-                                        canonical_signs=canonical), optax.scale(-LR))
+    tx = optax.chain(
+        mj.scale_by_galore(rank, update_proj_gap=gap, scale=scale, canonical_signs=canonical),
+        optax.scale(-LR),
+    )
     flax_params = {"w": jnp.zeros(torch_shape[::-1], jnp.float32)}
     flax_seq = [{"w": jnp.asarray(g["w"].T)} for g in seq]
     got, _ = _jax_run(tx, flax_params, flax_seq)
@@ -122,14 +138,24 @@ def test_refresh_basis_is_svd_basis_at_refresh_steps_only():
         previous = basis
 
 
-LLAMA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-                 "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+LLAMA_MODULES = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def _llama_torch_shapes(d=32, f=88, layers=2, vocab=50):
     """A small Llama 2 tree in PyTorch naming/orientation: name -> (shape, is_galore_target)."""
-    shapes = {"model.embed_tokens.weight": ((vocab, d), False),
-              "model.norm.weight": ((d,), False), "lm_head.weight": ((vocab, d), False)}
+    shapes = {
+        "model.embed_tokens.weight": ((vocab, d), False),
+        "model.norm.weight": ((d,), False),
+        "lm_head.weight": ((vocab, d), False),
+    }
     for i in range(layers):
         for mod, group in LLAMA_MODULES.items():
             fi, fo = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}.get(mod, (d, d))
@@ -161,8 +187,14 @@ def test_moara_adamw_vanilla_equals_galore_adamw_on_llama_tree(monkeypatch):
     seq = _grads(rng, {n: s for n, (s, _) in torch_shapes.items()}, steps)
     ref = _torch_run(torch_shapes, seq, rank, gap, 0.25)
     params = _to_flax({n: np.zeros(s, np.float32) for n, (s, _) in torch_shapes.items()})
-    tx = mj.moara_adamw(LR, r_base=rank, decompose=False, rank_allocation=False,
-                        update_proj_gap=gap, canonical_signs=True)
+    tx = mj.moara_adamw(
+        LR,
+        r_base=rank,
+        decompose=False,
+        rank_allocation=False,
+        update_proj_gap=gap,
+        canonical_signs=True,
+    )
     got, _ = _jax_run(tx, params, [_to_flax(g) for g in seq])
     for t in range(steps):
         want = _to_flax(ref[t])
@@ -179,10 +211,12 @@ def test_differs_from_optax_contrib_galore_as_documented():
     rng = np.random.default_rng(3)
     g = [jnp.asarray(rng.standard_normal((32, 32)), jnp.float32) for _ in range(3)]
     params = {"w": jnp.zeros((32, 32))}
-    ours = optax.chain(mj.scale_by_galore(8, scale=1.0, eps=0.0, canonical_signs=True),
-                       optax.scale(-LR))
-    theirs = optax.contrib.galore(LR, rank=8, scale=1.0,
-                                  base_optimizer=optax.scale_by_adam(eps=0.0))
+    ours = optax.chain(
+        mj.scale_by_galore(8, scale=1.0, eps=0.0, canonical_signs=True), optax.scale(-LR)
+    )
+    theirs = optax.contrib.galore(
+        LR, rank=8, scale=1.0, base_optimizer=optax.scale_by_adam(eps=0.0)
+    )
     s1, s2 = ours.init(params), theirs.init(params)
     p1 = p2 = params
     for gi in g:

@@ -15,19 +15,25 @@ import moara_jax as mj
 
 VARIANTS = {
     "full": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5),
-    "decomp": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, rank_allocation=False,
-                                        update_proj_gap=5),
+    "decomp": lambda lr: mj.moara_adamw(
+        lr, r_base=4, block_size=8, rank_allocation=False, update_proj_gap=5
+    ),
     "rank": lambda lr: mj.moara_adamw(lr, r_base=4, decompose=False, update_proj_gap=5),
-    "galore": lambda lr: mj.moara_adamw(lr, r_base=4, decompose=False, rank_allocation=False,
-                                        update_proj_gap=5),
-    "randomized": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5,
-                                            svd="randomized"),
+    "galore": lambda lr: mj.moara_adamw(
+        lr, r_base=4, decompose=False, rank_allocation=False, update_proj_gap=5
+    ),
+    "randomized": lambda lr: mj.moara_adamw(
+        lr, r_base=4, block_size=8, update_proj_gap=5, svd="randomized"
+    ),
     "adamw": lambda lr: mj.adamw(lr),
     # The stages composed by hand, partitioned by ndim as in optax's Muon.
     "chain": lambda lr: optax.partition(
-        {"matrix": optax.chain(mj.scale_by_moara(4, 8, update_proj_gap=5), optax.scale(-lr)),
-         "vector": mj.adamw(lr)},
-        lambda p: jax.tree.map(lambda x: "matrix" if x.ndim >= 2 else "vector", p)),
+        {
+            "matrix": optax.chain(mj.scale_by_moara(4, 8, update_proj_gap=5), optax.scale(-lr)),
+            "vector": mj.adamw(lr),
+        },
+        lambda p: jax.tree.map(lambda x: "matrix" if x.ndim >= 2 else "vector", p),
+    ),
 }
 
 
@@ -38,18 +44,24 @@ def _params(dtype=jnp.float32, seed=0):
     return {
         "embed_tokens": {"embedding": n(k[0], (10, 16))},
         "layers": {
-            "self_attn": {"q_proj": {"kernel": n(k[1], (2, 16, 16))},
-                          "k_proj": {"kernel": n(k[2], (2, 16, 8))}},
-            "mlp": {"down_proj": {"kernel": n(k[3], (40, 16))},
-                    "up_proj": {"kernel": n(k[4], (16, 40))}},
+            "self_attn": {
+                "q_proj": {"kernel": n(k[1], (2, 16, 16))},
+                "k_proj": {"kernel": n(k[2], (2, 16, 8))},
+            },
+            "mlp": {
+                "down_proj": {"kernel": n(k[3], (40, 16))},
+                "up_proj": {"kernel": n(k[4], (16, 40))},
+            },
             "norm": {"scale": jnp.ones((16,), dtype)},
         },
     }
 
 
 def _loss(params, target):
-    return sum(jnp.sum(jnp.square(p.astype(jnp.float32) - t))
-               for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(target), strict=True))
+    return sum(
+        jnp.sum(jnp.square(p.astype(jnp.float32) - t))
+        for p, t in zip(jax.tree.leaves(params), jax.tree.leaves(target), strict=True)
+    )
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -133,10 +145,10 @@ def test_multisteps_and_inject_hyperparams():
     u2, state = jax.jit(tx.update)(grads, state, params)
     assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(u2))
 
-    static = ("r_base", "block_size", "update_proj_gap", "decompose", "rank_allocation",
-              "label_fn")
+    static = ("r_base", "block_size", "update_proj_gap", "decompose", "rank_allocation", "label_fn")
     injected = optax.inject_hyperparams(mj.moara_adamw, static_args=static)(
-        learning_rate=0.01, r_base=4, block_size=8)
+        learning_rate=0.01, r_base=4, block_size=8
+    )
     plain = mj.moara_adamw(0.01, r_base=4, block_size=8)
     s_inj, s_plain = injected.init(params), plain.init(params)
     u_inj, s_inj = jax.jit(injected.update)(grads, s_inj, params)
@@ -151,8 +163,9 @@ def test_state_is_arrays_and_survives_orbax_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     tx = VARIANTS["full"](0.01)
     params = _params()
-    grads = [jax.tree.map(lambda p, i=i: jnp.full_like(p, 0.1 * (i + 1)) + p, params)
-             for i in range(8)]
+    grads = [
+        jax.tree.map(lambda p, i=i: jnp.full_like(p, 0.1 * (i + 1)) + p, params) for i in range(8)
+    ]
     state = tx.init(params)
     for g in grads[:4]:
         _, state = tx.update(g, state, params)
@@ -200,9 +213,13 @@ def test_argument_errors_name_the_argument():
 
 
 def test_rank_clipping_is_reported_with_module_and_both_numbers():
-    params = {"mlp": {"down_proj": {"kernel": jnp.ones((40, 6))}},
-              "self_attn": {"q_proj": {"kernel": jnp.ones((6, 6))},
-                            "k_proj": {"kernel": jnp.ones((6, 6))}}}
+    params = {
+        "mlp": {"down_proj": {"kernel": jnp.ones((40, 6))}},
+        "self_attn": {
+            "q_proj": {"kernel": jnp.ones((6, 6))},
+            "k_proj": {"kernel": jnp.ones((6, 6))},
+        },
+    }
     tx = mj.moara_adamw(0.1, r_base=4, block_size=4)  # down gets 8 > min(40, 6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

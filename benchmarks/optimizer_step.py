@@ -1,0 +1,231 @@
+"""Time one optimizer update on Llama 2 parameter shapes (bf16): MoARa (Full), vanilla GaLore,
+``optax.contrib.galore`` and ``optax.adamw``, separately for a plain step and a refresh step, plus
+MoARa with the randomized refresh and the principal angles between its basis and the exact one.
+
+Usage:
+  python benchmarks/optimizer_step.py [--size 350m|1b|60m|tiny] [--repeats 10] [--out FILE.json]
+
+Prints a table and writes JSON (device, medians in ms). Run on the accelerator for the figures
+reported in the README; ``--size tiny`` is a quick CPU check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import moara_jax as mj
+
+# hidden, intermediate, layers, r_base, block size (paper Appendix D); vocab 32000.
+SIZES = {
+    "tiny": (128, 344, 2, 32, 32),
+    "60m": (512, 1376, 8, 128, 32),
+    "350m": (1024, 2736, 24, 256, 32),
+    "1b": (2048, 5461, 24, 512, 64),
+}
+GAP = 200
+
+
+def llama2_params(hidden: int, inter: int, layers: int, vocab: int = 32000, seed: int = 0):
+    """Random bf16 Llama 2 parameters, one leaf per matrix (unscanned, like galore-torch)."""
+    key = jax.random.PRNGKey(seed)
+    params = {
+        "embed_tokens": {"embedding": None},
+        "norm": {"scale": jnp.ones(hidden, jnp.bfloat16)},
+        "lm_head": {"kernel": None},
+    }
+    shapes = {
+        "q_proj": (hidden, hidden),
+        "k_proj": (hidden, hidden),
+        "v_proj": (hidden, hidden),
+        "o_proj": (hidden, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+    def rnd(shape):
+        nonlocal key
+        key, sub = jax.random.split(key)
+        return (0.02 * jax.random.normal(sub, shape)).astype(jnp.bfloat16)
+
+    params["embed_tokens"]["embedding"] = rnd((vocab, hidden))
+    params["lm_head"]["kernel"] = rnd((hidden, vocab))
+    for i in range(layers):
+        layer = {
+            "self_attn": {},
+            "mlp": {},
+            "input_layernorm": {"scale": jnp.ones(hidden, jnp.bfloat16)},
+            "post_attention_layernorm": {"scale": jnp.ones(hidden, jnp.bfloat16)},
+        }
+        for name, shape in shapes.items():
+            layer["self_attn" if name[0] in "qkvo" else "mlp"][name] = {"kernel": rnd(shape)}
+        params[f"layers_{i}"] = layer
+    return params
+
+
+def optimizers(r_base: int, block: int) -> dict[str, optax.GradientTransformation]:
+    galore_mask = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, x: mj.module_label(path) != "other", p
+    )
+    return {
+        "moara_full": mj.moara_adamw(0.01, r_base=r_base, block_size=block, update_proj_gap=GAP),
+        "moara_full_randomized": mj.moara_adamw(
+            0.01, r_base=r_base, block_size=block, update_proj_gap=GAP, svd="randomized"
+        ),
+        "galore_vanilla": mj.moara_adamw(
+            0.01, r_base=r_base, decompose=False, rank_allocation=False, update_proj_gap=GAP
+        ),
+        "optax_contrib_galore": optax.partition(
+            {
+                True: optax.contrib.galore(0.01, rank=r_base, update_proj_gap=GAP, scale=0.25),
+                False: optax.adamw(0.01, eps=1e-6, weight_decay=0.0),
+            },
+            galore_mask,
+        ),
+        "optax_adamw": optax.adamw(0.01, eps=1e-6, weight_decay=0.0),
+    }
+
+
+def _with_count(state, value):
+    """The state with every step counter set to ``value`` (refresh: a multiple of the gap)."""
+
+    def set_count(path, x):
+        names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+        if names and names[-1] == "count" and x.ndim == 0:
+            return jnp.asarray(value, x.dtype)
+        return x
+
+    return jax.tree_util.tree_map_with_path(set_count, state)
+
+
+def time_update(tx, params, grads, count: int, repeats: int) -> float:
+    """Median wall time (ms) of one jitted update at step counter ``count``."""
+    state = _with_count(tx.init(params), count)
+    update = jax.jit(tx.update)
+    jax.block_until_ready(update(grads, state, params))  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(update(grads, state, params))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def decaying_gradients(params, r_base: int, seed: int = 1):
+    """Gradients with a decaying spectrum (singular values ~ exp(-i / r_base) times Gaussian
+    factors) for the target matrices, as trained models' gradients have; Gaussian elsewhere.
+
+    A random Gaussian matrix has a flat spectrum, on which no top-r subspace is well defined and
+    any range finder (and any two exact SVD libraries) disagree.
+    """
+    key = jax.random.PRNGKey(seed)
+
+    def make(path, p):
+        nonlocal key
+        key, k1, k2, k3 = jax.random.split(key, 4)
+        if mj.module_label(path) == "other":
+            return (0.02 * jax.random.normal(k1, p.shape)).astype(p.dtype)
+        m, n = p.shape
+        k = min(m, n)
+        s = jnp.exp(-jnp.arange(k) / r_base)
+        x = jax.random.normal(k1, (m, k)) / jnp.sqrt(m)
+        y = jax.random.normal(k2, (k, n)) / jnp.sqrt(n)
+        noise = 1e-3 * jax.random.normal(k3, (m, n))
+        return ((x * s) @ y + noise).astype(p.dtype)
+
+    return jax.tree_util.tree_map_with_path(make, params)
+
+
+def _captured(g: np.ndarray, basis: np.ndarray) -> float:
+    """Norm of the projection of ``g`` onto ``basis`` (on the side GaLore projects)."""
+    if mj.projection_side(g.shape) == "in":
+        return float(np.linalg.norm(basis.T @ g))
+    return float(np.linalg.norm(g @ basis))
+
+
+def principal_angles_deg(params, grads, r_base: int, block: int) -> dict[str, float]:
+    """Largest principal angle (degrees) between the randomized and the exact basis of each
+    target matrix after a refresh; max and median over matrices."""
+    exact = mj.moara_adamw(0.01, r_base=r_base, block_size=block)
+    rand = mj.moara_adamw(0.01, r_base=r_base, block_size=block, svd="randomized")
+    _, s_exact = jax.jit(exact.update)(grads, exact.init(params), params)
+    _, s_rand = jax.jit(rand.update)(grads, rand.init(params), params)
+    be, br = mj.projection_bases(s_exact), mj.projection_bases(s_rand)
+    flat_grads = {
+        jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]
+    }
+    worst, mean, energy = [], [], []
+    for path, a in be.items():
+        a32, b32 = np.asarray(a, np.float32), np.asarray(br[path], np.float32)
+        c = np.clip(np.linalg.svd(a32.T @ b32, compute_uv=False), -1.0, 1.0)
+        worst.append(float(np.degrees(np.arccos(c.min()))))
+        mean.append(float(np.degrees(np.arccos(c)).mean()))
+        # Gradient energy each basis captures (the bases of decomposed runs come from V, close
+        # to G's row/column space); ratio randomized / exact.
+        g = np.asarray(flat_grads[path], np.float32)
+        energy.append(float((_captured(g, b32) / _captured(g, a32)) ** 2))
+    return {
+        "largest_angle_deg_max": max(worst),
+        "largest_angle_deg_median": statistics.median(worst),
+        "mean_angle_deg_median": statistics.median(mean),
+        "energy_ratio_min": min(energy),
+        "energy_ratio_median": statistics.median(energy),
+        "matrices": len(worst),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="350m", choices=sorted(SIZES))
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--refresh-repeats", type=int, default=3)
+    parser.add_argument("--only", nargs="*", help="subset of optimizer names")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    hidden, inter, layers, r_base, block = SIZES[args.size]
+    params = llama2_params(hidden, inter, layers)
+    grads = decaying_gradients(params, r_base)
+    device = jax.devices()[0]
+    result = {
+        "size": args.size,
+        "device": getattr(device, "device_kind", str(device)),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "repeats": args.repeats,
+        "target_matrices": 7 * layers,
+        "ms": {},
+    }
+    for name, tx in optimizers(r_base, block).items():
+        if args.only and name not in args.only:
+            continue
+        plain = time_update(tx, params, grads, count=1, repeats=args.repeats)
+        refresh = time_update(tx, params, grads, count=0, repeats=args.refresh_repeats)
+        result["ms"][name] = {"plain": plain, "refresh": refresh}
+        print(f"{name:24s} plain {plain:10.2f} ms   refresh {refresh:10.2f} ms", flush=True)
+    if not args.only or "moara_full_randomized" in args.only:
+        result["randomized_principal_angles"] = principal_angles_deg(params, grads, r_base, block)
+        print("randomized vs exact basis:", result["randomized_principal_angles"])
+    ms = result["ms"]
+    if "moara_full" in ms and "galore_vanilla" in ms:
+        result["moara_plain_over_galore_plain"] = (
+            ms["moara_full"]["plain"] / ms["galore_vanilla"]["plain"]
+        )
+        print(f"MoARa plain / GaLore plain = {result['moara_plain_over_galore_plain']:.3f}")
+    print(json.dumps({"device": result["device"], "size": args.size}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
