@@ -51,9 +51,7 @@ class ReferenceMoara:
     ``block=None`` is plain GaLore (P from the SVD of G). Returns the update ``-lr * ...``.
     """
 
-    def __init__(
-        self, shape, rank, block, gap=200, scale=0.25, lr=0.01, b1=0.9, b2=0.999, eps=1e-6
-    ):
+    def __init__(self, shape, rank, block, gap=200, scale=0.25, lr=0.01, b1=0.9, b2=0.999, eps=1e-6):
         self.m, self.n = shape
         self.rank, self.block, self.gap, self.scale, self.lr = rank, block, gap, scale, lr
         self.b1, self.b2, self.eps = b1, b2, eps
@@ -80,11 +78,7 @@ class ReferenceMoara:
         right = self.m >= self.n  # galore-torch 'std'
         if self.t % self.gap == 0:
             u, _, vh = np.linalg.svd(v, full_matrices=False)
-            self.p = (
-                canonical(vh[: self.rank], axis=1)
-                if right
-                else canonical(u[:, : self.rank], axis=0)
-            )
+            self.p = canonical(vh[: self.rank], axis=1) if right else canonical(u[:, : self.rank], axis=0)
         low = v @ self.p.T if right else self.p.T @ v
         d_low, self.mom = self._adam(low, self.mom)
         dv = self.scale * (d_low @ self.p if right else self.p @ d_low)

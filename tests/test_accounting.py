@@ -31,8 +31,7 @@ def llama2_shapes(hidden, inter, layers, vocab=32000, dtype=jnp.bfloat16):
             "input_layernorm": {"scale": s(layers, hidden)},
             "post_attention_layernorm": {"scale": s(layers, hidden)},
             "self_attn": {
-                n: {"kernel": s(layers, hidden, hidden)}
-                for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+                n: {"kernel": s(layers, hidden, hidden)} for n in ("q_proj", "k_proj", "v_proj", "o_proj")
             },
             "mlp": {
                 "gate_proj": {"kernel": s(layers, hidden, inter)},
@@ -65,12 +64,11 @@ def test_state_bytes_reproduce_paper_table(size):
 def test_components_at_7b_match_appendix_g_increments():
     """Appendix G: +864 MiB from rank allocation and +386 MiB from decomposition at 7B."""
     params = llama2_shapes(4096, 11008, 32)
-    get = lambda d, a: mj.state_bytes(
-        jax.eval_shape(  # noqa: E731
-            mj.moara_adamw(0.005, r_base=1024, block_size=128, decompose=d, rank_allocation=a).init,
-            params,
-        )
-    )
+
+    def get(decompose, allocate):
+        tx = mj.moara_adamw(0.005, r_base=1024, block_size=128, decompose=decompose, rank_allocation=allocate)
+        return mj.state_bytes(jax.eval_shape(tx.init, params))
+
     base, full = get(False, False), get(True, True)
     assert (full["direction_moments"] - base["direction_moments"]) / 2**20 == 864
     assert round(full["magnitude_moments"] / 2**20) == 386

@@ -32,9 +32,7 @@ def test_module_alignment_matches_manual_cosines():
     d = np.asarray(grads["layers"]["mlp"]["down_proj"]["kernel"])  # (40, 16): fan_out side
     v = np.linalg.svd(d)[2][:4].T
     r = d @ v @ v.T
-    np.testing.assert_allclose(
-        got["down"], (d * r).sum() / np.linalg.norm(d) / np.linalg.norm(r), rtol=1e-4
-    )
+    np.testing.assert_allclose(got["down"], (d * r).sum() / np.linalg.norm(d) / np.linalg.norm(r), rtol=1e-4)
     # Higher rank aligns better; with decomposition S uses Rep_B(M) * (P P^T V).
     with_blocks = mj.module_alignment(grads, state, block_size=8)
     assert all(0 < s <= 1 for s in with_blocks.values())
@@ -43,9 +41,7 @@ def test_module_alignment_matches_manual_cosines():
 def test_alignment_grows_with_rank():
     rng = np.random.default_rng(1)
     params = {"mlp": {"up_proj": {"kernel": jnp.zeros((24, 64))}}}
-    grads = {
-        "mlp": {"up_proj": {"kernel": jnp.asarray(rng.standard_normal((24, 64)), jnp.float32)}}
-    }
+    grads = {"mlp": {"up_proj": {"kernel": jnp.asarray(rng.standard_normal((24, 64)), jnp.float32)}}}
     scores = []
     for r in (2, 8, 24):
         tx = mj.moara_adamw(0.01, r_base=r, block_size=8)

@@ -98,8 +98,7 @@ def test_explicit_ranks_and_mla_default_donors_in_rank_table():
     assert rows["q_b"]["requested"] == rows["kv_b"]["requested"] == 8
     assert rows["down"]["requested"] == 32 and rows["o"]["requested"] == 16
     explicit = {
-        r["module"]: r["requested"]
-        for r in mj.rank_table(mla, r_base=16, ranks={"down": 24, "o": 4})
+        r["module"]: r["requested"] for r in mj.rank_table(mla, r_base=16, ranks={"down": 24, "o": 4})
     }
     assert explicit["down"] == 24 and explicit["o"] == 4 and explicit["q_a"] == 16
     tx = mj.moara_adamw(0.01, r_base=16, block_size=8, ranks={"down": 24})

@@ -64,9 +64,7 @@ def test_block_at_least_n_is_rowwise(shape, extra, seed):
     g = _matrix(seed, shape)
     mag, d = mj.block_decompose(jnp.asarray(g), shape[-1] + extra)
     np.testing.assert_allclose(mag[..., 0], np.linalg.norm(g, axis=-1), rtol=1e-5)
-    np.testing.assert_allclose(
-        d, g / np.linalg.norm(g, axis=-1, keepdims=True), rtol=1e-4, atol=1e-6
-    )
+    np.testing.assert_allclose(d, g / np.linalg.norm(g, axis=-1, keepdims=True), rtol=1e-4, atol=1e-6)
 
 
 @settings(max_examples=10, deadline=None)
@@ -118,7 +116,7 @@ def test_alignment_is_cosine_per_matrix_and_zero_safe():
     a = rng.standard_normal((3, 4, 5)).astype(np.float32)
     b = rng.standard_normal((3, 4, 5)).astype(np.float32)
     got = mj.alignment(jnp.asarray(a), jnp.asarray(b))
-    want = [x.ravel() @ y.ravel() / np.linalg.norm(x) / np.linalg.norm(y) for x, y in zip(a, b)]
+    want = [x.ravel() @ y.ravel() / np.linalg.norm(x) / np.linalg.norm(y) for x, y in zip(a, b, strict=True)]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(mj.alignment(jnp.asarray(a), jnp.asarray(2 * a)), 1.0, rtol=1e-6)
     assert float(mj.alignment(jnp.zeros((2, 2)), jnp.zeros((2, 2)))) == 0.0

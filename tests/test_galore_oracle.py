@@ -19,7 +19,7 @@ LR = 0.01
 def _torch_run(shapes_groups, grads_seq, rank, gap, scale):
     """Runs GaLoreAdamW on PyTorch-orientation weights; returns the weights after each step."""
     weights, groups = {}, []
-    for name, (shape, galore) in shapes_groups.items():
+    for name, (shape, _) in shapes_groups.items():
         weights[name] = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64).float())
     targets = [weights[n] for n, (_, g) in shapes_groups.items() if g]
     others = [weights[n] for n, (_, g) in shapes_groups.items() if not g]
@@ -62,10 +62,7 @@ def _grads(rng, shapes, steps, drift=0.3):
     seq = []
     for _ in range(steps):
         seq.append(
-            {
-                n: (b + drift * rng.standard_normal(b.shape)).astype(np.float32)
-                for n, b in base.items()
-            }
+            {n: (b + drift * rng.standard_normal(b.shape)).astype(np.float32) for n, b in base.items()}
         )
     return seq
 
@@ -90,14 +87,10 @@ def _sign_fix(monkeypatch):
         s = torch.sign(out[idx, torch.arange(out.shape[1])])
         return out * s[None, :]
 
-    monkeypatch.setattr(
-        galore_torch.galore_projector.GaLoreProjector, "get_orthogonal_matrix", fixed
-    )
+    monkeypatch.setattr(galore_torch.galore_projector.GaLoreProjector, "get_orthogonal_matrix", fixed)
 
 
-@pytest.mark.parametrize(
-    "torch_shape", [(48, 48), (96, 40), (40, 96)], ids=["square", "tall", "wide"]
-)
+@pytest.mark.parametrize("torch_shape", [(48, 48), (96, 40), (40, 96)], ids=["square", "tall", "wide"])
 @pytest.mark.parametrize("canonical", [False, True], ids=["raw_svd", "canonical_signs"])
 def test_scale_by_galore_matches_galore_torch(torch_shape, canonical, monkeypatch):
     rank, gap, scale, steps = 8, 3, 0.25, 8  # refreshes at steps 0, 3, 6
@@ -211,12 +204,8 @@ def test_differs_from_optax_contrib_galore_as_documented():
     rng = np.random.default_rng(3)
     g = [jnp.asarray(rng.standard_normal((32, 32)), jnp.float32) for _ in range(3)]
     params = {"w": jnp.zeros((32, 32))}
-    ours = optax.chain(
-        mj.scale_by_galore(8, scale=1.0, eps=0.0, canonical_signs=True), optax.scale(-LR)
-    )
-    theirs = optax.contrib.galore(
-        LR, rank=8, scale=1.0, base_optimizer=optax.scale_by_adam(eps=0.0)
-    )
+    ours = optax.chain(mj.scale_by_galore(8, scale=1.0, eps=0.0, canonical_signs=True), optax.scale(-LR))
+    theirs = optax.contrib.galore(LR, rank=8, scale=1.0, base_optimizer=optax.scale_by_adam(eps=0.0))
     s1, s2 = ours.init(params), theirs.init(params)
     p1 = p2 = params
     for gi in g:

@@ -42,9 +42,7 @@ def test_scale_by_galore_matches_reference_algorithm():
     rng = np.random.default_rng(1)
     grads = _gradients(rng, (36, 20), 5)
     ref = ReferenceMoara((36, 20), 4, None, gap=2)
-    tx = optax.chain(
-        mj.scale_by_galore(4, update_proj_gap=2, canonical_signs=True), optax.scale(-0.01)
-    )
+    tx = optax.chain(mj.scale_by_galore(4, update_proj_gap=2, canonical_signs=True), optax.scale(-0.01))
     params = {"w": jnp.zeros((20, 36))}
     state = tx.init(params)
     for t, g in enumerate(grads):

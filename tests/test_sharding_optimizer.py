@@ -14,10 +14,11 @@ SCRIPT = textwrap.dedent("""
     assert jax.device_count() == 8
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
     rng = np.random.default_rng(0)
-    params = {"layers": {"self_attn": {"q_proj": {"kernel": jnp.asarray(rng.standard_normal((2, 32, 32)), jnp.float32)}},
-                         "mlp": {"down_proj": {"kernel": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)}}},
+    normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    params = {"layers": {"self_attn": {"q_proj": {"kernel": normal(2, 32, 32)}},
+                         "mlp": {"down_proj": {"kernel": normal(64, 32)}}},
               "norm": jnp.ones(32)}
-    grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params) for _ in range(3)]
+    grads = [jax.tree.map(lambda p: normal(*p.shape), params) for _ in range(3)]
     spec = lambda p: P(*([None] * (p.ndim - 1) + ["fsdp"]))
     shard = lambda t: jax.tree.map(lambda p: jax.device_put(p, NamedSharding(mesh, spec(p))), t)
     tx = mj.moara_adamw(0.01, r_base=8, block_size=8, update_proj_gap=2, canonical_signs=True)
@@ -49,9 +50,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_optimizer_matches_single_device():
-    env = dict(
-        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )

@@ -15,16 +15,12 @@ import moara_jax as mj
 
 VARIANTS = {
     "full": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5),
-    "decomp": lambda lr: mj.moara_adamw(
-        lr, r_base=4, block_size=8, rank_allocation=False, update_proj_gap=5
-    ),
+    "decomp": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, rank_allocation=False, update_proj_gap=5),
     "rank": lambda lr: mj.moara_adamw(lr, r_base=4, decompose=False, update_proj_gap=5),
     "galore": lambda lr: mj.moara_adamw(
         lr, r_base=4, decompose=False, rank_allocation=False, update_proj_gap=5
     ),
-    "randomized": lambda lr: mj.moara_adamw(
-        lr, r_base=4, block_size=8, update_proj_gap=5, svd="randomized"
-    ),
+    "randomized": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, svd="randomized"),
     "adamw": lambda lr: mj.adamw(lr),
     # The stages composed by hand, partitioned by ndim as in optax's Muon.
     "chain": lambda lr: optax.partition(
@@ -163,9 +159,7 @@ def test_state_is_arrays_and_survives_orbax_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     tx = VARIANTS["full"](0.01)
     params = _params()
-    grads = [
-        jax.tree.map(lambda p, i=i: jnp.full_like(p, 0.1 * (i + 1)) + p, params) for i in range(8)
-    ]
+    grads = [jax.tree.map(lambda p, i=i: jnp.full_like(p, 0.1 * (i + 1)) + p, params) for i in range(8)]
     state = tx.init(params)
     for g in grads[:4]:
         _, state = tx.update(g, state, params)
