@@ -1,0 +1,33 @@
+"""Flax decoder-only models (Llama 2, Llama 3.2, Qwen2.5, Qwen3, DeepSeek-V2 MLA) with
+Hugging Face parameter names, configs and checkpoint conversion."""
+
+from models.configs import FAMILIES, PRESETS, ModelConfig, get_config, list_configs
+from models.hf import config_from_hf, from_hf, to_hf, to_hf_config
+from models.model import (
+    CausalLM,
+    abstract_params,
+    build_model,
+    forward,
+    init_params,
+    logical_axes,
+    param_count,
+)
+
+__all__ = [
+    "FAMILIES",
+    "PRESETS",
+    "CausalLM",
+    "ModelConfig",
+    "abstract_params",
+    "build_model",
+    "config_from_hf",
+    "forward",
+    "from_hf",
+    "get_config",
+    "init_params",
+    "list_configs",
+    "logical_axes",
+    "param_count",
+    "to_hf",
+    "to_hf_config",
+]

@@ -1,0 +1,158 @@
+"""Model configurations: a frozen dataclass with Hugging Face field names, and named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3", "deepseek_v2")
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only model. Field names follow ``transformers``' configs.
+
+    ``model_type`` picks the family: ``llama`` (Llama 2 / 3.2), ``qwen2`` (q/k/v biases),
+    ``qwen3`` (per-head q/k RMSNorm, explicit ``head_dim``) or ``deepseek_v2`` (MLA, dense MLP).
+    Framework options: ``param_dtype``, ``dtype`` (compute), ``scan_layers``, ``remat``
+    (``none | full | dots``) and ``attention_impl`` (``None``: XLA; ``'cudnn'`` on GPU).
+    """
+
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2736
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+    # DeepSeek-V2 Multi-head Latent Attention
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    # framework options
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = "none"
+    attention_impl: str | None = None
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self):
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type must be one of {FAMILIES}, got {self.model_type!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f} must be a positive integer, got {v!r}")
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.kv_heads})"
+            )
+        if self.model_type == "deepseek_v2":
+            for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if not getattr(self, f):
+                    raise ValueError(f"deepseek_v2 needs {f}")
+        elif self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads (or set head_dim)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def replace(self, **overrides) -> ModelConfig:
+        return replace_config(self, **overrides)
+
+
+def replace_config(cfg: ModelConfig, **overrides) -> ModelConfig:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown model config field(s) {unknown}; valid: {sorted(names)}")
+    return dataclasses.replace(cfg, **overrides)
+
+
+def _llama2(name, hidden, inter, heads, layers, **kw):
+    return ModelConfig(model_type="llama", hidden_size=hidden, intermediate_size=inter,
+                       num_attention_heads=heads, num_key_value_heads=heads,
+                       num_hidden_layers=layers, name=name, **kw)
+
+
+_QWEN_350M = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+                  num_key_value_heads=4, num_hidden_layers=24, tie_word_embeddings=True,
+                  scan_layers=True)
+
+PRESETS: dict[str, ModelConfig] = {
+    # GaLore / paper Llama 2 sizes (T5 vocabulary, MHA, untied)
+    "llama2-60m": _llama2("llama2-60m", 512, 1376, 8, 8),
+    "llama2-130m": _llama2("llama2-130m", 768, 2048, 12, 12),
+    "llama2-350m": _llama2("llama2-350m", 1024, 2736, 16, 24, scan_layers=True),
+    "llama2-1b": _llama2("llama2-1b", 2048, 5461, 32, 24, scan_layers=True),
+    "llama2-7b": _llama2("llama2-7b", 4096, 11008, 32, 32, scan_layers=True),
+    "llama3.2-300m": ModelConfig(model_type="llama", hidden_size=1024, intermediate_size=2736,
+                                 num_attention_heads=16, num_key_value_heads=4,
+                                 num_hidden_layers=24, rope_theta=500000.0,
+                                 tie_word_embeddings=True, scan_layers=True,
+                                 name="llama3.2-300m"),
+    "qwen2.5-350m": ModelConfig(model_type="qwen2", rope_theta=1000000.0, attention_bias=True,
+                                name="qwen2.5-350m", **_QWEN_350M),
+    "qwen3-350m": ModelConfig(model_type="qwen3", rope_theta=1000000.0, head_dim=64,
+                              name="qwen3-350m", **_QWEN_350M),
+    "deepseek-v2-350m": ModelConfig(model_type="deepseek_v2", hidden_size=1024,
+                                    intermediate_size=2736, num_attention_heads=16,
+                                    num_key_value_heads=16, num_hidden_layers=24,
+                                    q_lora_rank=768, kv_lora_rank=256, qk_nope_head_dim=64,
+                                    qk_rope_head_dim=32, v_head_dim=64, scan_layers=True,
+                                    name="deepseek-v2-350m"),
+}
+_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=512)
+PRESETS.update({
+    "llama2-tiny": ModelConfig(model_type="llama", name="llama2-tiny", **_TINY),
+    "llama3.2-tiny": ModelConfig(model_type="llama", num_key_value_heads=2, rope_theta=500000.0,
+                                 tie_word_embeddings=True, name="llama3.2-tiny", **_TINY),
+    "qwen2.5-tiny": ModelConfig(model_type="qwen2", num_key_value_heads=2, attention_bias=True,
+                                rope_theta=1000000.0, tie_word_embeddings=True,
+                                name="qwen2.5-tiny", **_TINY),
+    "qwen3-tiny": ModelConfig(model_type="qwen3", num_key_value_heads=2, head_dim=32,
+                              rope_theta=1000000.0, name="qwen3-tiny", **_TINY),
+    "deepseek-v2-tiny": ModelConfig(model_type="deepseek_v2", q_lora_rank=48, kv_lora_rank=32,
+                                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                    name="deepseek-v2-tiny", **_TINY),
+})
+PRESETS["tiny"] = dataclasses.replace(PRESETS["llama2-tiny"], name="tiny")
+
+
+def list_configs() -> list[str]:
+    """Names accepted by :func:`get_config`."""
+    return sorted(PRESETS)
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """A named preset, with fields overridden (e.g. ``vocab_size=259``, ``dtype='bfloat16'``).
+
+    Raises:
+      ValueError: an unknown name (listing the valid ones) or an unknown override field.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(list_configs())}")
+    return replace_config(PRESETS[name], **overrides)

@@ -1,0 +1,165 @@
+"""Hugging Face interoperability: configs and state dicts (numpy arrays keyed by HF names).
+
+HF linear weights are ``(out, in)``; Flax kernels are ``(in, out)``: conversion transposes them.
+Scanned layers are stacked on axis 0 of each leaf and split into ``model.layers.{i}.*`` keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from models.configs import ModelConfig, replace_config
+from models.model import abstract_params
+
+# HF names that carry no parameters (buffers some versions keep in state dicts).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _names(path) -> tuple[str, ...]:
+    return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+
+
+def _leaf_name(names: tuple[str, ...]) -> tuple[str, bool]:
+    """HF name (without the layer prefix) of a Flax leaf path, and whether it is transposed."""
+    *mods, leaf = names
+    if leaf == "kernel":
+        return ".".join(mods) + ".weight", True
+    if leaf in ("scale", "embedding"):
+        return ".".join(mods) + ".weight", False
+    if leaf == "bias":
+        return ".".join(mods) + ".bias", False
+    raise ValueError(f"unexpected parameter {'/'.join(names)}")
+
+
+def _hf_entries(cfg: ModelConfig, path) -> list[tuple[str, int | None, bool]]:
+    """``(hf_name, layer_index_or_None, transpose)`` for one Flax leaf (one per layer if scanned)."""
+    names = _names(path)
+    if names[0] == "layers":  # scanned: ('layers', 'layer', ...)
+        sub, transpose = _leaf_name(names[2:])
+        return [(f"model.layers.{i}.{sub}", i, transpose) for i in range(cfg.num_hidden_layers)]
+    if names[0].startswith("layers_"):
+        sub, transpose = _leaf_name(names[1:])
+        return [(f"model.layers.{names[0][7:]}.{sub}", None, transpose)]
+    sub, transpose = _leaf_name(names)
+    return [(sub if names[0] == "lm_head" else f"model.{sub}", None, transpose)]
+
+
+def to_hf(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """State dict of numpy arrays with HF names (``lm_head.weight`` included when tied, as
+    ``transformers``' ``state_dict()`` has it)."""
+    out: dict[str, np.ndarray] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        arr = np.asarray(leaf)
+        for name, layer, transpose in _hf_entries(cfg, path):
+            x = arr[layer] if layer is not None else arr
+            out[name] = np.ascontiguousarray(x.T if transpose else x)
+    if cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Flax parameters from an HF state dict (numpy arrays or anything ``np.asarray`` takes).
+
+    Raises:
+      ValueError: naming missing keys, unexpected keys, or a shape that does not match ``cfg``.
+    """
+    shapes = abstract_params(cfg)
+    used = set()
+
+    def fill(path, spec):
+        parts = []
+        for name, _, transpose in _hf_entries(cfg, path):
+            if name not in state_dict:
+                raise ValueError(f"from_hf: missing key {name!r} for config {cfg.name!r}")
+            x = np.asarray(state_dict[name])
+            parts.append(x.T if transpose else x)
+            used.add(name)
+        arr = np.stack(parts) if _names(path)[0] == "layers" else parts[0]
+        if arr.shape != spec.shape:
+            raise ValueError(f"from_hf: {'/'.join(_names(path))} has shape {arr.shape}, config "
+                             f"{cfg.name!r} expects {spec.shape}")
+        return jax.numpy.asarray(arr, spec.dtype)
+
+    params = jax.tree_util.tree_map_with_path(fill, shapes)
+    extra = [k for k in state_dict if k not in used and not k.endswith(_IGNORED_SUFFIXES)
+             and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    if extra:
+        raise ValueError(f"from_hf: unexpected keys for config {cfg.name!r}: {sorted(extra)[:8]}")
+    return params
+
+
+def _rope(hf_config) -> tuple[float, dict | None]:
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:  # transformers >= 5
+        theta = float(params.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", "default")
+        scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+        return theta, scaling
+    return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
+
+
+def config_from_hf(hf_config, **overrides) -> ModelConfig:
+    """A :class:`ModelConfig` from a ``transformers`` config (Llama, Qwen2, Qwen3, DeepseekV2)."""
+    kind = hf_config.model_type
+    if kind not in ("llama", "qwen2", "qwen3", "deepseek_v2"):
+        raise ValueError(f"unsupported HF model_type {kind!r}")
+    theta, scaling = _rope(hf_config)
+    fields = dict(
+        model_type=kind, vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_hidden_layers=hf_config.num_hidden_layers,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_key_value_heads=getattr(hf_config, "num_key_value_heads", None),
+        max_position_embeddings=hf_config.max_position_embeddings, rope_theta=theta,
+        rope_scaling=scaling, rms_norm_eps=hf_config.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+        initializer_range=hf_config.initializer_range, name=f"hf-{kind}",
+    )
+    if kind == "qwen3" or (kind == "llama" and getattr(hf_config, "head_dim", None)):
+        head_dim = getattr(hf_config, "head_dim", None)
+        if head_dim and head_dim != hf_config.hidden_size // hf_config.num_attention_heads:
+            fields["head_dim"] = head_dim
+        elif kind == "qwen3":
+            fields["head_dim"] = head_dim
+    if kind == "deepseek_v2":
+        for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            fields[f] = getattr(hf_config, f)
+        if getattr(hf_config, "first_k_dense_replace", 0) < hf_config.num_hidden_layers:
+            raise ValueError("only the dense DeepSeek-V2 variant is supported "
+                             "(first_k_dense_replace >= num_hidden_layers)")
+    return replace_config(ModelConfig(**fields), **overrides)
+
+
+def to_hf_config(cfg: ModelConfig):
+    """The ``transformers`` config for ``cfg`` (imports ``transformers``)."""
+    import transformers
+
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, initializer_range=cfg.initializer_range,
+    )
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    if cfg.model_type == "llama":
+        return transformers.LlamaConfig(**common, head_dim=cfg.head_size,
+                                        attention_bias=cfg.attention_bias, rope_parameters=rope)
+    if cfg.model_type == "qwen2":
+        return transformers.Qwen2Config(**common, rope_parameters=rope)
+    if cfg.model_type == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=cfg.head_size,
+                                        attention_bias=cfg.attention_bias, rope_parameters=rope)
+    return transformers.DeepseekV2Config(
+        **common, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim, first_k_dense_replace=cfg.num_hidden_layers,
+        attention_bias=cfg.attention_bias, rope_parameters=rope,
+    )

@@ -1,0 +1,114 @@
+"""Building blocks shared by the families: RMSNorm, SwiGLU MLP, rotary embeddings, attention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.configs import ModelConfig
+
+Axes = tuple[str | None, ...]
+
+
+def dense(features: int, cfg: ModelConfig, axes: Axes, name: str, bias: bool = False) -> nn.Dense:
+    """A linear layer named like HF's, kernel ``(fan_in, fan_out)`` with logical axis names."""
+    init = nn.initializers.normal(cfg.initializer_range)
+    return nn.Dense(
+        features,
+        use_bias=bias,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        kernel_init=nn.with_logical_partitioning(init, axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+        name=name,
+    )
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: float32 normalisation, then ``weight * x`` in the input dtype."""
+
+    eps: float
+    param_dtype: Any = jnp.float32
+    axis_name: str = "norm"
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+                           (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return scale.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rms_norm(cfg: ModelConfig, name: str, axis_name: str = "norm") -> RMSNorm:
+    return RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.param_dtype), axis_name, name=name)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.cfg
+        gate = dense(cfg.intermediate_size, cfg, ("embed", "mlp"), "gate_proj")(x)
+        up = dense(cfg.intermediate_size, cfg, ("embed", "mlp"), "up_proj")(x)
+        return dense(cfg.hidden_size, cfg, ("mlp", "embed"), "down_proj")(nn.silu(gate) * up)
+
+
+def inv_frequencies(dim: int, theta: float, scaling: dict | None) -> jnp.ndarray:
+    """RoPE inverse frequencies, with HF's ``llama3`` scaling when ``scaling`` asks for it."""
+    inv = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return inv
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * jnp.pi / inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_half(x, positions, inv):
+    """Llama-style RoPE (``rotate_half``) on ``x (B, T, N, H)``."""
+    freqs = positions[:, None].astype(jnp.float32) * inv[None, :]  # (T, H/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+
+
+def rope_interleaved(x, positions, inv):
+    """DeepSeek-V2's RoPE: adjacent pairs rotated as complex numbers, on ``x (B, T, N, H)``."""
+    freqs = positions[:, None].astype(jnp.float32) * inv[None, :]  # (T, H/2)
+    cos, sin = jnp.cos(freqs)[None, :, None, :], jnp.sin(freqs)[None, :, None, :]
+    x32 = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // 2, 2))
+    re, im = x32[..., 0], x32[..., 1]
+    out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def causal_attention(q, k, v, cfg: ModelConfig, scale: float | None = None):
+    """``jax.nn.dot_product_attention`` (cuDNN flash on GPU with ``attention_impl='cudnn'``).
+
+    ``q (B, T, N, H)``, ``k (B, T, K, H)``, ``v (B, T, K, Hv)``; a narrower ``Hv`` is zero-padded to
+    ``H`` and cropped after, so MLA's value width can use the same kernel.
+    """
+    hv = v.shape[-1]
+    if hv != q.shape[-1]:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - hv)])
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                       implementation=cfg.attention_impl)
+    return out[..., :hv]

@@ -1,0 +1,128 @@
+"""The causal LM shell shared by every family: embeddings, (scanned) decoder layers, final norm,
+LM head; and the functional API (``init_params``, ``forward``, ``param_count``, ``logical_axes``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.configs import ModelConfig
+from models.deepseek_v2 import MLAttention
+from models.layers import MLP, rms_norm
+from models.llama import LlamaAttention
+
+_REMAT = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions):
+        cfg = self.cfg
+        attn = MLAttention if cfg.model_type == "deepseek_v2" else LlamaAttention
+        x = x + attn(cfg, name="self_attn")(rms_norm(cfg, "input_layernorm", "embed")(x), positions)
+        x = x + MLP(cfg, name="mlp")(rms_norm(cfg, "post_attention_layernorm", "embed")(x))
+        return x
+
+
+class _ScanBody(nn.Module):
+    """``DecoderLayer`` in the ``(carry, x) -> (carry, y)`` form ``nn.scan`` wants."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions):
+        layer = DecoderLayer
+        if self.cfg.remat != "none":
+            layer = nn.remat(layer, policy=_REMAT[self.cfg.remat], prevent_cse=False)
+        return layer(self.cfg, name="layer")(x, positions), None
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM with HF parameter names; logits are float32."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        cfg = self.cfg
+        embed = nn.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(cfg.initializer_range), ("vocab", "embed")),
+            name="embed_tokens",
+        )
+        x = embed(tokens)
+        positions = jnp.arange(tokens.shape[1])
+        if cfg.scan_layers:
+            body = nn.scan(
+                _ScanBody, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=nn.broadcast, length=cfg.num_hidden_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = body(cfg, name="layers")(x, positions)
+        else:
+            layer = DecoderLayer
+            if cfg.remat != "none":
+                layer = nn.remat(layer, policy=_REMAT[cfg.remat], prevent_cse=True)
+            for i in range(cfg.num_hidden_layers):
+                x = layer(cfg, name=f"layers_{i}")(x, positions)
+        x = rms_norm(cfg, "norm", "embed")(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(
+                cfg.vocab_size, use_bias=False, dtype=jnp.dtype(cfg.dtype),
+                param_dtype=jnp.dtype(cfg.param_dtype),
+                kernel_init=nn.with_logical_partitioning(
+                    nn.initializers.normal(cfg.initializer_range), ("embed", "vocab")),
+                name="lm_head",
+            )(x)
+        return logits.astype(jnp.float32)
+
+
+def build_model(cfg: ModelConfig) -> CausalLM:
+    """The Flax module for ``cfg``."""
+    return CausalLM(cfg)
+
+
+def _boxed_init(cfg: ModelConfig, rng):
+    return build_model(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> dict[str, Any]:
+    """Random parameters (a nested dict of arrays; scanned layers are stacked on axis 0)."""
+    return nn.meta.unbox(_boxed_init(cfg, rng))
+
+
+def abstract_params(cfg: ModelConfig) -> dict[str, Any]:
+    """``jax.ShapeDtypeStruct`` of every parameter; nothing is allocated."""
+    return nn.meta.unbox(jax.eval_shape(functools.partial(_boxed_init, cfg), jax.random.PRNGKey(0)))
+
+
+def logical_axes(cfg: ModelConfig) -> dict[str, Any]:
+    """Logical axis names of every parameter, as ``PartitionSpec``s over names such as
+    ``vocab embed heads kv_heads mlp layers norm`` (map them to mesh axes with
+    ``flax.linen.logical_to_mesh_axes`` / ``nn.logical_to_mesh_sharding``)."""
+    boxed = jax.eval_shape(functools.partial(_boxed_init, cfg), jax.random.PRNGKey(0))
+    return nn.get_partition_spec(boxed)
+
+
+def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    """Logits ``(batch, seq, vocab)`` in float32 for int tokens ``(batch, seq)``."""
+    return build_model(cfg).apply({"params": params}, tokens)
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters, from ``jax.eval_shape`` (nothing allocated)."""
+    return int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(abstract_params(cfg))))

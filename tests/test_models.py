@@ -1,0 +1,145 @@
+"""Flax models against ``transformers`` (CPU torch): logits parity through ``from_hf``, exact
+state-dict round trips, scanned == unscanned, parameter counts, bf16."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=128)
+CASES = {
+    "llama2-mha-untied": models.ModelConfig(model_type="llama", **SMALL),
+    "llama3.2-gqa-tied-rope-scaling": models.ModelConfig(
+        model_type="llama", num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        **SMALL),
+    "qwen2.5-gqa4-bias-tied": models.ModelConfig(model_type="qwen2", num_key_value_heads=1,
+                                                 rope_theta=1e6, tie_word_embeddings=True, **SMALL),
+    "qwen3-explicit-head-dim": models.ModelConfig(model_type="qwen3", num_key_value_heads=2,
+                                                  head_dim=24, rope_theta=1e6, **SMALL),
+    "deepseek-v2-mla": models.ModelConfig(model_type="deepseek_v2", q_lora_rank=40,
+                                          kv_lora_rank=24, qk_nope_head_dim=16,
+                                          qk_rope_head_dim=8, v_head_dim=12, **SMALL),
+}
+
+
+def _hf_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    hf_cfg = models.to_hf_config(cfg)
+    hf_cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    with torch.no_grad():  # random norms and biases too, so every parameter is exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _state_dict(model):
+    return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case):
+    cfg = CASES[case]
+    model = _hf_model(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 17))
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    for scan in (False, True):
+        c = dataclasses.replace(cfg, scan_layers=scan)
+        params = models.from_hf(c, _state_dict(model))
+        got = np.asarray(models.forward(c, params, jnp.asarray(tokens, jnp.int32)))
+        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert rel < 1e-4, (case, scan, rel)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_state_dict_round_trip_is_exact(case):
+    cfg = CASES[case]
+    sd = _state_dict(_hf_model(cfg, seed=1))
+    for scan in (False, True):
+        back = models.to_hf(dataclasses.replace(cfg, scan_layers=scan),
+                            models.from_hf(dataclasses.replace(cfg, scan_layers=scan), sd))
+        assert set(back) == {k for k in sd if not k.endswith("inv_freq")}
+        for k, v in back.items():
+            np.testing.assert_array_equal(v, sd[k], err_msg=k)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_config_from_hf_round_trip(case):
+    cfg = CASES[case]
+    back = models.config_from_hf(models.to_hf_config(cfg))
+    for f in ("model_type", "hidden_size", "num_key_value_heads", "head_size", "rope_theta",
+              "tie_word_embeddings", "vocab_size", "kv_lora_rank"):
+        assert getattr(back, f) == getattr(dataclasses.replace(cfg, num_key_value_heads=cfg.kv_heads), f), f
+
+
+PAPER = ["llama2-60m", "llama2-130m", "llama2-350m", "llama2-1b", "llama2-7b", "llama3.2-300m",
+         "qwen2.5-350m", "qwen3-350m", "deepseek-v2-350m"]
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_param_count_equals_transformers(name):
+    cfg = models.get_config(name)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(models.to_hf_config(cfg))
+    assert models.param_count(cfg) == sum(p.numel() for p in hf.parameters())
+
+
+def test_scanned_and_unscanned_params_give_same_logits():
+    cfg = models.get_config("qwen3-tiny")
+    unscanned = models.init_params(cfg, jax.random.PRNGKey(0))
+    sd = models.to_hf(cfg, unscanned)
+    scanned_cfg = cfg.replace(scan_layers=True)
+    scanned = models.from_hf(scanned_cfg, sd)
+    tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
+    np.testing.assert_allclose(models.forward(cfg, unscanned, tokens),
+                               models.forward(scanned_cfg, scanned, tokens), rtol=1e-5, atol=1e-5)
+    remat = scanned_cfg.replace(remat="full")
+    np.testing.assert_allclose(models.forward(remat, scanned, tokens),
+                               models.forward(scanned_cfg, scanned, tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama2-tiny", "deepseek-v2-tiny"])
+def test_bf16_forward_is_finite_and_close(name):
+    cfg = models.get_config(name)
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
+    f32 = models.forward(cfg, params, tokens)
+    bf_cfg = cfg.replace(param_dtype="bfloat16", dtype="bfloat16")
+    bf_params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    bf16 = models.forward(bf_cfg, bf_params, tokens)
+    assert bf16.dtype == jnp.float32 and np.isfinite(np.asarray(bf16)).all()
+    assert np.linalg.norm(bf16 - f32) / np.linalg.norm(f32) < 2e-2
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match="unknown model 'llama9'"):
+        models.get_config("llama9")
+    with pytest.raises(ValueError, match="hiden_size"):
+        models.get_config("tiny", hiden_size=3)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        models.get_config("tiny", num_key_value_heads=3)
+    with pytest.raises(ValueError, match="missing key"):
+        models.from_hf(models.get_config("tiny"), {})
+
+
+def test_linear_layers_are_labelled_for_the_optimizer():
+    import moara_jax as mj
+
+    for name, types in (("llama2-tiny", mj.LLAMA_MODULE_TYPES), ("deepseek-v2-tiny",
+                                                                  mj.MLA_MODULE_TYPES)):
+        for scan in (False, True):
+            params = models.abstract_params(models.get_config(name, scan_layers=scan))
+            labels = set(jax.tree.leaves(mj.label_tree(params))) - {"other"}
+            assert labels == set(types), (name, labels)
