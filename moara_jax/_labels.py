@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -31,6 +32,8 @@ _MATRIX_LEAVES = ("kernel", "weight")
 def path_names(path: Any) -> tuple[str, ...]:
     """Path components as strings, from a JAX key path, a tuple of names, or ``'a/b/c'``/``'a.b.c'``."""
     if isinstance(path, str):
+        if path.startswith("["):  # jax.tree_util.keystr: "['layers']['q_proj']['kernel']"
+            return tuple(a or b for a, b in re.findall(r"\['([^']*)'\]|\[(\d+)\]", path))
         return tuple(p for p in path.replace(".", "/").split("/") if p)
     names = []
     for k in path:

@@ -1,0 +1,48 @@
+"""``python -m train --config FILE.yaml [--run-dir DIR] [--set key=value ...] [--resume]``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+from train.errors import UserError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train", description="Pretrain a models config "
+                                     "with AdamW, GaLore or MoARa (or profile module alignment).")
+    parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    parser.add_argument("--run-dir", default=None, help="output directory (default runs/<config name>)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key; the value is parsed as YAML")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    args = parser.parse_args(argv)
+    try:
+        from train.config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_JOB_ID"):
+            import jax
+
+            jax.distributed.initialize()
+        from train.loop import train_and_evaluate
+
+        run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
+        summary = train_and_evaluate(cfg, run_dir, resume=args.resume, quiet=args.quiet)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if summary["status"] == "nan":
+        return 1
+    ppl = summary["final_eval_ppl"]
+    print(f"{summary['status']}: {summary['steps']} steps in {summary['wall_s']:.1f}s, "
+          f"final eval ppl {ppl:.2f}" if ppl is not None else f"{summary['status']}")
+    print(f"run dir: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

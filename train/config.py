@@ -1,0 +1,233 @@
+"""Typed, validated run configs loaded from YAML with dotted ``--set`` overrides.
+
+A YAML file may name ``base: other.yaml`` (relative to itself); its keys are merged over the base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from train.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    name: str = "tiny"
+    overrides: dict = field(default_factory=dict)  # any models.ModelConfig field
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    name: str = "moara"  # adamw | galore | moara
+    r_base: int = 256
+    block_size: int = 32
+    rank_allocation: str = "default"  # uniform | default | PATH to allocation.json
+    decompose: bool = True
+    update_proj_gap: int = 200
+    scale: float = 0.25
+    svd: str = "exact"  # exact | randomized
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 1000
+    batch_size: int = 512
+    micro_batch_size: int | None = None
+    seq_len: int = 256
+    lr: float = 0.01
+    warmup_ratio: float = 0.1
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 0.0
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 1
+    seed: int = 0
+    param_dtype: str = "bfloat16"
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class DataSection:
+    source: str = "builtin"  # builtin | files | tfds
+    paths: list = field(default_factory=list)
+    validation_paths: list = field(default_factory=list)
+    tfds_name: str = "c4/en"
+    tokenizer: str = "bytes"  # bytes | PATH to a sentencepiece model
+    validation_fraction: float = 0.02
+    max_documents: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 0  # 0: only at the end and on SIGTERM
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class MeshSection:
+    data: int = -1  # -1: all devices not used by fsdp/tensor
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class ProfileSection:
+    steps: int = 1000  # N_p
+    every: int = 50  # x
+    ema: float = 0.9
+    donors: list = field(default_factory=lambda: ["q", "k"])
+    num_receivers: int = 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    mode: str = "train"  # train | profile
+    model: ModelSection = field(default_factory=ModelSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
+
+
+def _check_type(where: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        hint = next(h for h in options if h is not type(None))
+        origin = typing.get_origin(hint)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    expected = origin or hint
+    if expected is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise UserError(f"config key {where}: expected {getattr(expected, '__name__', expected)}, "
+                        f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise UserError(f"config key {prefix or '<root>'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise UserError(f"unknown config key {prefix}{unknown[0]} (valid: {sorted(names)})")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_type(f"{prefix}{name}", value, hint)
+    return cls(**kwargs)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides" else v
+    return out
+
+
+def _read_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise UserError(f"config base cycle through {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold a mapping")
+    base = data.pop("base", None)
+    if base:
+        data = _merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), data)
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` with the value parsed as YAML."""
+    if "=" not in text:
+        raise UserError(f"--set expects key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        raise UserError(f"--set {key}: value {raw!r} is not valid YAML") from None
+    return key.strip().split("."), value
+
+
+def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Reads a YAML file (or the defaults), applies ``--set`` overrides and validates."""
+    data = _read_yaml(pathlib.Path(path)) if path else {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise UserError(f"--set {'.'.join(keys)}: {k} is not a section")
+        node[keys[-1]] = value
+    cfg = _build(RunConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Range and choice checks that types alone do not express."""
+    def need(ok: bool, message: str):
+        if not ok:
+            raise UserError(message)
+
+    o, t, d = cfg.optimizer, cfg.train, cfg.data
+    need(cfg.mode in ("train", "profile"), f"mode must be train or profile, got {cfg.mode!r}")
+    need(o.name in ("adamw", "galore", "moara"), f"optimizer.name must be adamw, galore or moara, got {o.name!r}")
+    need(o.r_base >= 1, f"optimizer.r_base must be >= 1, got {o.r_base}")
+    need(o.block_size >= 1, f"optimizer.block_size must be >= 1, got {o.block_size}")
+    need(o.update_proj_gap >= 1, f"optimizer.update_proj_gap must be >= 1, got {o.update_proj_gap}")
+    need(o.svd in ("exact", "randomized"), f"optimizer.svd must be exact or randomized, got {o.svd!r}")
+    if o.rank_allocation not in ("uniform", "default"):
+        need(pathlib.Path(o.rank_allocation).is_file(),
+             f"optimizer.rank_allocation: allocation file not found: {o.rank_allocation}")
+    need(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
+    need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    mb = t.micro_batch_size or t.batch_size
+    need(mb >= 1 and t.batch_size % mb == 0,
+         f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({mb})")
+    need(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
+    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    need(0 <= t.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+    need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    need(t.eval_every >= 1 and t.log_every >= 1, "train.eval_every and train.log_every must be >= 1")
+    need(t.param_dtype in ("float32", "bfloat16") and t.dtype in ("float32", "bfloat16"),
+         "train.param_dtype and train.dtype must be float32 or bfloat16")
+    need(d.source in ("builtin", "files", "tfds"), f"data.source must be builtin, files or tfds, got {d.source!r}")
+    need(d.source != "files" or bool(d.paths), "data.source is files but data.paths is empty")
+    need(0 < d.validation_fraction < 1, "data.validation_fraction must be in (0, 1)")
+    need(cfg.checkpoint.keep >= 1 and cfg.checkpoint.every >= 0, "checkpoint.keep must be >= 1 and checkpoint.every >= 0")
+    need(cfg.profile.every >= 1 and cfg.profile.steps >= 1, "profile.steps and profile.every must be >= 1")
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)

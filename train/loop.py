@@ -1,0 +1,201 @@
+"""``train_and_evaluate``: build data, model, optimizer and mesh, then run the jitted step with
+logging, evaluation, checkpoints (SIGTERM-safe), resume, profiling and a summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+import models
+import moara_jax as mj
+from train import profile as profiling
+from train.checkpoint import Checkpointer, abstract_with_shardings
+from train.config import RunConfig, to_dict
+from train.data import build_data
+from train.errors import UserError
+from train.metrics import MetricsWriter
+from train.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
+from train.step import TrainState, make_eval_step, make_optimizer, make_train_step, schedule
+
+
+class _Stop:
+    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def model_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
+    try:
+        return models.get_config(cfg.model.name, vocab_size=vocab_size,
+                                 param_dtype=cfg.train.param_dtype, dtype=cfg.train.dtype,
+                                 **cfg.model.overrides)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"model: {e}") from None
+
+
+def train_and_evaluate(cfg: RunConfig, run_dir: pathlib.Path, resume: bool = False,
+                       quiet: bool = False) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    t = cfg.train
+    profiling_mode = cfg.mode == "profile"
+    total_steps = min(t.steps, cfg.profile.steps) if profiling_mode else t.steps
+
+    data = build_data(cfg.data, t.seq_len)
+    model_cfg = model_config(cfg, data.tokenizer.vocab_size)
+    mesh = make_mesh(cfg.mesh)
+    b_sharding = batch_sharding(mesh, t.batch_size)
+    micro = t.batch_size // (t.micro_batch_size or t.batch_size)
+    if (t.batch_size // micro) % (mesh.shape["data"] * mesh.shape["fsdp"]):
+        raise UserError("train.micro_batch_size must be divisible by the mesh's data x fsdp")
+    lr = schedule(cfg)
+    if profiling_mode and cfg.optimizer.name == "adamw":
+        raise UserError("mode profile needs optimizer.name galore or moara (it profiles projections)")
+    tx = make_optimizer(cfg.optimizer, lr, t.grad_clip, force_uniform_galore=profiling_mode)
+
+    abstract_params = models.abstract_params(model_cfg)
+    p_shard = param_shardings(models.logical_axes(model_cfg), abstract_params, mesh)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    o_shard = state_shardings(abstract_opt, mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    s_shard = TrainState(replicated, p_shard, o_shard)
+
+    def init(rng):
+        params = models.init_params(model_cfg, rng)
+        return TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
+
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every)
+    data_iter = data.train_iterator(t.batch_size, t.seed)
+    start = 0
+    if resume and ckpt.latest_step() is not None:
+        abstract = abstract_with_shardings(jax.eval_shape(init, jax.random.PRNGKey(0)), s_shard)
+        state, data_state = ckpt.restore(ckpt.latest_step(), abstract)
+        data_iter.set_state(data_state["iterator"])
+        start = int(state.step)
+    else:
+        if resume:
+            print(f"no checkpoint in {run_dir / 'checkpoints'}; starting from scratch")
+        state = jax.jit(init, out_shardings=s_shard)(jax.random.PRNGKey(t.seed))
+
+    step_fn = jax.jit(make_train_step(model_cfg, tx, micro, alignment_block=cfg.optimizer.block_size,
+                                      with_alignment=profiling_mode),
+                      in_shardings=(s_shard, b_sharding), out_shardings=(s_shard, None),
+                      donate_argnums=(0,))
+    eval_fn = jax.jit(make_eval_step(model_cfg), in_shardings=(p_shard, b_sharding))
+    val = data.val_batches(t.batch_size, t.eval_batches)
+
+    def evaluate(params) -> float:
+        return float(np.mean([float(eval_fn(params, jax.device_put(b, b_sharding))) for b in val]))
+
+    writer = MetricsWriter(run_dir, total_steps, resume and start > 0, quiet)
+    recorder = profiling.AlignmentRecorder(cfg.profile.ema) if profiling_mode else None
+    tokens_per_step = t.batch_size * t.seq_len
+    last_eval = None
+    status = "completed"
+    step = start
+    with _Stop() as stop:
+        while step < total_steps:
+            batch = jax.device_put(np.asarray(next(data_iter)), b_sharding)
+            t0 = time.perf_counter()
+            new_state, metrics = step_fn(state, batch)
+            loss = float(metrics["loss"])
+            dt = time.perf_counter() - t0
+            if not math.isfinite(loss):
+                status = "nan"
+                writer.end_progress()
+                print(f"error: loss is {loss} at step {step + 1}; stopping. The last good "
+                      f"checkpoint is kept in {run_dir / 'checkpoints'}")
+                break
+            state, step = new_state, step + 1
+            if recorder is not None and step % cfg.profile.every == 0:
+                recorder.record(step, metrics["alignment"], abstract_params)
+            if step % t.log_every == 0 or step == total_steps:
+                writer.write({"step": step, "loss": loss, "lr": float(lr(step - 1)),
+                              "grad_norm": float(metrics["grad_norm"]),
+                              "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                              "wall_s": writer.wall()})
+                writer.progress(step, loss, tokens_per_step / dt, dt)
+            if step % t.eval_every == 0 or step == total_steps:
+                last_eval = evaluate(state.params)
+                writer.write({"step": step, "eval_loss": last_eval,
+                              "eval_ppl": math.exp(min(last_eval, 50.0)), "wall_s": writer.wall()})
+            if ckpt.should_save(step) or step == total_steps or stop.requested:
+                ckpt.save(step, state, {"iterator": data_iter.get_state()}, force=True)
+            if stop.requested:
+                status = "interrupted"
+                break
+    writer.end_progress()
+    ckpt.close()
+
+    summary = {
+        "status": status, "mode": cfg.mode, "steps": step, "model": model_cfg.name,
+        "optimizer": cfg.optimizer.name, "wall_s": writer.wall(),
+        "final_eval_loss": last_eval,
+        "final_eval_ppl": math.exp(min(last_eval, 50.0)) if last_eval is not None else None,
+        "tokens_per_s": _mean_tokens_per_s(run_dir),
+        "peak_device_memory_bytes": _peak_memory(),
+        "param_count": models.param_count(model_cfg),
+        "optimizer_state_bytes": mj.state_bytes(abstract_opt),
+        "ranks": _rank_summary(cfg, abstract_params, profiling_mode),
+        "data": dataclasses.asdict(data.counts),
+        "devices": len(mesh.devices.flat), "mesh": dict(mesh.shape),
+    }
+    if recorder is not None:
+        summary["profile"] = profiling.write_outputs(recorder, run_dir, cfg)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _rank_summary(cfg: RunConfig, abstract_params, profiling_mode: bool) -> dict | None:
+    opt = cfg.optimizer
+    if opt.name == "adamw":
+        return None
+    ranks = None
+    if not profiling_mode and opt.rank_allocation not in ("uniform", "default"):
+        from train.step import read_allocation
+        ranks = read_allocation(opt.rank_allocation)
+    rows = mj.rank_table(abstract_params, r_base=opt.r_base,
+                         rank_allocation=opt.rank_allocation == "default" and not profiling_mode,
+                         ranks=ranks)
+    per_module = {r["module"]: r["requested"] for r in rows}
+    clipped = [r for r in rows if r["used"] < r["requested"]]
+    return {"per_module": per_module, "clipped": clipped}
+
+
+def _mean_tokens_per_s(run_dir: pathlib.Path) -> float | None:
+    from train.metrics import dedupe_by_step, read_metrics
+
+    rows = dedupe_by_step(read_metrics(run_dir / "metrics.jsonl"), "tokens_per_s")
+    rates = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
+    return float(np.median(rates)) if rates else None
+
+
+def _peak_memory() -> int | None:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend reports
+        return None
+    return None if not stats else stats.get("peak_bytes_in_use")

@@ -1,0 +1,93 @@
+"""Profiling (Algorithm 1, Phases 1-3): uniform-rank GaLore records ``S(W, t)`` every ``x`` steps;
+``S_tau`` per module type (mean over matrices, layers and profiling steps, plus an EMA-smoothed
+trajectory) gives the receivers (lowest ``S_tau``) of the allocation file a training run reads."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections import defaultdict
+
+import numpy as np
+
+import moara_jax as mj
+from train.config import RunConfig
+
+
+class AlignmentRecorder:
+    def __init__(self, ema: float):
+        self.ema = ema
+        self.steps: list[int] = []
+        self.values: dict[str, list[float]] = defaultdict(list)
+        self.smoothed: dict[str, list[float]] = defaultdict(list)
+
+    def record(self, step: int, per_matrix: dict, abstract_params=None) -> None:
+        by_module: dict[str, list[float]] = defaultdict(list)
+        for path, s in per_matrix.items():
+            label = mj.module_label(path)
+            if label != "other":
+                by_module[label].extend(np.ravel(np.asarray(s, np.float64)).tolist())
+        self.steps.append(step)
+        for label, vals in by_module.items():
+            v = float(np.mean(vals))
+            self.values[label].append(v)
+            prev = self.smoothed[label][-1] if self.smoothed[label] else v
+            self.smoothed[label].append(self.ema * prev + (1 - self.ema) * v)
+
+    def s_tau(self) -> dict[str, float]:
+        return {k: float(np.mean(v)) for k, v in self.values.items()}
+
+
+def choose_allocation(s_tau: dict[str, float], cfg: RunConfig) -> dict:
+    """Receivers: the ``num_receivers`` lowest-``S_tau`` types that are not donors."""
+    donors = [d for d in cfg.profile.donors if d in s_tau]
+    if not donors and {"q_b", "kv_b"} <= set(s_tau):  # MLA
+        donors = ["q_b", "kv_b"]
+    candidates = sorted((t for t in s_tau if t not in donors), key=lambda t: s_tau[t])
+    receivers = candidates[: cfg.profile.num_receivers]
+    r_base = cfg.optimizer.r_base
+    delta = r_base // 2
+    while delta and (delta * len(donors)) % max(len(receivers), 1):
+        delta -= 1
+    ranks = mj.allocate_ranks(r_base, list(s_tau), donors, receivers, delta)
+    return {"r_base": r_base, "delta": delta, "donors": donors, "receivers": receivers,
+            "ranks": ranks, "s_tau": s_tau}
+
+
+def write_outputs(rec: AlignmentRecorder, run_dir: pathlib.Path, cfg: RunConfig) -> dict:
+    s_tau = rec.s_tau()
+    if not s_tau:
+        raise RuntimeError("profiling recorded no alignment (profile.every > steps?)")
+    alignment = {"steps": rec.steps, "s_tau": s_tau,
+                 "trajectories": {k: v for k, v in rec.values.items()},
+                 "ema": {k: v for k, v in rec.smoothed.items()}, "ema_decay": rec.ema,
+                 "block_size": cfg.optimizer.block_size, "r_base": cfg.optimizer.r_base}
+    (run_dir / "alignment.json").write_text(json.dumps(alignment, indent=2))
+    allocation = choose_allocation(s_tau, cfg)
+    (run_dir / "allocation.json").write_text(json.dumps(allocation, indent=2))
+    _plot(rec, run_dir / "alignment.png")
+    order = sorted(s_tau, key=s_tau.get)
+    print("S_tau (lowest first): " + ", ".join(f"{k} {s_tau[k]:.4f}" for k in order))
+    print(f"allocation -> {run_dir / 'allocation.json'}: {allocation['ranks']}")
+    return {"s_tau": s_tau, "allocation": allocation}
+
+
+def _plot(rec: AlignmentRecorder, path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; skipping alignment.png (pip install 'moara-jax[plot]')")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label in sorted(rec.values):
+        ax.plot(rec.steps, rec.smoothed[label], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("S (EMA)")
+    ax.set_title("cos(G, G_recon) per module type")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

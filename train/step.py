@@ -1,0 +1,114 @@
+"""The optimizer, schedule and the pure train/eval step functions (jitted by the loop)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import models
+import moara_jax as mj
+from train.config import OptimizerSection, RunConfig
+from train.errors import UserError
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar
+    params: Any
+    opt_state: Any
+
+
+def schedule(cfg: RunConfig) -> optax.Schedule:
+    """Linear warmup to ``train.lr`` over ``warmup_ratio`` of the steps, then cosine to
+    ``min_lr_ratio * lr`` (the paper's Appendix D)."""
+    t = cfg.train
+    warmup = int(t.warmup_ratio * t.steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=t.lr, warmup_steps=warmup, decay_steps=max(t.steps, warmup + 1),
+        end_value=t.lr * t.min_lr_ratio,
+    )
+
+
+def read_allocation(path: str) -> dict[str, int]:
+    """Per-module ranks from a profiling run's ``allocation.json``."""
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+        ranks = {str(k): int(v) for k, v in data["ranks"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"optimizer.rank_allocation: {path} is not a valid allocation file ({e})") from None
+    return ranks
+
+
+def make_optimizer(opt: OptimizerSection, lr: optax.ScalarOrSchedule, grad_clip: float,
+                   *, force_uniform_galore: bool = False) -> optax.GradientTransformation:
+    """AdamW, GaLore or MoARa per the config (all with galore-torch's Adam formulation)."""
+    if opt.name == "adamw":
+        tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay)
+    else:
+        ranks = None
+        allocate = opt.rank_allocation == "default"
+        if opt.rank_allocation not in ("uniform", "default"):
+            ranks = read_allocation(opt.rank_allocation)
+        decompose = opt.name == "moara" and opt.decompose
+        if force_uniform_galore:
+            ranks, allocate, decompose = None, False, False
+        tx = mj.moara_adamw(
+            lr, r_base=opt.r_base, block_size=opt.block_size, decompose=decompose,
+            rank_allocation=allocate, ranks=ranks, update_proj_gap=opt.update_proj_gap,
+            scale=opt.scale, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+            svd=opt.svd,
+        )
+    if grad_clip > 0:
+        tx = optax.chain(optax.clip_by_global_norm(grad_clip), tx)
+    return tx
+
+
+def loss_fn(model_cfg: models.ModelConfig, params, batch: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy of ``batch (B, seq_len + 1)``."""
+    logits = models.forward(model_cfg, params, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def make_train_step(model_cfg: models.ModelConfig, tx: optax.GradientTransformation,
+                    micro_batches: int, alignment_block: int | None = None, with_alignment=False):
+    """``step(state, batch) -> (state, metrics)``; gradients are averaged over ``micro_batches``
+    slices of the batch (gradient accumulation with ``lax.scan``). With ``with_alignment`` the
+    metrics also hold ``S(W, t)`` of every projected matrix (profiling)."""
+
+    grad_fn = jax.value_and_grad(lambda p, b: loss_fn(model_cfg, p, b))
+
+    def step(state: TrainState, batch: jax.Array):
+        if micro_batches == 1:
+            loss, grads = grad_fn(state.params, batch)
+        else:
+            micro = batch.reshape((micro_batches, -1) + batch.shape[1:])
+
+            def accumulate(carry, mb):
+                loss, grads = grad_fn(state.params, mb)
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+            zeros = (jnp.zeros([], jnp.float32), jax.tree.map(
+                lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
+            loss = loss / micro_batches
+            grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads,
+                                 state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        if with_alignment:
+            metrics["alignment"] = mj.matrix_alignment(grads, opt_state, block_size=alignment_block)
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return step
+
+
+def make_eval_step(model_cfg: models.ModelConfig):
+    def eval_step(params, batch):
+        return loss_fn(model_cfg, params, batch)
+
+    return eval_step
