@@ -54,8 +54,13 @@ class ModelConfig:
             raise ValueError(f"model_type must be one of {FAMILIES}, got {self.model_type!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads"):
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")
@@ -92,14 +97,27 @@ def replace_config(cfg: ModelConfig, **overrides) -> ModelConfig:
 
 
 def _llama2(name, hidden, inter, heads, layers, **kw):
-    return ModelConfig(model_type="llama", hidden_size=hidden, intermediate_size=inter,
-                       num_attention_heads=heads, num_key_value_heads=heads,
-                       num_hidden_layers=layers, name=name, **kw)
+    return ModelConfig(
+        model_type="llama",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        num_hidden_layers=layers,
+        name=name,
+        **kw,
+    )
 
 
-_QWEN_350M = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
-                  num_key_value_heads=4, num_hidden_layers=24, tie_word_embeddings=True,
-                  scan_layers=True)
+_QWEN_350M = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    num_hidden_layers=24,
+    tie_word_embeddings=True,
+    scan_layers=True,
+)
 
 PRESETS: dict[str, ModelConfig] = {
     # GaLore / paper Llama 2 sizes (T5 vocabulary, MHA, untied)
@@ -108,37 +126,88 @@ PRESETS: dict[str, ModelConfig] = {
     "llama2-350m": _llama2("llama2-350m", 1024, 2736, 16, 24, scan_layers=True),
     "llama2-1b": _llama2("llama2-1b", 2048, 5461, 32, 24, scan_layers=True),
     "llama2-7b": _llama2("llama2-7b", 4096, 11008, 32, 32, scan_layers=True),
-    "llama3.2-300m": ModelConfig(model_type="llama", hidden_size=1024, intermediate_size=2736,
-                                 num_attention_heads=16, num_key_value_heads=4,
-                                 num_hidden_layers=24, rope_theta=500000.0,
-                                 tie_word_embeddings=True, scan_layers=True,
-                                 name="llama3.2-300m"),
-    "qwen2.5-350m": ModelConfig(model_type="qwen2", rope_theta=1000000.0, attention_bias=True,
-                                name="qwen2.5-350m", **_QWEN_350M),
-    "qwen3-350m": ModelConfig(model_type="qwen3", rope_theta=1000000.0, head_dim=64,
-                              name="qwen3-350m", **_QWEN_350M),
-    "deepseek-v2-350m": ModelConfig(model_type="deepseek_v2", hidden_size=1024,
-                                    intermediate_size=2736, num_attention_heads=16,
-                                    num_key_value_heads=16, num_hidden_layers=24,
-                                    q_lora_rank=768, kv_lora_rank=256, qk_nope_head_dim=64,
-                                    qk_rope_head_dim=32, v_head_dim=64, scan_layers=True,
-                                    name="deepseek-v2-350m"),
+    "llama3.2-300m": ModelConfig(
+        model_type="llama",
+        hidden_size=1024,
+        intermediate_size=2736,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_hidden_layers=24,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        scan_layers=True,
+        name="llama3.2-300m",
+    ),
+    "qwen2.5-350m": ModelConfig(
+        model_type="qwen2", rope_theta=1000000.0, attention_bias=True, name="qwen2.5-350m", **_QWEN_350M
+    ),
+    "qwen3-350m": ModelConfig(
+        model_type="qwen3", rope_theta=1000000.0, head_dim=64, name="qwen3-350m", **_QWEN_350M
+    ),
+    "deepseek-v2-350m": ModelConfig(
+        model_type="deepseek_v2",
+        hidden_size=1024,
+        intermediate_size=2736,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_hidden_layers=24,
+        q_lora_rank=768,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        scan_layers=True,
+        name="deepseek-v2-350m",
+    ),
 }
-_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=512)
-PRESETS.update({
-    "llama2-tiny": ModelConfig(model_type="llama", name="llama2-tiny", **_TINY),
-    "llama3.2-tiny": ModelConfig(model_type="llama", num_key_value_heads=2, rope_theta=500000.0,
-                                 tie_word_embeddings=True, name="llama3.2-tiny", **_TINY),
-    "qwen2.5-tiny": ModelConfig(model_type="qwen2", num_key_value_heads=2, attention_bias=True,
-                                rope_theta=1000000.0, tie_word_embeddings=True,
-                                name="qwen2.5-tiny", **_TINY),
-    "qwen3-tiny": ModelConfig(model_type="qwen3", num_key_value_heads=2, head_dim=32,
-                              rope_theta=1000000.0, name="qwen3-tiny", **_TINY),
-    "deepseek-v2-tiny": ModelConfig(model_type="deepseek_v2", q_lora_rank=48, kv_lora_rank=32,
-                                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                                    name="deepseek-v2-tiny", **_TINY),
-})
+_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+)
+PRESETS.update(
+    {
+        "llama2-tiny": ModelConfig(model_type="llama", name="llama2-tiny", **_TINY),
+        "llama3.2-tiny": ModelConfig(
+            model_type="llama",
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+            name="llama3.2-tiny",
+            **_TINY,
+        ),
+        "qwen2.5-tiny": ModelConfig(
+            model_type="qwen2",
+            num_key_value_heads=2,
+            attention_bias=True,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            name="qwen2.5-tiny",
+            **_TINY,
+        ),
+        "qwen3-tiny": ModelConfig(
+            model_type="qwen3",
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_theta=1000000.0,
+            name="qwen3-tiny",
+            **_TINY,
+        ),
+        "deepseek-v2-tiny": ModelConfig(
+            model_type="deepseek_v2",
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            name="deepseek-v2-tiny",
+            **_TINY,
+        ),
+    }
+)
 PRESETS["tiny"] = dataclasses.replace(PRESETS["llama2-tiny"], name="tiny")
 
 

@@ -29,8 +29,9 @@ class MLAttention(nn.Module):
             q = dense(n * qk, cfg, ("embed", "heads"), "q_proj")(x)
         q = q.reshape(b, t, n, qk)
         q_nope, q_pe = q[..., :nope], q[..., nope:]
-        kv = dense(cfg.kv_lora_rank + rope, cfg, ("embed", "kv_lora"), "kv_a_proj_with_mqa",
-                   cfg.attention_bias)(x)
+        kv = dense(
+            cfg.kv_lora_rank + rope, cfg, ("embed", "kv_lora"), "kv_a_proj_with_mqa", cfg.attention_bias
+        )(x)
         latent, k_pe = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
         latent = rms_norm(cfg, "kv_a_layernorm", "kv_lora")(latent)
         kv = dense(n * (nope + vd), cfg, ("kv_lora", "heads"), "kv_b_proj")(latent)

@@ -80,13 +80,20 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
             used.add(name)
         arr = np.stack(parts) if _names(path)[0] == "layers" else parts[0]
         if arr.shape != spec.shape:
-            raise ValueError(f"from_hf: {'/'.join(_names(path))} has shape {arr.shape}, config "
-                             f"{cfg.name!r} expects {spec.shape}")
+            raise ValueError(
+                f"from_hf: {'/'.join(_names(path))} has shape {arr.shape}, config "
+                f"{cfg.name!r} expects {spec.shape}"
+            )
         return jax.numpy.asarray(arr, spec.dtype)
 
     params = jax.tree_util.tree_map_with_path(fill, shapes)
-    extra = [k for k in state_dict if k not in used and not k.endswith(_IGNORED_SUFFIXES)
-             and not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    extra = [
+        k
+        for k in state_dict
+        if k not in used
+        and not k.endswith(_IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    ]
     if extra:
         raise ValueError(f"from_hf: unexpected keys for config {cfg.name!r}: {sorted(extra)[:8]}")
     return params
@@ -109,16 +116,21 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
         raise ValueError(f"unsupported HF model_type {kind!r}")
     theta, scaling = _rope(hf_config)
     fields = dict(
-        model_type=kind, vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+        model_type=kind,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
         intermediate_size=hf_config.intermediate_size,
         num_hidden_layers=hf_config.num_hidden_layers,
         num_attention_heads=hf_config.num_attention_heads,
         num_key_value_heads=getattr(hf_config, "num_key_value_heads", None),
-        max_position_embeddings=hf_config.max_position_embeddings, rope_theta=theta,
-        rope_scaling=scaling, rms_norm_eps=hf_config.rms_norm_eps,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=hf_config.rms_norm_eps,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(hf_config, "attention_bias", False)),
-        initializer_range=hf_config.initializer_range, name=f"hf-{kind}",
+        initializer_range=hf_config.initializer_range,
+        name=f"hf-{kind}",
     )
     if kind == "qwen3" or (kind == "llama" and getattr(hf_config, "head_dim", None)):
         head_dim = getattr(hf_config, "head_dim", None)
@@ -130,8 +142,9 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
         for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             fields[f] = getattr(hf_config, f)
         if getattr(hf_config, "first_k_dense_replace", 0) < hf_config.num_hidden_layers:
-            raise ValueError("only the dense DeepSeek-V2 variant is supported "
-                             "(first_k_dense_replace >= num_hidden_layers)")
+            raise ValueError(
+                "only the dense DeepSeek-V2 variant is supported (first_k_dense_replace >= num_hidden_layers)"
+            )
     return replace_config(ModelConfig(**fields), **overrides)
 
 
@@ -140,26 +153,38 @@ def to_hf_config(cfg: ModelConfig):
     import transformers
 
     common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings, initializer_range=cfg.initializer_range,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        initializer_range=cfg.initializer_range,
     )
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
         rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     if cfg.model_type == "llama":
-        return transformers.LlamaConfig(**common, head_dim=cfg.head_size,
-                                        attention_bias=cfg.attention_bias, rope_parameters=rope)
+        return transformers.LlamaConfig(
+            **common, head_dim=cfg.head_size, attention_bias=cfg.attention_bias, rope_parameters=rope
+        )
     if cfg.model_type == "qwen2":
         return transformers.Qwen2Config(**common, rope_parameters=rope)
     if cfg.model_type == "qwen3":
-        return transformers.Qwen3Config(**common, head_dim=cfg.head_size,
-                                        attention_bias=cfg.attention_bias, rope_parameters=rope)
+        return transformers.Qwen3Config(
+            **common, head_dim=cfg.head_size, attention_bias=cfg.attention_bias, rope_parameters=rope
+        )
     return transformers.DeepseekV2Config(
-        **common, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim, first_k_dense_replace=cfg.num_hidden_layers,
-        attention_bias=cfg.attention_bias, rope_parameters=rope,
+        **common,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        first_k_dense_replace=cfg.num_hidden_layers,
+        attention_bias=cfg.attention_bias,
+        rope_parameters=rope,
     )

@@ -36,8 +36,12 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
-                           (x.shape[-1],), self.param_dtype)
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,)),
+            (x.shape[-1],),
+            self.param_dtype,
+        )
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return scale.astype(x.dtype) * x32.astype(x.dtype)
@@ -109,6 +113,7 @@ def causal_attention(q, k, v, cfg: ModelConfig, scale: float | None = None):
     hv = v.shape[-1]
     if hv != q.shape[-1]:
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - hv)])
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                       implementation=cfg.attention_impl)
+    out = jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, implementation=cfg.attention_impl
+    )
     return out[..., :hv]

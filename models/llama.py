@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import flax.linen as nn
-import jax.numpy as jnp
 
 from models.configs import ModelConfig
 from models.layers import causal_attention, dense, inv_frequencies, rms_norm, rope_half

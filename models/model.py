@@ -56,18 +56,24 @@ class CausalLM(nn.Module):
     def __call__(self, tokens):
         cfg = self.cfg
         embed = nn.Embed(
-            cfg.vocab_size, cfg.hidden_size, dtype=jnp.dtype(cfg.dtype),
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=jnp.dtype(cfg.dtype),
             param_dtype=jnp.dtype(cfg.param_dtype),
             embedding_init=nn.with_logical_partitioning(
-                nn.initializers.normal(cfg.initializer_range), ("vocab", "embed")),
+                nn.initializers.normal(cfg.initializer_range), ("vocab", "embed")
+            ),
             name="embed_tokens",
         )
         x = embed(tokens)
         positions = jnp.arange(tokens.shape[1])
         if cfg.scan_layers:
             body = nn.scan(
-                _ScanBody, variable_axes={"params": 0}, split_rngs={"params": True},
-                in_axes=nn.broadcast, length=cfg.num_hidden_layers,
+                _ScanBody,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=nn.broadcast,
+                length=cfg.num_hidden_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
             x, _ = body(cfg, name="layers")(x, positions)
@@ -82,10 +88,13 @@ class CausalLM(nn.Module):
             logits = embed.attend(x)
         else:
             logits = nn.Dense(
-                cfg.vocab_size, use_bias=False, dtype=jnp.dtype(cfg.dtype),
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=jnp.dtype(cfg.dtype),
                 param_dtype=jnp.dtype(cfg.param_dtype),
                 kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.normal(cfg.initializer_range), ("embed", "vocab")),
+                    nn.initializers.normal(cfg.initializer_range), ("embed", "vocab")
+                ),
                 name="lm_head",
             )(x)
         return logits.astype(jnp.float32)

@@ -13,22 +13,45 @@ import models
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=128)
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+)
 CASES = {
     "llama2-mha-untied": models.ModelConfig(model_type="llama", **SMALL),
     "llama3.2-gqa-tied-rope-scaling": models.ModelConfig(
-        model_type="llama", num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-        **SMALL),
-    "qwen2.5-gqa4-bias-tied": models.ModelConfig(model_type="qwen2", num_key_value_heads=1,
-                                                 rope_theta=1e6, tie_word_embeddings=True, **SMALL),
-    "qwen3-explicit-head-dim": models.ModelConfig(model_type="qwen3", num_key_value_heads=2,
-                                                  head_dim=24, rope_theta=1e6, **SMALL),
-    "deepseek-v2-mla": models.ModelConfig(model_type="deepseek_v2", q_lora_rank=40,
-                                          kv_lora_rank=24, qk_nope_head_dim=16,
-                                          qk_rope_head_dim=8, v_head_dim=12, **SMALL),
+        model_type="llama",
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        **SMALL,
+    ),
+    "qwen2.5-gqa4-bias-tied": models.ModelConfig(
+        model_type="qwen2", num_key_value_heads=1, rope_theta=1e6, tie_word_embeddings=True, **SMALL
+    ),
+    "qwen3-explicit-head-dim": models.ModelConfig(
+        model_type="qwen3", num_key_value_heads=2, head_dim=24, rope_theta=1e6, **SMALL
+    ),
+    "deepseek-v2-mla": models.ModelConfig(
+        model_type="deepseek_v2",
+        q_lora_rank=40,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        **SMALL,
+    ),
 }
 
 
@@ -68,8 +91,10 @@ def test_state_dict_round_trip_is_exact(case):
     cfg = CASES[case]
     sd = _state_dict(_hf_model(cfg, seed=1))
     for scan in (False, True):
-        back = models.to_hf(dataclasses.replace(cfg, scan_layers=scan),
-                            models.from_hf(dataclasses.replace(cfg, scan_layers=scan), sd))
+        back = models.to_hf(
+            dataclasses.replace(cfg, scan_layers=scan),
+            models.from_hf(dataclasses.replace(cfg, scan_layers=scan), sd),
+        )
         assert set(back) == {k for k in sd if not k.endswith("inv_freq")}
         for k, v in back.items():
             np.testing.assert_array_equal(v, sd[k], err_msg=k)
@@ -79,13 +104,30 @@ def test_state_dict_round_trip_is_exact(case):
 def test_config_from_hf_round_trip(case):
     cfg = CASES[case]
     back = models.config_from_hf(models.to_hf_config(cfg))
-    for f in ("model_type", "hidden_size", "num_key_value_heads", "head_size", "rope_theta",
-              "tie_word_embeddings", "vocab_size", "kv_lora_rank"):
+    for f in (
+        "model_type",
+        "hidden_size",
+        "num_key_value_heads",
+        "head_size",
+        "rope_theta",
+        "tie_word_embeddings",
+        "vocab_size",
+        "kv_lora_rank",
+    ):
         assert getattr(back, f) == getattr(dataclasses.replace(cfg, num_key_value_heads=cfg.kv_heads), f), f
 
 
-PAPER = ["llama2-60m", "llama2-130m", "llama2-350m", "llama2-1b", "llama2-7b", "llama3.2-300m",
-         "qwen2.5-350m", "qwen3-350m", "deepseek-v2-350m"]
+PAPER = [
+    "llama2-60m",
+    "llama2-130m",
+    "llama2-350m",
+    "llama2-1b",
+    "llama2-7b",
+    "llama3.2-300m",
+    "qwen2.5-350m",
+    "qwen3-350m",
+    "deepseek-v2-350m",
+]
 
 
 @pytest.mark.parametrize("name", PAPER)
@@ -103,11 +145,19 @@ def test_scanned_and_unscanned_params_give_same_logits():
     scanned_cfg = cfg.replace(scan_layers=True)
     scanned = models.from_hf(scanned_cfg, sd)
     tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
-    np.testing.assert_allclose(models.forward(cfg, unscanned, tokens),
-                               models.forward(scanned_cfg, scanned, tokens), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        models.forward(cfg, unscanned, tokens),
+        models.forward(scanned_cfg, scanned, tokens),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     remat = scanned_cfg.replace(remat="full")
-    np.testing.assert_allclose(models.forward(remat, scanned, tokens),
-                               models.forward(scanned_cfg, scanned, tokens), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        models.forward(remat, scanned, tokens),
+        models.forward(scanned_cfg, scanned, tokens),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("name", ["llama2-tiny", "deepseek-v2-tiny"])
@@ -137,8 +187,7 @@ def test_config_errors_name_the_problem():
 def test_linear_layers_are_labelled_for_the_optimizer():
     import moara_jax as mj
 
-    for name, types in (("llama2-tiny", mj.LLAMA_MODULE_TYPES), ("deepseek-v2-tiny",
-                                                                  mj.MLA_MODULE_TYPES)):
+    for name, types in (("llama2-tiny", mj.LLAMA_MODULE_TYPES), ("deepseek-v2-tiny", mj.MLA_MODULE_TYPES)):
         for scan in (False, True):
             params = models.abstract_params(models.get_config(name, scan_layers=scan))
             labels = set(jax.tree.leaves(mj.label_tree(params))) - {"other"}

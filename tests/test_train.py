@@ -14,22 +14,36 @@ import numpy as np
 import pytest
 
 from train.config import load_config
-from train.data import Counts, file_documents, pack, SentencePieceTokenizer, ByteTokenizer
+from train.data import ByteTokenizer, Counts, SentencePieceTokenizer, file_documents, pack
 from train.errors import UserError
 from train.metrics import dedupe_by_step, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
-FAST = ["train.steps=12", "train.eval_every=6", "train.batch_size=8", "train.seq_len=32",
-        "train.eval_batches=2", "optimizer.update_proj_gap=5", "checkpoint.every=4"]
+FAST = [
+    "train.steps=12",
+    "train.eval_every=6",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.eval_batches=2",
+    "optimizer.update_proj_gap=5",
+    "checkpoint.every=4",
+]
 
 
 def run_cli(run_dir, *sets, extra=(), env=None, check=True, **kw):
     args = [sys.executable, "-m", "train", "--config", TINY, "--run-dir", str(run_dir), "--quiet"]
     for s in sets:
         args += ["--set", s]
-    proc = subprocess.run(args + list(extra), cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=600, **kw)
+    proc = subprocess.run(
+        args + list(extra),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+        **kw,
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -51,8 +65,15 @@ def test_cli_end_to_end_loss_falls_and_outputs_are_complete(tmp_path):
     assert {"step", "eval_loss", "eval_ppl"} <= set(evals[0])
     assert np.mean([r["loss"] for r in steps[-5:]]) < np.mean([r["loss"] for r in steps[:5]]) - 0.5
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    for key in ("final_eval_ppl", "steps", "wall_s", "tokens_per_s", "peak_device_memory_bytes",
-                "optimizer_state_bytes", "ranks"):
+    for key in (
+        "final_eval_ppl",
+        "steps",
+        "wall_s",
+        "tokens_per_s",
+        "peak_device_memory_bytes",
+        "optimizer_state_bytes",
+        "ranks",
+    ):
         assert key in summary
     assert summary["ranks"]["per_module"]["down"] == 32 and summary["ranks"]["per_module"]["q"] == 8
     assert summary["optimizer_state_bytes"]["magnitude_moments"] > 0
@@ -63,8 +84,16 @@ def test_cli_end_to_end_loss_falls_and_outputs_are_complete(tmp_path):
 def test_resume_after_sigterm_equals_uninterrupted(tmp_path):
     sets = [*FAST, "train.steps=24", "checkpoint.every=3", "train.micro_batch_size=4"]
     run_cli(tmp_path / "full", *sets)
-    args = [sys.executable, "-m", "train", "--config", TINY, "--run-dir", str(tmp_path / "cut"),
-            "--quiet"] + [x for s in sets for x in ("--set", s)]
+    args = [
+        sys.executable,
+        "-m",
+        "train",
+        "--config",
+        TINY,
+        "--run-dir",
+        str(tmp_path / "cut"),
+        "--quiet",
+    ] + [x for s in sets for x in ("--set", s)]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "cut" / "metrics.jsonl"
     deadline = time.time() + 300
@@ -86,8 +115,14 @@ def test_resume_after_sigterm_equals_uninterrupted(tmp_path):
 def test_sharded_2x2x2_mesh_gives_one_device_losses(tmp_path):
     sets = [*FAST, "train.steps=6", "checkpoint.every=0"]
     run_cli(tmp_path / "one", *sets)
-    run_cli(tmp_path / "eight", *sets, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    run_cli(
+        tmp_path / "eight",
+        *sets,
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+    )
     summary = json.loads((tmp_path / "eight" / "summary.json").read_text())
     assert summary["devices"] == 8 and summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
     one, eight = losses(tmp_path / "one"), losses(tmp_path / "eight")
@@ -102,8 +137,9 @@ def test_profile_writes_allocation_that_training_reads(tmp_path):
     assert alignment["steps"] == [2, 4, 6, 8, 10]
     assert all(0 < s <= 1 for s in alignment["s_tau"].values())
     receiver = allocation["receivers"][0]
-    assert alignment["s_tau"][receiver] == min(v for k, v in alignment["s_tau"].items()
-                                               if k not in ("q", "k"))
+    assert alignment["s_tau"][receiver] == min(
+        v for k, v in alignment["s_tau"].items() if k not in ("q", "k")
+    )
     assert allocation["ranks"][receiver] == 2 * 16 and allocation["ranks"]["q"] == 8
     assert sum(allocation["ranks"].values()) == 7 * 16
     assert (tmp_path / "prof" / "alignment.png").stat().st_size > 0
@@ -116,9 +152,21 @@ def test_profile_writes_allocation_that_training_reads(tmp_path):
 def test_compare_report(tmp_path):
     run_cli(tmp_path / "galore", *FAST, "optimizer.name=galore", "optimizer.rank_allocation=uniform")
     run_cli(tmp_path / "moara", *FAST)
-    proc = subprocess.run([sys.executable, "-m", "train.compare", str(tmp_path / "galore"),
-                           str(tmp_path / "moara"), "--out", str(tmp_path / "cmp")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.compare",
+            str(tmp_path / "galore"),
+            str(tmp_path / "moara"),
+            "--out",
+            str(tmp_path / "cmp"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "cmp" / "compare.md").read_text()
     assert "| galore |" in text and "| moara |" in text and "steps to target" in text
@@ -128,16 +176,19 @@ def test_compare_report(tmp_path):
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("sets,message", [
-    (["train.stepz=3"], "unknown config key train.stepz"),
-    (["train.steps=many"], "train.steps: expected int"),
-    (["optimizer.r_base=0"], "optimizer.r_base must be >= 1"),
-    (["optimizer.block_size=0"], "optimizer.block_size must be >= 1"),
-    (["model.name=llama9"], "unknown model 'llama9'"),
-    (["data.source=files", "data.paths=['/nonexistent.jsonl']"], "data file not found"),
-    (["train.batch_size=6", "mesh.data=4"], "does not match the 1 available devices"),
-    (["optimizer.rank_allocation=/no/such.json"], "allocation file not found"),
-])
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        (["train.stepz=3"], "unknown config key train.stepz"),
+        (["train.steps=many"], "train.steps: expected int"),
+        (["optimizer.r_base=0"], "optimizer.r_base must be >= 1"),
+        (["optimizer.block_size=0"], "optimizer.block_size must be >= 1"),
+        (["model.name=llama9"], "unknown model 'llama9'"),
+        (["data.source=files", "data.paths=['/nonexistent.jsonl']"], "data file not found"),
+        (["train.batch_size=6", "mesh.data=4"], "does not match the 1 available devices"),
+        (["optimizer.rank_allocation=/no/such.json"], "allocation file not found"),
+    ],
+)
 def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message):
     proc = run_cli(tmp_path / "bad", *sets, check=False)
     assert proc.returncode == 2
@@ -146,14 +197,25 @@ def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message):
 
 
 def test_missing_config_file_is_a_clean_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "train", "--config", str(tmp_path / "nope.yaml")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "train", "--config", str(tmp_path / "nope.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "config file not found" in proc.stderr
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
-    proc = run_cli(tmp_path / "nan", *FAST, "train.lr=1.0e+30", "train.warmup_ratio=0.0",
-                   "checkpoint.every=1", check=False)
+    proc = run_cli(
+        tmp_path / "nan",
+        *FAST,
+        "train.lr=1.0e+30",
+        "train.warmup_ratio=0.0",
+        "checkpoint.every=1",
+        check=False,
+    )
     assert proc.returncode == 1 and "loss is" in proc.stdout
     ckpts = sorted(int(p.name) for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts, "the last good checkpoint is kept"
@@ -179,8 +241,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
 def test_packing_is_eos_separated_windows():
     windows = pack(["ab", "c"], ByteTokenizer(), 3)
     assert windows.tolist() == [[97, 98, 256]]  # "ab" EOS | "c" EOS (dropped: partial window)
-    np.testing.assert_array_equal(pack(["abcde"], ByteTokenizer(), 2),
-                                  [[97, 98], [99, 100], [101, 256]])
+    np.testing.assert_array_equal(pack(["abcde"], ByteTokenizer(), 2), [[97, 98], [99, 100], [101, 256]])
     with pytest.raises(UserError, match="fewer than one window"):
         pack(["a"], ByteTokenizer(), 8)
 
@@ -189,20 +250,34 @@ def test_sentencepiece_tokenizer_path(tmp_path):
     spm = pytest.importorskip("sentencepiece")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"),
-                                   vocab_size=60, eos_id=1, pad_id=0, unk_id=2, bos_id=-1)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(tmp_path / "sp"),
+        vocab_size=60,
+        eos_id=1,
+        pad_id=0,
+        unk_id=2,
+        bos_id=-1,
+    )
     tok = SentencePieceTokenizer(str(tmp_path / "sp.model"))
     assert tok.vocab_size == 60 and tok.eos_id == 1
     assert tok.decode(tok.encode("the lazy dog")) == "the lazy dog"
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"the quick brown fox {i}"}) for i in range(200)))
-    run_cli(tmp_path / "sp_run", *FAST, "train.steps=3", "data.source=files",
-            f"data.paths=['{data}']", f"data.tokenizer={tmp_path / 'sp.model'}")
+    run_cli(
+        tmp_path / "sp_run",
+        *FAST,
+        "train.steps=3",
+        "data.source=files",
+        f"data.paths=['{data}']",
+        f"data.tokenizer={tmp_path / 'sp.model'}",
+    )
     assert json.loads((tmp_path / "sp_run" / "summary.json").read_text())["steps"] == 3
 
 
-@pytest.mark.parametrize("path", sorted(str(p) for p in (ROOT / "configs").rglob("*.yaml")
-                                        if p.name != "base.yaml"))
+@pytest.mark.parametrize(
+    "path", sorted(str(p) for p in (ROOT / "configs").rglob("*.yaml") if p.name != "base.yaml")
+)
 def test_every_shipped_config_validates_and_names_a_model(path):
     import models
 
@@ -214,8 +289,8 @@ def test_paper_config_reproduces_paper_optimizer_state():
     """configs/paper/llama2-350m.yaml -> the optimizer the trainer builds -> 650.88 MiB (Full)."""
     import jax
 
-    import models
     import moara_jax as mj
+    import models
     from train.loop import model_config
     from train.step import make_optimizer
 

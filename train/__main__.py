@@ -11,12 +11,20 @@ from train.errors import UserError
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train", description="Pretrain a models config "
-                                     "with AdamW, GaLore or MoARa (or profile module alignment).")
+    parser = argparse.ArgumentParser(
+        prog="python -m train",
+        description="Pretrain a models config with AdamW, GaLore or MoARa (or profile module alignment).",
+    )
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
     parser.add_argument("--run-dir", default=None, help="output directory (default runs/<config name>)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key; the value is parsed as YAML")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key; the value is parsed as YAML",
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args(argv)
@@ -27,7 +35,12 @@ def main(argv=None) -> int:
         if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_JOB_ID"):
             import jax
 
-            jax.distributed.initialize()
+            env = {
+                k: int(os.environ[v])
+                for k, v in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
+                if v in os.environ
+            }
+            jax.distributed.initialize(**env)
         from train.loop import train_and_evaluate
 
         run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
@@ -38,8 +51,11 @@ def main(argv=None) -> int:
     if summary["status"] == "nan":
         return 1
     ppl = summary["final_eval_ppl"]
-    print(f"{summary['status']}: {summary['steps']} steps in {summary['wall_s']:.1f}s, "
-          f"final eval ppl {ppl:.2f}" if ppl is not None else f"{summary['status']}")
+    print(
+        f"{summary['status']}: {summary['steps']} steps in {summary['wall_s']:.1f}s, final eval ppl {ppl:.2f}"
+        if ppl is not None
+        else f"{summary['status']}"
+    )
     print(f"run dir: {run_dir}")
     return 0
 

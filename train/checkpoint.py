@@ -21,16 +21,23 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict, force: bool = False) -> None:
         if step in self.manager.all_steps():
             return
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
+            force=force,
+        )
 
     def should_save(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
     def restore(self, step: int, abstract_state):
         """``abstract_state``: ``jax.ShapeDtypeStruct``s with the target shardings."""
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+            ),
+        )
         return out.state, out.data
 
     def wait(self) -> None:
@@ -42,5 +49,4 @@ class Checkpointer:
 
 
 def abstract_with_shardings(tree, shardings):
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
-                        shardings)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)

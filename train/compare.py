@@ -38,19 +38,25 @@ def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None) -
     base = runs[0]
     target = base["evals"][-1]["eval_ppl"]
     b_step, b_time = reach(base["evals"], target)
-    lines = [f"Target: final eval ppl of `{base['name']}` = {target:.3f}", "",
-             "| run | final ppl | steps to target | step reduction | time to target (s) | time reduction |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Target: final eval ppl of `{base['name']}` = {target:.3f}",
+        "",
+        "| run | final ppl | steps to target | step reduction | time to target (s) | time reduction |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     rows = []
     for run in runs:
         step, wall = reach(run["evals"], target)
         final = run["evals"][-1]["eval_ppl"]
         red_s = f"{100 * (1 - step / b_step):.1f}%" if step else "not reached"
         red_t = f"{100 * (1 - wall / b_time):.1f}%" if wall else "not reached"
-        lines.append(f"| {run['name']} | {final:.3f} | {step if step else '-'} | {red_s} | "
-                     f"{f'{wall:.1f}' if wall else '-'} | {red_t} |")
-        rows.append({"run": run["name"], "final_ppl": final, "steps_to_target": step,
-                     "time_to_target_s": wall})
+        lines.append(
+            f"| {run['name']} | {final:.3f} | {step if step else '-'} | {red_s} | "
+            f"{f'{wall:.1f}' if wall else '-'} | {red_t} |"
+        )
+        rows.append(
+            {"run": run["name"], "final_ppl": final, "steps_to_target": step, "time_to_target_s": wall}
+        )
     text = "\n".join(lines) + "\n"
     out_dir = out_dir or run_dirs[0].parent
     out_dir.mkdir(parents=True, exist_ok=True)

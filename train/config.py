@@ -119,8 +119,10 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
         except ValueError:
             pass
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-        raise UserError(f"config key {where}: expected {getattr(expected, '__name__', expected)}, "
-                        f"got {type(value).__name__} {value!r}")
+        raise UserError(
+            f"config key {where}: expected {getattr(expected, '__name__', expected)}, "
+            f"got {type(value).__name__} {value!r}"
+        )
     return value
 
 
@@ -145,7 +147,11 @@ def _build(cls, data: Any, prefix: str):
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides" else v
+        out[k] = (
+            _merge(out[k], v)
+            if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides"
+            else v
+        )
     return out
 
 
@@ -196,36 +202,52 @@ def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> R
 
 def validate(cfg: RunConfig) -> None:
     """Range and choice checks that types alone do not express."""
+
     def need(ok: bool, message: str):
         if not ok:
             raise UserError(message)
 
     o, t, d = cfg.optimizer, cfg.train, cfg.data
     need(cfg.mode in ("train", "profile"), f"mode must be train or profile, got {cfg.mode!r}")
-    need(o.name in ("adamw", "galore", "moara"), f"optimizer.name must be adamw, galore or moara, got {o.name!r}")
+    need(
+        o.name in ("adamw", "galore", "moara"),
+        f"optimizer.name must be adamw, galore or moara, got {o.name!r}",
+    )
     need(o.r_base >= 1, f"optimizer.r_base must be >= 1, got {o.r_base}")
     need(o.block_size >= 1, f"optimizer.block_size must be >= 1, got {o.block_size}")
     need(o.update_proj_gap >= 1, f"optimizer.update_proj_gap must be >= 1, got {o.update_proj_gap}")
     need(o.svd in ("exact", "randomized"), f"optimizer.svd must be exact or randomized, got {o.svd!r}")
     if o.rank_allocation not in ("uniform", "default"):
-        need(pathlib.Path(o.rank_allocation).is_file(),
-             f"optimizer.rank_allocation: allocation file not found: {o.rank_allocation}")
+        need(
+            pathlib.Path(o.rank_allocation).is_file(),
+            f"optimizer.rank_allocation: allocation file not found: {o.rank_allocation}",
+        )
     need(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
     need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
     mb = t.micro_batch_size or t.batch_size
-    need(mb >= 1 and t.batch_size % mb == 0,
-         f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({mb})")
+    need(
+        mb >= 1 and t.batch_size % mb == 0,
+        f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({mb})",
+    )
     need(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
     need(0 <= t.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     need(t.eval_every >= 1 and t.log_every >= 1, "train.eval_every and train.log_every must be >= 1")
-    need(t.param_dtype in ("float32", "bfloat16") and t.dtype in ("float32", "bfloat16"),
-         "train.param_dtype and train.dtype must be float32 or bfloat16")
-    need(d.source in ("builtin", "files", "tfds"), f"data.source must be builtin, files or tfds, got {d.source!r}")
+    need(
+        t.param_dtype in ("float32", "bfloat16") and t.dtype in ("float32", "bfloat16"),
+        "train.param_dtype and train.dtype must be float32 or bfloat16",
+    )
+    need(
+        d.source in ("builtin", "files", "tfds"),
+        f"data.source must be builtin, files or tfds, got {d.source!r}",
+    )
     need(d.source != "files" or bool(d.paths), "data.source is files but data.paths is empty")
     need(0 < d.validation_fraction < 1, "data.validation_fraction must be in (0, 1)")
-    need(cfg.checkpoint.keep >= 1 and cfg.checkpoint.every >= 0, "checkpoint.keep must be >= 1 and checkpoint.every >= 0")
+    need(
+        cfg.checkpoint.keep >= 1 and cfg.checkpoint.every >= 0,
+        "checkpoint.keep must be >= 1 and checkpoint.every >= 0",
+    )
     need(cfg.profile.every >= 1 and cfg.profile.steps >= 1, "profile.steps and profile.every must be >= 1")
 
 

@@ -41,8 +41,10 @@ class SentencePieceTokenizer:
         try:
             import sentencepiece as spm
         except ImportError:
-            raise UserError("data.tokenizer names a sentencepiece model but sentencepiece is not "
-                            "installed: pip install 'moara-jax[sentencepiece]'") from None
+            raise UserError(
+                "data.tokenizer names a sentencepiece model but sentencepiece is not "
+                "installed: pip install 'moara-jax[sentencepiece]'"
+            ) from None
         if not pathlib.Path(path).is_file():
             raise UserError(f"data.tokenizer: sentencepiece model not found: {path}")
         self._sp = spm.SentencePieceProcessor(model_file=str(path))
@@ -106,8 +108,12 @@ def file_documents(paths: Iterable[str], counts: Counts) -> Iterator[str]:
             else:
                 counts.skip("empty_text")
             continue
-        if not (name.endswith(".jsonl") or name.endswith(".jsonl.gz") or name.endswith(".json.gz")
-                or name.endswith(".json")):
+        if not (
+            name.endswith(".jsonl")
+            or name.endswith(".jsonl.gz")
+            or name.endswith(".json.gz")
+            or name.endswith(".json")
+        ):
             raise UserError(f"unsupported data file type: {path} (use .txt, .jsonl, .jsonl.gz, .json.gz)")
         for raw in _lines(path):
             if not raw.strip():
@@ -133,12 +139,15 @@ def tfds_documents(name: str, split: str, limit: int | None) -> Iterator[str]:
     try:
         import tensorflow_datasets as tfds
     except ImportError:
-        raise UserError("data.source is tfds but tensorflow-datasets is not installed: "
-                        "pip install 'moara-jax[tfds]'") from None
+        raise UserError(
+            "data.source is tfds but tensorflow-datasets is not installed: pip install 'moara-jax[tfds]'"
+        ) from None
     try:
         ds = tfds.load(name, split=split, download=False)
     except Exception as e:  # noqa: BLE001 - TFDS raises many types for "not prepared"
-        raise UserError(f"TFDS dataset {name!r} ({split}) is not available: {str(e).splitlines()[0]}") from None
+        raise UserError(
+            f"TFDS dataset {name!r} ({split}) is not available: {str(e).splitlines()[0]}"
+        ) from None
     for i, ex in enumerate(tfds.as_numpy(ds)):
         if limit is not None and i >= limit:
             return
@@ -215,7 +224,7 @@ class Data:
     def val_batches(self, batch_size: int, n: int) -> list[np.ndarray]:
         """The first ``n`` validation batches (fixed; windows wrap around if too few)."""
         idx = np.arange(n * batch_size) % len(self.val_windows)
-        return [self.val_windows[idx[i * batch_size:(i + 1) * batch_size]] for i in range(n)]
+        return [self.val_windows[idx[i * batch_size : (i + 1) * batch_size]] for i in range(n)]
 
 
 def build_data(cfg: DataSection, seq_len: int) -> Data:

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-import models
 import moara_jax as mj
+import models
 from train import profile as profiling
 from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
@@ -49,15 +49,20 @@ class _Stop:
 
 def model_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
     try:
-        return models.get_config(cfg.model.name, vocab_size=vocab_size,
-                                 param_dtype=cfg.train.param_dtype, dtype=cfg.train.dtype,
-                                 **cfg.model.overrides)
+        return models.get_config(
+            cfg.model.name,
+            vocab_size=vocab_size,
+            param_dtype=cfg.train.param_dtype,
+            dtype=cfg.train.dtype,
+            **cfg.model.overrides,
+        )
     except (ValueError, TypeError) as e:
         raise UserError(f"model: {e}") from None
 
 
-def train_and_evaluate(cfg: RunConfig, run_dir: pathlib.Path, resume: bool = False,
-                       quiet: bool = False) -> dict:
+def train_and_evaluate(
+    cfg: RunConfig, run_dir: pathlib.Path, resume: bool = False, quiet: bool = False
+) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     t = cfg.train
@@ -100,15 +105,19 @@ def train_and_evaluate(cfg: RunConfig, run_dir: pathlib.Path, resume: bool = Fal
             print(f"no checkpoint in {run_dir / 'checkpoints'}; starting from scratch")
         state = jax.jit(init, out_shardings=s_shard)(jax.random.PRNGKey(t.seed))
 
-    step_fn = jax.jit(make_train_step(model_cfg, tx, micro, alignment_block=cfg.optimizer.block_size,
-                                      with_alignment=profiling_mode),
-                      in_shardings=(s_shard, b_sharding), out_shardings=(s_shard, None),
-                      donate_argnums=(0,))
+    step_fn = jax.jit(
+        make_train_step(
+            model_cfg, tx, micro, alignment_block=cfg.optimizer.block_size, with_alignment=profiling_mode
+        ),
+        in_shardings=(s_shard, b_sharding),
+        out_shardings=(s_shard, None),
+        donate_argnums=(0,),
+    )
     eval_fn = jax.jit(make_eval_step(model_cfg), in_shardings=(p_shard, b_sharding))
     val = data.val_batches(t.batch_size, t.eval_batches)
 
     def evaluate(params) -> float:
-        return float(np.mean([float(eval_fn(params, jax.device_put(b, b_sharding))) for b in val]))
+        return float(np.mean([float(eval_fn(params, _global_batch(b, b_sharding))) for b in val]))
 
     writer = MetricsWriter(run_dir, total_steps, resume and start > 0, quiet)
     recorder = profiling.AlignmentRecorder(cfg.profile.ema) if profiling_mode else None
@@ -118,7 +127,7 @@ def train_and_evaluate(cfg: RunConfig, run_dir: pathlib.Path, resume: bool = Fal
     step = start
     with _Stop() as stop:
         while step < total_steps:
-            batch = jax.device_put(np.asarray(next(data_iter)), b_sharding)
+            batch = _global_batch(np.asarray(next(data_iter)), b_sharding)
             t0 = time.perf_counter()
             new_state, metrics = step_fn(state, batch)
             loss = float(metrics["loss"])
@@ -126,22 +135,37 @@ def train_and_evaluate(cfg: RunConfig, run_dir: pathlib.Path, resume: bool = Fal
             if not math.isfinite(loss):
                 status = "nan"
                 writer.end_progress()
-                print(f"error: loss is {loss} at step {step + 1}; stopping. The last good "
-                      f"checkpoint is kept in {run_dir / 'checkpoints'}")
+                print(
+                    f"error: loss is {loss} at step {step + 1}; stopping. The last good "
+                    f"checkpoint is kept in {run_dir / 'checkpoints'}"
+                )
                 break
             state, step = new_state, step + 1
             if recorder is not None and step % cfg.profile.every == 0:
                 recorder.record(step, metrics["alignment"], abstract_params)
             if step % t.log_every == 0 or step == total_steps:
-                writer.write({"step": step, "loss": loss, "lr": float(lr(step - 1)),
-                              "grad_norm": float(metrics["grad_norm"]),
-                              "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                              "wall_s": writer.wall()})
+                writer.write(
+                    {
+                        "step": step,
+                        "loss": loss,
+                        "lr": float(lr(step - 1)),
+                        "grad_norm": float(metrics["grad_norm"]),
+                        "tokens_per_s": tokens_per_step / dt,
+                        "step_time_s": dt,
+                        "wall_s": writer.wall(),
+                    }
+                )
                 writer.progress(step, loss, tokens_per_step / dt, dt)
             if step % t.eval_every == 0 or step == total_steps:
                 last_eval = evaluate(state.params)
-                writer.write({"step": step, "eval_loss": last_eval,
-                              "eval_ppl": math.exp(min(last_eval, 50.0)), "wall_s": writer.wall()})
+                writer.write(
+                    {
+                        "step": step,
+                        "eval_loss": last_eval,
+                        "eval_ppl": math.exp(min(last_eval, 50.0)),
+                        "wall_s": writer.wall(),
+                    }
+                )
             if ckpt.should_save(step) or step == total_steps or stop.requested:
                 ckpt.save(step, state, {"iterator": data_iter.get_state()}, force=True)
             if stop.requested:
@@ -151,8 +175,12 @@ def train_and_evaluate(cfg: RunConfig, run_dir: pathlib.Path, resume: bool = Fal
     ckpt.close()
 
     summary = {
-        "status": status, "mode": cfg.mode, "steps": step, "model": model_cfg.name,
-        "optimizer": cfg.optimizer.name, "wall_s": writer.wall(),
+        "status": status,
+        "mode": cfg.mode,
+        "steps": step,
+        "model": model_cfg.name,
+        "optimizer": cfg.optimizer.name,
+        "wall_s": writer.wall(),
         "final_eval_loss": last_eval,
         "final_eval_ppl": math.exp(min(last_eval, 50.0)) if last_eval is not None else None,
         "tokens_per_s": _mean_tokens_per_s(run_dir),
@@ -161,12 +189,19 @@ def train_and_evaluate(cfg: RunConfig, run_dir: pathlib.Path, resume: bool = Fal
         "optimizer_state_bytes": mj.state_bytes(abstract_opt),
         "ranks": _rank_summary(cfg, abstract_params, profiling_mode),
         "data": dataclasses.asdict(data.counts),
-        "devices": len(mesh.devices.flat), "mesh": dict(mesh.shape),
+        "devices": len(mesh.devices.flat),
+        "mesh": dict(mesh.shape),
     }
     if recorder is not None:
         summary["profile"] = profiling.write_outputs(recorder, run_dir, cfg)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _global_batch(batch: np.ndarray, sharding) -> jax.Array:
+    """The global batch as a sharded array; each process transfers only its addressable shards
+    (every process reads the same seeded stream, so this is also correct across hosts)."""
+    return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
 
 
 def _rank_summary(cfg: RunConfig, abstract_params, profiling_mode: bool) -> dict | None:
@@ -176,10 +211,14 @@ def _rank_summary(cfg: RunConfig, abstract_params, profiling_mode: bool) -> dict
     ranks = None
     if not profiling_mode and opt.rank_allocation not in ("uniform", "default"):
         from train.step import read_allocation
+
         ranks = read_allocation(opt.rank_allocation)
-    rows = mj.rank_table(abstract_params, r_base=opt.r_base,
-                         rank_allocation=opt.rank_allocation == "default" and not profiling_mode,
-                         ranks=ranks)
+    rows = mj.rank_table(
+        abstract_params,
+        r_base=opt.r_base,
+        rank_allocation=opt.rank_allocation == "default" and not profiling_mode,
+        ranks=ranks,
+    )
     per_module = {r["module"]: r["requested"] for r in rows}
     clipped = [r for r in rows if r["used"] < r["requested"]]
     return {"per_module": per_module, "clipped": clipped}

@@ -34,8 +34,10 @@ class MetricsWriter:
             return
         eta = (self.total - step) * step_time
         ppl = math.exp(min(loss, 50.0))
-        sys.stderr.write(f"\rstep {step}/{self.total}  loss {loss:.4f}  ppl {ppl:.1f}  "
-                         f"{tokens_per_s:,.0f} tok/s  ETA {eta:,.0f}s   ")
+        sys.stderr.write(
+            f"\rstep {step}/{self.total}  loss {loss:.4f}  ppl {ppl:.1f}  "
+            f"{tokens_per_s:,.0f} tok/s  ETA {eta:,.0f}s   "
+        )
         sys.stderr.flush()
 
     def end_progress(self) -> None:

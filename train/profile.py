@@ -50,18 +50,29 @@ def choose_allocation(s_tau: dict[str, float], cfg: RunConfig) -> dict:
     while delta and (delta * len(donors)) % max(len(receivers), 1):
         delta -= 1
     ranks = mj.allocate_ranks(r_base, list(s_tau), donors, receivers, delta)
-    return {"r_base": r_base, "delta": delta, "donors": donors, "receivers": receivers,
-            "ranks": ranks, "s_tau": s_tau}
+    return {
+        "r_base": r_base,
+        "delta": delta,
+        "donors": donors,
+        "receivers": receivers,
+        "ranks": ranks,
+        "s_tau": s_tau,
+    }
 
 
 def write_outputs(rec: AlignmentRecorder, run_dir: pathlib.Path, cfg: RunConfig) -> dict:
     s_tau = rec.s_tau()
     if not s_tau:
         raise RuntimeError("profiling recorded no alignment (profile.every > steps?)")
-    alignment = {"steps": rec.steps, "s_tau": s_tau,
-                 "trajectories": {k: v for k, v in rec.values.items()},
-                 "ema": {k: v for k, v in rec.smoothed.items()}, "ema_decay": rec.ema,
-                 "block_size": cfg.optimizer.block_size, "r_base": cfg.optimizer.r_base}
+    alignment = {
+        "steps": rec.steps,
+        "s_tau": s_tau,
+        "trajectories": {k: v for k, v in rec.values.items()},
+        "ema": {k: v for k, v in rec.smoothed.items()},
+        "ema_decay": rec.ema,
+        "block_size": cfg.optimizer.block_size,
+        "r_base": cfg.optimizer.r_base,
+    }
     (run_dir / "alignment.json").write_text(json.dumps(alignment, indent=2))
     allocation = choose_allocation(s_tau, cfg)
     (run_dir / "allocation.json").write_text(json.dumps(allocation, indent=2))

@@ -6,16 +6,18 @@ Parameters are sharded by their logical axis names (``models.logical_axes``) thr
 parameters') shard their largest axis that ``fsdp`` divides. Batches shard over
 ``(data, fsdp)``.
 
-Multi-host: call ``jax.distributed.initialize()`` before anything else (``train`` does when
-``JAX_COORDINATOR_ADDRESS`` or a cluster environment such as SLURM is detected); the mesh then
-spans every process's devices and each process feeds its share of the global batch.
+Multi-host: ``jax.distributed.initialize()`` runs first (``python -m train`` calls it when
+``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``) or SLURM is set); the
+mesh then spans every process's devices. Every process reads the same seeded data stream and
+transfers only the shards of the global batch its devices hold.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from train.config import MeshSection
 from train.errors import UserError
@@ -40,8 +42,9 @@ def make_mesh(cfg: MeshSection, devices=None) -> Mesh:
     fsdp, tensor = cfg.fsdp, cfg.tensor
     data = cfg.data if cfg.data != -1 else n // max(fsdp * tensor, 1)
     if min(data, fsdp, tensor) < 1 or data * fsdp * tensor != n:
-        raise UserError(f"mesh data x fsdp x tensor = {data} x {fsdp} x {tensor} does not match "
-                        f"the {n} available devices")
+        raise UserError(
+            f"mesh data x fsdp x tensor = {data} x {fsdp} x {tensor} does not match the {n} available devices"
+        )
     return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), ("data", "fsdp", "tensor"))
 
 
@@ -79,6 +82,7 @@ def state_shardings(abstract_state, mesh: Mesh):
 def batch_sharding(mesh: Mesh, global_batch: int) -> NamedSharding:
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if global_batch % shards:
-        raise UserError(f"train.batch_size ({global_batch}) is not divisible by the mesh's "
-                        f"data x fsdp = {shards}")
+        raise UserError(
+            f"train.batch_size ({global_batch}) is not divisible by the mesh's data x fsdp = {shards}"
+        )
     return NamedSharding(mesh, P(("data", "fsdp"), None))

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import models
 import moara_jax as mj
+import models
 from train.config import OptimizerSection, RunConfig
 from train.errors import UserError
 
@@ -28,7 +28,10 @@ def schedule(cfg: RunConfig) -> optax.Schedule:
     t = cfg.train
     warmup = int(t.warmup_ratio * t.steps)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=warmup, decay_steps=max(t.steps, warmup + 1),
+        init_value=0.0,
+        peak_value=t.lr,
+        warmup_steps=warmup,
+        decay_steps=max(t.steps, warmup + 1),
         end_value=t.lr * t.min_lr_ratio,
     )
 
@@ -43,8 +46,9 @@ def read_allocation(path: str) -> dict[str, int]:
     return ranks
 
 
-def make_optimizer(opt: OptimizerSection, lr: optax.ScalarOrSchedule, grad_clip: float,
-                   *, force_uniform_galore: bool = False) -> optax.GradientTransformation:
+def make_optimizer(
+    opt: OptimizerSection, lr: optax.ScalarOrSchedule, grad_clip: float, *, force_uniform_galore: bool = False
+) -> optax.GradientTransformation:
     """AdamW, GaLore or MoARa per the config (all with galore-torch's Adam formulation)."""
     if opt.name == "adamw":
         tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay)
@@ -57,9 +61,18 @@ def make_optimizer(opt: OptimizerSection, lr: optax.ScalarOrSchedule, grad_clip:
         if force_uniform_galore:
             ranks, allocate, decompose = None, False, False
         tx = mj.moara_adamw(
-            lr, r_base=opt.r_base, block_size=opt.block_size, decompose=decompose,
-            rank_allocation=allocate, ranks=ranks, update_proj_gap=opt.update_proj_gap,
-            scale=opt.scale, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+            lr,
+            r_base=opt.r_base,
+            block_size=opt.block_size,
+            decompose=decompose,
+            rank_allocation=allocate,
+            ranks=ranks,
+            update_proj_gap=opt.update_proj_gap,
+            scale=opt.scale,
+            b1=opt.b1,
+            b2=opt.b2,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
             svd=opt.svd,
         )
     if grad_clip > 0:
@@ -73,8 +86,13 @@ def loss_fn(model_cfg: models.ModelConfig, params, batch: jax.Array) -> jax.Arra
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def make_train_step(model_cfg: models.ModelConfig, tx: optax.GradientTransformation,
-                    micro_batches: int, alignment_block: int | None = None, with_alignment=False):
+def make_train_step(
+    model_cfg: models.ModelConfig,
+    tx: optax.GradientTransformation,
+    micro_batches: int,
+    alignment_block: int | None = None,
+    with_alignment=False,
+):
     """``step(state, batch) -> (state, metrics)``; gradients are averaged over ``micro_batches``
     slices of the batch (gradient accumulation with ``lax.scan``). With ``with_alignment`` the
     metrics also hold ``S(W, t)`` of every projected matrix (profiling)."""
@@ -91,12 +109,13 @@ def make_train_step(model_cfg: models.ModelConfig, tx: optax.GradientTransformat
                 loss, grads = grad_fn(state.params, mb)
                 return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
-            zeros = (jnp.zeros([], jnp.float32), jax.tree.map(
-                lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
+            zeros = (
+                jnp.zeros([], jnp.float32),
+                jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params),
+            )
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro)
             loss = loss / micro_batches
-            grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads,
-                                 state.params)
+            grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads, state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
