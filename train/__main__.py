@@ -15,7 +15,8 @@ def main(argv=None) -> int:
         prog="python -m train",
         description="Pretrain a models config with AdamW, GaLore or MoARa (or profile module alignment).",
     )
-    parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    parser.add_argument("--config", required=True, action="append",
+                        help="YAML run config (see configs/); repeat to layer files, later ones win")
     parser.add_argument("--run-dir", default=None, help="output directory (default runs/<config name>)")
     parser.add_argument(
         "--set",
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
             jax.distributed.initialize(**env)
         from train.loop import train_and_evaluate
 
-        run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / pathlib.Path(args.config).stem)
+        stem = "-".join(pathlib.Path(c).stem for c in args.config)
+        run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / stem)
         summary = train_and_evaluate(cfg, run_dir, resume=args.resume, quiet=args.quiet)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

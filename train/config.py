@@ -184,9 +184,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def load_config(path: str | pathlib.Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Reads a YAML file (or the defaults), applies ``--set`` overrides and validates."""
-    data = _read_yaml(pathlib.Path(path)) if path else {}
+def load_config(path, overrides: list[str] = ()) -> RunConfig:
+    """Reads YAML file(s) (a list is merged in order, later files winning), applies ``--set``
+    overrides and validates."""
+    paths = [path] if isinstance(path, (str, pathlib.Path)) else list(path or [])
+    data: dict = {}
+    for p in paths:
+        data = _merge(data, _read_yaml(pathlib.Path(p)))
     for text in overrides:
         keys, value = parse_override(text)
         node = data
