@@ -32,16 +32,18 @@ class MetricsWriter:
     def progress(self, step: int, loss: float, tokens_per_s: float, step_time: float) -> None:
         if self.quiet:
             return
+        tty = sys.stderr.isatty()
+        if not tty and step % max(1, self.total // 20) and step != self.total:
+            return  # writing to a log file: about 20 lines per run
         eta = (self.total - step) * step_time
         ppl = math.exp(min(loss, 50.0))
-        sys.stderr.write(
-            f"\rstep {step}/{self.total}  loss {loss:.4f}  ppl {ppl:.1f}  "
-            f"{tokens_per_s:,.0f} tok/s  ETA {eta:,.0f}s   "
-        )
+        line = (f"step {step}/{self.total}  loss {loss:.4f}  ppl {ppl:.1f}  "
+                f"{tokens_per_s:,.0f} tok/s  ETA {eta:,.0f}s")
+        sys.stderr.write(f"\r{line}   " if tty else line + "\n")
         sys.stderr.flush()
 
     def end_progress(self) -> None:
-        if not self.quiet:
+        if not self.quiet and sys.stderr.isatty():
             sys.stderr.write("\n")
 
 
