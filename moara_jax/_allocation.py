@@ -115,6 +115,14 @@ def resolve_module_ranks(
     return allocate_ranks(r_base, types, donors, receivers, delta)
 
 
+def tree_ranks(tree: Any, label_fn=module_label, **allocation) -> tuple[Any, dict[str, int]]:
+    """The label tree of ``tree`` and the requested rank of each module type present in it
+    (``allocation``: the keyword arguments of :func:`resolve_module_ranks`)."""
+    labels = label_tree(tree, label_fn)
+    present = [lab for lab in dict.fromkeys(jax.tree.leaves(labels)) if lab != OTHER]
+    return labels, resolve_module_ranks(present, **allocation)
+
+
 def rank_table(
     params: Any,
     *,
@@ -128,16 +136,9 @@ def rank_table(
 ) -> list[dict[str, Any]]:
     """The rank of every target matrix: ``path, module, shape, requested, used`` (clipping shows
     as ``used < requested``). Works on ``jax.eval_shape`` output."""
-    labels = label_tree(params, label_fn)
-    present = [lab for lab in jax.tree.leaves(labels) if lab != OTHER]
-    requested = resolve_module_ranks(
-        present,
-        r_base=r_base,
-        rank_allocation=rank_allocation,
-        ranks=ranks,
-        donors=donors,
-        receivers=receivers,
-        delta=delta,
+    labels, requested = tree_ranks(
+        params, label_fn, r_base=r_base, rank_allocation=rank_allocation, ranks=ranks,
+        donors=donors, receivers=receivers, delta=delta,
     )
     rows = []
     for (path, x), lab in zip(

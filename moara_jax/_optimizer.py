@@ -9,10 +9,10 @@ import jax
 import optax
 
 from moara_jax._adam import inner_adam
-from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks
+from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
 from moara_jax._chain import scale_by_galore, scale_by_moara
 from moara_jax._decomposition import _check_block_size
-from moara_jax._labels import OTHER, label_tree, module_label
+from moara_jax._labels import OTHER, module_label
 
 TARGET = "target"
 
@@ -97,29 +97,13 @@ def moara_adamw(
         seed=seed,
         canonical_signs=canonical_signs,
     )
+    allocation = dict(r_base=r_base, rank_allocation=rank_allocation, ranks=ranks, donors=donors,
+                      receivers=receivers, delta=delta)
     # Validate the rank arguments now (on a generic Llama block), not at the first update.
-    resolve_module_ranks(
-        ("q", "k", "v", "o", "up", "gate", "down"),
-        r_base=r_base,
-        rank_allocation=rank_allocation,
-        ranks=ranks,
-        donors=donors,
-        receivers=receivers,
-        delta=delta,
-    )
+    resolve_module_ranks(("q", "k", "v", "o", "up", "gate", "down"), **allocation)
 
     def build(tree) -> optax.GradientTransformation:
-        labels = label_tree(tree, label_fn)
-        present = [lab for lab in dict.fromkeys(jax.tree.leaves(labels)) if lab != OTHER]
-        module_ranks = resolve_module_ranks(
-            present,
-            r_base=r_base,
-            rank_allocation=rank_allocation,
-            ranks=ranks,
-            donors=donors,
-            receivers=receivers,
-            delta=delta,
-        )
+        labels, module_ranks = tree_ranks(tree, label_fn, **allocation)
         # One transform over all target matrices (ranks per leaf): one refresh cond per step and
         # SVD batches shared across module types of the same shape.
         rank_of = lambda path: module_ranks[label_fn(path)]  # noqa: E731
