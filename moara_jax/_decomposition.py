@@ -65,13 +65,6 @@ def decompose_along(
     return mag, _unblocked(direction, n, axis).astype(g.dtype)
 
 
-def repeat_blocks_along(mag: jnp.ndarray, block_size: int, n: int, axis: int) -> jnp.ndarray:
-    """``Rep_B``: repeats each block magnitude over its ``block_size`` entries, cropped to ``n``."""
-    axis = axis % mag.ndim
-    rep = jnp.repeat(mag, block_size, axis=axis, total_repeat_length=mag.shape[axis] * block_size)
-    return jax.lax.slice_in_dim(rep, 0, n, axis=axis)
-
-
 def recompose_along(
     mag: jnp.ndarray, direction: jnp.ndarray, block_size: int, axis: int
 ) -> jnp.ndarray:
@@ -85,8 +78,10 @@ def recompose_along(
             f"mag has {mag.shape[axis]} blocks on axis {axis}, expected ceil({n}/{block_size})"
             f" = {expected}"
         )
-    rep = repeat_blocks_along(mag.astype(jnp.float32), block_size, n, axis)
-    return (rep * direction.astype(jnp.float32)).astype(direction.dtype)
+    # Broadcast each magnitude over its block (no materialised Rep_B), then crop the padding.
+    blocks = _blocked(direction.astype(jnp.float32), block_size, axis)
+    out = blocks * jnp.expand_dims(mag.astype(jnp.float32), axis + 1)
+    return _unblocked(out, n, axis).astype(direction.dtype)
 
 
 def block_decompose(
