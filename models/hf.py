@@ -132,12 +132,11 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
         initializer_range=hf_config.initializer_range,
         name=f"hf-{kind}",
     )
-    if kind == "qwen3" or (kind == "llama" and getattr(hf_config, "head_dim", None)):
-        head_dim = getattr(hf_config, "head_dim", None)
-        if head_dim and head_dim != hf_config.hidden_size // hf_config.num_attention_heads:
-            fields["head_dim"] = head_dim
-        elif kind == "qwen3":
-            fields["head_dim"] = head_dim
+    head_dim = getattr(hf_config, "head_dim", None)
+    if kind != "deepseek_v2" and head_dim and (
+        kind == "qwen3" or head_dim != hf_config.hidden_size // hf_config.num_attention_heads
+    ):
+        fields["head_dim"] = head_dim
     if kind == "deepseek_v2":
         for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             fields[f] = getattr(hf_config, f)
