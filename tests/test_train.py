@@ -329,3 +329,16 @@ def test_tfds_source_reads_train_and_validation_splits(monkeypatch):
     assert val == ["validation document 0", "validation document 1"]
     assert calls == [("c4/en", "train", False), ("c4/en", "validation", False)]
     assert counts.documents == 5
+
+
+def test_labels_command_prints_the_optimizer_view():
+    from train.labels import describe
+
+    text = describe(load_config(ROOT / "configs" / "paper" / "llama2-350m.yaml"))
+    lines = text.splitlines()
+    down = next(line for line in lines if "down_proj" in line)
+    q = next(line for line in lines if "q_proj" in line)
+    embed = next(line for line in lines if "embed_tokens" in line)
+    assert down.split()[-2:] == ["down", "512"] and q.split()[-2:] == ["q", "128"]
+    assert embed.split()[-2:] == ["adamw", "-"]
+    assert "moments 650.88" in lines[-1]

@@ -1,0 +1,63 @@
+"""``python -m train.labels --config FILE [--set k=v]``: print the optimizer's view of a model
+(every parameter's path, shape, module label, projection rank requested/used) and the optimizer
+state by component, without allocating anything."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+import moara_jax as mj
+import models
+from train.config import load_config
+from train.errors import UserError
+from train.loop import model_config
+from train.step import make_optimizer, read_allocation
+
+
+def describe(cfg, vocab_size: int = 32000) -> str:
+    model_cfg = model_config(cfg, vocab_size)
+    params = models.abstract_params(model_cfg)
+    opt = cfg.optimizer
+    ranks = None
+    if opt.rank_allocation not in ("uniform", "default"):
+        ranks = read_allocation(opt.rank_allocation)
+    rows = {}
+    if opt.name != "adamw":
+        for r in mj.rank_table(params, r_base=opt.r_base, ranks=ranks,
+                               rank_allocation=opt.rank_allocation == "default"):
+            rows[r["path"]] = r
+    lines = [f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}",
+             f"{'parameter':64s} {'shape':>22s} {'label':>6s} {'rank':>11s}"]
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        key = jax.tree_util.keystr(path)
+        row = rows.get(key)
+        rank = f"{row['used']}" + ("" if row["used"] == row["requested"] else
+                                   f" (<{row['requested']})") if row else "-"
+        label = row["module"] if row else "adamw"
+        lines.append(f"{key:64s} {str(tuple(x.shape)):>22s} {label:>6s} {rank:>11s}")
+    state = jax.eval_shape(make_optimizer(opt, 0.01, cfg.train.grad_clip).init, params)
+    sizes = mj.state_bytes(state)
+    lines.append("optimizer state (MiB): " + ", ".join(
+        f"{k} {v / 2**20:.2f}" for k, v in sizes.items() if k != "other"))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.labels", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, action="append")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    args = parser.parse_args(argv)
+    try:
+        print(describe(load_config(args.config, args.overrides), args.vocab_size))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
