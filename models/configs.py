@@ -73,6 +73,8 @@ class ModelConfig:
             for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 if not getattr(self, f):
                     raise ValueError(f"deepseek_v2 needs {f}")
+            if self.rope_scaling:  # HF's yarn scaling also changes MLA's softmax scale
+                raise ValueError("deepseek_v2: rope_scaling is not supported (plain RoPE only)")
         elif self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads (or set head_dim)")
 

@@ -114,6 +114,8 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
     kind = hf_config.model_type
     if kind not in ("llama", "qwen2", "qwen3", "deepseek_v2"):
         raise ValueError(f"unsupported HF model_type {kind!r}")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported (use_sliding_window=True)")
     theta, scaling = _rope(hf_config)
     fields = dict(
         model_type=kind,
@@ -133,8 +135,10 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
         name=f"hf-{kind}",
     )
     head_dim = getattr(hf_config, "head_dim", None)
-    if kind != "deepseek_v2" and head_dim and (
-        kind == "qwen3" or head_dim != hf_config.hidden_size // hf_config.num_attention_heads
+    if (
+        kind != "deepseek_v2"
+        and head_dim
+        and (kind == "qwen3" or head_dim != hf_config.hidden_size // hf_config.num_attention_heads)
     ):
         fields["head_dim"] = head_dim
     if kind == "deepseek_v2":

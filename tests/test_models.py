@@ -104,17 +104,30 @@ def test_state_dict_round_trip_is_exact(case):
 def test_config_from_hf_round_trip(case):
     cfg = CASES[case]
     back = models.config_from_hf(models.to_hf_config(cfg))
-    for f in (
-        "model_type",
-        "hidden_size",
-        "num_key_value_heads",
-        "head_size",
-        "rope_theta",
-        "tie_word_embeddings",
-        "vocab_size",
-        "kv_lora_rank",
-    ):
-        assert getattr(back, f) == getattr(dataclasses.replace(cfg, num_key_value_heads=cfg.kv_heads), f), f
+    # every field (rope_scaling, head_dim, MLA dims, eps ...) except the name; HF always spells
+    # out num_key_value_heads
+    want = dataclasses.replace(cfg, num_key_value_heads=cfg.kv_heads, name=back.name)
+    assert dataclasses.asdict(back) == dataclasses.asdict(want)
+
+
+def test_mla_without_q_lora_matches_transformers():
+    cfg = dataclasses.replace(CASES["deepseek-v2-mla"], q_lora_rank=None)
+    model = _hf_model(cfg, seed=2)
+    assert "model.layers.0.self_attn.q_proj.weight" in model.state_dict()
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    got = np.asarray(models.forward(cfg, models.from_hf(cfg, _state_dict(model)), jnp.asarray(tokens)))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+
+
+def test_unsupported_hf_features_are_refused():
+    hf = models.to_hf_config(CASES["qwen2.5-gqa4-bias-tied"])
+    hf.use_sliding_window = True
+    with pytest.raises(ValueError, match="sliding"):
+        models.config_from_hf(hf)
+    with pytest.raises(ValueError, match="rope_scaling"):
+        models.get_config("deepseek-v2-tiny", rope_scaling={"rope_type": "yarn", "factor": 4.0})
 
 
 PAPER = [
