@@ -78,6 +78,12 @@ def optimizers(r_base: int, block: int) -> dict[str, optax.GradientTransformatio
     )
     return {
         "moara_full": mj.moara_adamw(0.01, r_base=r_base, block_size=block, update_proj_gap=GAP),
+        "moara_full_eigh": mj.moara_adamw(
+            0.01, r_base=r_base, block_size=block, update_proj_gap=GAP, svd="eigh"
+        ),
+        "galore_vanilla_eigh": mj.moara_adamw(
+            0.01, r_base=r_base, decompose=False, rank_allocation=False, update_proj_gap=GAP, svd="eigh"
+        ),
         "moara_full_randomized": mj.moara_adamw(
             0.01, r_base=r_base, block_size=block, update_proj_gap=GAP, svd="randomized"
         ),
@@ -120,6 +126,19 @@ def time_update(tx, params, grads, count: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_pipelined(tx, params, grads, steps: int = 20) -> float:
+    """Mean ms per plain step over ``steps`` updates dispatched back to back, the state threaded
+    through (as in a training loop: host dispatch overlaps device work)."""
+    state = _with_count(tx.init(params), 1)
+    update = jax.jit(tx.update)
+    _, state = jax.block_until_ready(update(grads, state, params))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        upd, state = update(grads, state, params)
+    jax.block_until_ready((upd, state))
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
 def decaying_gradients(params, r_base: int, seed: int = 1):
     """Gradients with a decaying spectrum (singular values ~ exp(-i / r_base) times Gaussian
     factors) for the target matrices, as trained models' gradients have; Gaussian elsewhere.
@@ -160,9 +179,7 @@ def principal_angles_deg(params, grads, r_base: int, block: int) -> dict[str, fl
     _, s_exact = jax.jit(exact.update)(grads, exact.init(params), params)
     _, s_rand = jax.jit(rand.update)(grads, rand.init(params), params)
     be, br = mj.projection_bases(s_exact), mj.projection_bases(s_rand)
-    flat_grads = {
-        jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]
-    }
+    flat_grads = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
     worst, mean, energy = [], [], []
     for path, a in be.items():
         a32, b32 = np.asarray(a, np.float32), np.asarray(br[path], np.float32)
@@ -187,7 +204,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="350m", choices=sorted(SIZES))
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--refresh-repeats", type=int, default=3)
+    parser.add_argument("--refresh-repeats", type=int, default=3, help="0 skips the refresh step")
     parser.add_argument("--only", nargs="*", help="subset of optimizer names")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -209,21 +226,36 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         plain = time_update(tx, params, grads, count=1, repeats=args.repeats)
-        refresh = time_update(tx, params, grads, count=0, repeats=args.refresh_repeats)
-        result["ms"][name] = {"plain": plain, "refresh": refresh}
-        print(f"{name:24s} plain {plain:10.2f} ms   refresh {refresh:10.2f} ms", flush=True)
+        refresh = (
+            time_update(tx, params, grads, count=0, repeats=args.refresh_repeats)
+            if args.refresh_repeats > 0
+            else float("nan")
+        )
+        pipelined = time_pipelined(tx, params, grads)
+        result["ms"][name] = {"plain": plain, "plain_pipelined": pipelined, "refresh": refresh}
+        print(
+            f"{name:24s} plain {plain:10.2f} ms  pipelined {pipelined:8.2f} ms  refresh {refresh:10.2f} ms",
+            flush=True,
+        )
+        _write(args.out, result)  # partial results survive a time limit
     if not args.only or "moara_full_randomized" in args.only:
         result["randomized_principal_angles"] = principal_angles_deg(params, grads, r_base, block)
         print("randomized vs exact basis:", result["randomized_principal_angles"])
     ms = result["ms"]
     if "moara_full" in ms and "galore_vanilla" in ms:
-        result["moara_plain_over_galore_plain"] = (
-            ms["moara_full"]["plain"] / ms["galore_vanilla"]["plain"]
-        )
+        result["moara_plain_over_galore_plain"] = ms["moara_full"]["plain"] / ms["galore_vanilla"]["plain"]
         print(f"MoARa plain / GaLore plain = {result['moara_plain_over_galore_plain']:.3f}")
+        result["moara_pipelined_over_galore_pipelined"] = (
+            ms["moara_full"]["plain_pipelined"] / ms["galore_vanilla"]["plain_pipelined"]
+        )
+        print(f"pipelined: {result['moara_pipelined_over_galore_pipelined']:.3f}")
     print(json.dumps({"device": result["device"], "size": args.size}))
-    if args.out:
-        with open(args.out, "w") as f:
+    _write(args.out, result)
+
+
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=2)
 
 

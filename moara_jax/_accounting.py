@@ -27,8 +27,7 @@ _INNER_FIELDS = {
 
 def _nbytes(tree: Any) -> int:
     return sum(
-        int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-        for x in jax.tree.leaves(tree)
+        int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
     )
 
 

@@ -45,9 +45,7 @@ def projection_bases(opt_state: Any) -> dict[str, jax.Array]:
     return found
 
 
-def matrix_alignment(
-    grads: Any, opt_state: Any, *, block_size: int | None = None
-) -> dict[str, jax.Array]:
+def matrix_alignment(grads: Any, opt_state: Any, *, block_size: int | None = None) -> dict[str, jax.Array]:
     """``S(W, t)`` of every projected matrix, keyed by parameter path; stacked leaves
     ``(L, fan_in, fan_out)`` give an array of ``L`` cosines. The bases come from ``opt_state`` (the
     ones used for the last update)."""

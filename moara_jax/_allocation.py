@@ -137,8 +137,14 @@ def rank_table(
     """The rank of every target matrix: ``path, module, shape, requested, used`` (clipping shows
     as ``used < requested``). Works on ``jax.eval_shape`` output."""
     labels, requested = tree_ranks(
-        params, label_fn, r_base=r_base, rank_allocation=rank_allocation, ranks=ranks,
-        donors=donors, receivers=receivers, delta=delta,
+        params,
+        label_fn,
+        r_base=r_base,
+        rank_allocation=rank_allocation,
+        ranks=ranks,
+        donors=donors,
+        receivers=receivers,
+        delta=delta,
     )
     rows = []
     for (path, x), lab in zip(

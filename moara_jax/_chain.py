@@ -45,9 +45,7 @@ def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTran
             state = tx.init(example)
             states.append(state)
             if i + 1 < len(transforms):
-                example = jax.eval_shape(
-                    lambda u, s, t=tx: t.update(u, s, params)[0], example, state
-                )
+                example = jax.eval_shape(lambda u, s, t=tx: t.update(u, s, params)[0], example, state)
         return tuple(states)
 
     def update_fn(updates, state, params=None):
@@ -84,9 +82,7 @@ def decompose(block_size: int, eps: float = DEFAULT_EPS) -> optax.GradientTransf
 
     def update_fn(updates, state, params=None):
         del params
-        out = jax.tree.map(
-            lambda g: Decomposed(*decompose_along(g, block_size, FAN_IN_AXIS, eps)), updates
-        )
+        out = jax.tree.map(lambda g: Decomposed(*decompose_along(g, block_size, FAN_IN_AXIS, eps)), updates)
         return out, state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -111,11 +107,7 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
         if isinstance(u, Decomposed):
             b = block_size or _infer_block(full.shape[FAN_IN_AXIS], u.mag.shape[FAN_IN_AXIS])
             full = recompose_along(u.mag, full, b, FAN_IN_AXIS)
-        dtype = (
-            p.dtype
-            if p is not None
-            else (core.basis.dtype if isinstance(core, LowRank) else core.dtype)
-        )
+        dtype = p.dtype if p is not None else (core.basis.dtype if isinstance(core, LowRank) else core.dtype)
         return full.astype(dtype)
 
     def update_fn(updates, state, params=None):

@@ -65,9 +65,7 @@ def decompose_along(
     return mag, _unblocked(direction, n, axis).astype(g.dtype)
 
 
-def recompose_along(
-    mag: jnp.ndarray, direction: jnp.ndarray, block_size: int, axis: int
-) -> jnp.ndarray:
+def recompose_along(mag: jnp.ndarray, direction: jnp.ndarray, block_size: int, axis: int) -> jnp.ndarray:
     """``Rep_B(mag) * dir`` along ``axis``, in ``dir``'s shape; float32 math, ``dir``'s dtype out."""
     _check_block_size(block_size)
     axis = axis % direction.ndim
@@ -75,8 +73,7 @@ def recompose_along(
     expected = math.ceil(n / block_size)
     if mag.shape[axis] != expected:
         raise ValueError(
-            f"mag has {mag.shape[axis]} blocks on axis {axis}, expected ceil({n}/{block_size})"
-            f" = {expected}"
+            f"mag has {mag.shape[axis]} blocks on axis {axis}, expected ceil({n}/{block_size}) = {expected}"
         )
     # Broadcast each magnitude over its block (no materialised Rep_B), then crop the padding.
     blocks = _blocked(direction.astype(jnp.float32), block_size, axis)

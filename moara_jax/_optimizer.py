@@ -67,7 +67,8 @@ def moara_adamw(
       weight_decay: decoupled weight decay on every parameter (``-lr * wd * p``).
       mu_dtype: moment dtype; ``None`` follows the parameter dtype. Magnitude moments use
         ``mag_dtype`` (float32).
-      svd: ``'exact'`` or ``'randomized'`` basis refresh (``seed`` seeds the latter).
+      svd: ``'exact'`` (SVD), ``'eigh'`` (Gram eigendecomposition, fast on GPU) or
+        ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
       canonical_signs: make each basis vector's largest entry positive (backend-independent).
       label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``.
 
@@ -97,8 +98,14 @@ def moara_adamw(
         seed=seed,
         canonical_signs=canonical_signs,
     )
-    allocation = dict(r_base=r_base, rank_allocation=rank_allocation, ranks=ranks, donors=donors,
-                      receivers=receivers, delta=delta)
+    allocation = dict(
+        r_base=r_base,
+        rank_allocation=rank_allocation,
+        ranks=ranks,
+        donors=donors,
+        receivers=receivers,
+        delta=delta,
+    )
     # Validate the rank arguments now (on a generic Llama block), not at the first update.
     resolve_module_ranks(("q", "k", "v", "o", "up", "gate", "down"), **allocation)
 
@@ -108,15 +115,11 @@ def moara_adamw(
         # SVD batches shared across module types of the same shape.
         rank_of = lambda path: module_ranks[label_fn(path)]  # noqa: E731
         if decompose:
-            target = scale_by_moara(
-                rank_of, block_size, mag_dtype=mag_dtype, name=label_fn, **common
-            )
+            target = scale_by_moara(rank_of, block_size, mag_dtype=mag_dtype, name=label_fn, **common)
         else:
             target = scale_by_galore(rank_of, name=label_fn, **common)
         groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)
-        return optax.partition(
-            {TARGET: target, OTHER: inner_adam(b1, b2, eps, mu_dtype=mu_dtype)}, groups
-        )
+        return optax.partition({TARGET: target, OTHER: inner_adam(b1, b2, eps, mu_dtype=mu_dtype)}, groups)
 
     def init_fn(params):
         return build(params).init(params)

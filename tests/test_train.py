@@ -288,8 +288,9 @@ def test_every_shipped_config_validates_and_names_a_model(path):
     assert cfg.model.name in models.list_configs()
 
 
-@pytest.mark.parametrize("condition,mib", [("galore", 538.57), ("decomp", 610.75),
-                                            ("rank", 578.69), ("full", 650.88)])
+@pytest.mark.parametrize(
+    "condition,mib", [("galore", 538.57), ("decomp", 610.75), ("rank", 578.69), ("full", 650.88)]
+)
 def test_paper_configs_reproduce_paper_optimizer_state(condition, mib):
     """configs/paper/llama2-350m.yaml + conditions/X.yaml -> the optimizer the trainer builds ->
     the paper's optimizer-state MiB for that condition."""

@@ -21,6 +21,7 @@ VARIANTS = {
         lr, r_base=4, decompose=False, rank_allocation=False, update_proj_gap=5
     ),
     "randomized": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, svd="randomized"),
+    "eigh": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, svd="eigh"),
     "adamw": lambda lr: mj.adamw(lr),
     # The stages composed by hand, partitioned by ndim as in optax's Muon.
     "chain": lambda lr: optax.partition(
@@ -225,17 +226,20 @@ def test_rank_clipping_is_reported_with_module_and_both_numbers():
     assert mj.state_bytes(state)["projection_bases"] > 0
 
 
-def test_randomized_refresh_agrees_with_exact_basis():
-    """Principal angles between the randomized and exact top-r subspaces are small when the
-    spectrum has a gap."""
+@pytest.mark.parametrize("method", ["eigh", "randomized"])
+def test_fast_refresh_agrees_with_exact_basis(method):
+    """Principal angles between the eigh / randomized and the exact top-r subspaces are small when
+    the spectrum has a gap."""
     rng = np.random.default_rng(0)
     u = np.linalg.qr(rng.standard_normal((96, 96)))[0]
     v = np.linalg.qr(rng.standard_normal((160, 160)))[0]
     s = np.concatenate([np.linspace(10, 5, 8), 0.2 * np.ones(88)])
     g = jnp.asarray((u[:, :96] * s) @ v[:96], jnp.float32)  # Flax (fan_in=96, fan_out=160)
     exact = mj.project(8).update({"w": g}, mj.project(8).init({"w": g}))[1].basis["w"]
-    rand_tx = mj.project(8, svd="randomized")
+    rand_tx = mj.project(8, svd=method)
     rand = rand_tx.update({"w": g}, rand_tx.init({"w": g}))[1].basis["w"]
     cosines = np.linalg.svd(np.asarray(exact).T @ np.asarray(rand), compute_uv=False)
     angles = np.degrees(np.arccos(np.clip(cosines, -1, 1)))
     assert angles.max() < 1.0, angles
+    # Orthonormal, like the SVD's.
+    np.testing.assert_allclose(np.asarray(rand).T @ np.asarray(rand), np.eye(8), atol=1e-5)

@@ -15,8 +15,12 @@ def main(argv=None) -> int:
         prog="python -m train",
         description="Pretrain a models config with AdamW, GaLore or MoARa (or profile module alignment).",
     )
-    parser.add_argument("--config", required=True, action="append",
-                        help="YAML run config (see configs/); repeat to layer files, later ones win")
+    parser.add_argument(
+        "--config",
+        required=True,
+        action="append",
+        help="YAML run config (see configs/); repeat to layer files, later ones win",
+    )
     parser.add_argument("--run-dir", default=None, help="output directory (default runs/<config name>)")
     parser.add_argument(
         "--set",

@@ -32,7 +32,7 @@ class OptimizerSection:
     decompose: bool = True
     update_proj_gap: int = 200
     scale: float = 0.25
-    svd: str = "exact"  # exact | randomized
+    svd: str = "exact"  # exact | eigh | randomized
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-6
@@ -220,7 +220,10 @@ def validate(cfg: RunConfig) -> None:
     need(o.r_base >= 1, f"optimizer.r_base must be >= 1, got {o.r_base}")
     need(o.block_size >= 1, f"optimizer.block_size must be >= 1, got {o.block_size}")
     need(o.update_proj_gap >= 1, f"optimizer.update_proj_gap must be >= 1, got {o.update_proj_gap}")
-    need(o.svd in ("exact", "randomized"), f"optimizer.svd must be exact or randomized, got {o.svd!r}")
+    need(
+        o.svd in ("exact", "eigh", "randomized"),
+        f"optimizer.svd must be exact, eigh or randomized, got {o.svd!r}",
+    )
     if o.rank_allocation not in ("uniform", "default"):
         need(
             pathlib.Path(o.rank_allocation).is_file(),

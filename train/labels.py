@@ -26,22 +26,30 @@ def describe(cfg, vocab_size: int = 32000) -> str:
         ranks = read_allocation(opt.rank_allocation)
     rows = {}
     if opt.name != "adamw":
-        for r in mj.rank_table(params, r_base=opt.r_base, ranks=ranks,
-                               rank_allocation=opt.rank_allocation == "default"):
+        for r in mj.rank_table(
+            params, r_base=opt.r_base, ranks=ranks, rank_allocation=opt.rank_allocation == "default"
+        ):
             rows[r["path"]] = r
-    lines = [f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}",
-             f"{'parameter':64s} {'shape':>22s} {'label':>6s} {'rank':>11s}"]
+    lines = [
+        f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}",
+        f"{'parameter':64s} {'shape':>22s} {'label':>6s} {'rank':>11s}",
+    ]
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
         key = jax.tree_util.keystr(path)
         row = rows.get(key)
-        rank = f"{row['used']}" + ("" if row["used"] == row["requested"] else
-                                   f" (<{row['requested']})") if row else "-"
+        rank = (
+            f"{row['used']}" + ("" if row["used"] == row["requested"] else f" (<{row['requested']})")
+            if row
+            else "-"
+        )
         label = row["module"] if row else "adamw"
         lines.append(f"{key:64s} {str(tuple(x.shape)):>22s} {label:>6s} {rank:>11s}")
     state = jax.eval_shape(make_optimizer(opt, 0.01, cfg.train.grad_clip).init, params)
     sizes = mj.state_bytes(state)
-    lines.append("optimizer state (MiB): " + ", ".join(
-        f"{k} {v / 2**20:.2f}" for k, v in sizes.items() if k != "other"))
+    lines.append(
+        "optimizer state (MiB): "
+        + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sizes.items() if k != "other")
+    )
     return "\n".join(lines)
 
 

@@ -37,8 +37,10 @@ class MetricsWriter:
             return  # writing to a log file: about 20 lines per run
         eta = (self.total - step) * step_time
         ppl = math.exp(min(loss, 50.0))
-        line = (f"step {step}/{self.total}  loss {loss:.4f}  ppl {ppl:.1f}  "
-                f"{tokens_per_s:,.0f} tok/s  ETA {eta:,.0f}s")
+        line = (
+            f"step {step}/{self.total}  loss {loss:.4f}  ppl {ppl:.1f}  "
+            f"{tokens_per_s:,.0f} tok/s  ETA {eta:,.0f}s"
+        )
         sys.stderr.write(f"\r{line}   " if tty else line + "\n")
         sys.stderr.flush()
 
