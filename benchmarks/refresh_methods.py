@@ -94,7 +94,7 @@ ALG = jax.lax.linalg.SvdAlgorithm
 EIG = jax.lax.linalg.EighImplementation
 JAX_METHODS = {  # fastest candidates first
     "jax_randomized": basis_randomized,
-    "jax_gram_eigh": _gram_eigh(None),
+    "jax_gram_eigh": lambda g, r, key: _projection._eigh_basis(g, _projection.projection_side(g.shape), r),
     "jax_gram_eigh_jacobi": _gram_eigh(EIG.JACOBI),
     "jax_svd_jacobi": _svd_left(ALG.JACOBI),
     "jax_svd_polar": _svd_left(ALG.POLAR),

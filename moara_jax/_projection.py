@@ -124,7 +124,7 @@ def _householder(x: jax.Array) -> jax.Array:
 
 def _cholesky_qr(y: jax.Array) -> jax.Array:
     """One shifted CholeskyQR pass: ``y L^-T`` with ``L L^T = y^T y + shift I``."""
-    gram = jnp.einsum("...ji,...jk->...ik", y, y, precision=jax.lax.Precision.HIGHEST)
+    gram = _gram(jnp.swapaxes(y, -1, -2))  # y^T y
     k = gram.shape[-1]
     shift = 1e-6 * jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None] / k + 1e-30
     chol = jnp.linalg.cholesky(gram + shift * jnp.eye(k, dtype=gram.dtype))
