@@ -243,3 +243,21 @@ def test_fast_refresh_agrees_with_exact_basis(method):
     assert angles.max() < 1.0, angles
     # Orthonormal, like the SVD's.
     np.testing.assert_allclose(np.asarray(rand).T @ np.asarray(rand), np.eye(8), atol=1e-5)
+
+
+def test_cholesky_qr2_orthonormalises_like_householder():
+    """The accelerator path of the range finder (CholeskyQR2, run here directly) gives an
+    orthonormal basis of the same column space as Householder QR, and stays finite on zeros."""
+    from moara_jax import _projection
+
+    key = jax.random.PRNGKey(0)
+    a = jax.random.normal(key, (3, 300, 40)) * jnp.exp(-jnp.arange(40) / 5.0)
+    q = np.asarray(_projection._cholesky_qr(_projection._cholesky_qr(a)))
+    np.testing.assert_allclose(
+        np.einsum("bji,bjk->bik", q, q), np.broadcast_to(np.eye(40), (3, 40, 40)), atol=1e-4
+    )
+    qh = np.asarray(_projection._householder(a))
+    cosines = np.linalg.svd(np.einsum("bji,bjk->bik", qh, q), compute_uv=False)
+    assert cosines.min() > 0.999, cosines.min()
+    z = _projection._cholesky_qr(_projection._cholesky_qr(jnp.zeros((2, 50, 8))))
+    assert np.isfinite(np.asarray(z)).all()
