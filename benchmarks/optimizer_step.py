@@ -2,8 +2,13 @@
 ``optax.contrib.galore`` and ``optax.adamw``, separately for a plain step and a refresh step, plus
 MoARa with the randomized refresh and the principal angles between its basis and the exact one.
 
+The plain step is timed three ways: single jitted calls (median), calls dispatched back to back
+(mean), and ``--loop-steps`` steps (update + ``apply_updates``) inside one jitted loop (median of
+``--loop-repeats``), which leaves out the host's dispatch of every buffer of the parameter, gradient
+and state trees: the device's time per step, as inside a jitted training step.
+
 Usage:
-  python benchmarks/optimizer_step.py [--size 350m|1b|60m|tiny] [--repeats 10] [--out FILE.json]
+  python benchmarks/optimizer_step.py [--size 350m|1b|7b|60m|tiny] [--repeats 10] [--out FILE.json]
 
 Prints a table and writes JSON (device, medians in ms). Run on the accelerator for the figures
 reported in the README; ``--size tiny`` is a quick CPU check.
@@ -30,6 +35,7 @@ SIZES = {
     "60m": (512, 1376, 8, 128, 32),
     "350m": (1024, 2736, 24, 256, 32),
     "1b": (2048, 5461, 24, 512, 64),
+    "7b": (4096, 11008, 32, 1024, 128),
 }
 GAP = 200
 
@@ -139,6 +145,32 @@ def time_pipelined(tx, params, grads, steps: int = 20) -> float:
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
+def time_device_loop(tx, params, grads, steps: int = 20, repeats: int = 5) -> float:
+    """Median ms per plain step, ``steps`` steps (update + ``optax.apply_updates``) run inside one
+    jitted ``lax.fori_loop``: the device's time per step, without the host's per-call dispatch of
+    every parameter, gradient and state buffer (which dominates single calls at 350M)."""
+    if steps >= GAP:
+        raise ValueError(f"steps ({steps}) must stay below the refresh gap ({GAP})")
+    state = _with_count(tx.init(params), 1)
+
+    @jax.jit
+    def run(params, state, grads):
+        def body(_, carry):
+            p, s = carry
+            u, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, u), s
+
+        return jax.lax.fori_loop(0, steps, body, (params, state))
+
+    jax.block_until_ready(run(params, state, grads))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(params, state, grads))
+        times.append((time.perf_counter() - t0) * 1e3 / steps)
+    return statistics.median(times)
+
+
 def decaying_gradients(params, r_base: int, seed: int = 1):
     """Gradients with a decaying spectrum (singular values ~ exp(-i / r_base) times Gaussian
     factors) for the target matrices, as trained models' gradients have; Gaussian elsewhere.
@@ -205,6 +237,8 @@ def main() -> None:
     parser.add_argument("--size", default="350m", choices=sorted(SIZES))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--refresh-repeats", type=int, default=3, help="0 skips the refresh step")
+    parser.add_argument("--loop-steps", type=int, default=20, help="steps per in-jit loop")
+    parser.add_argument("--loop-repeats", type=int, default=5, help="timed in-jit loops")
     parser.add_argument("--only", nargs="*", help="subset of optimizer names")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -232,9 +266,16 @@ def main() -> None:
             else float("nan")
         )
         pipelined = time_pipelined(tx, params, grads)
-        result["ms"][name] = {"plain": plain, "plain_pipelined": pipelined, "refresh": refresh}
+        in_jit = time_device_loop(tx, params, grads, steps=args.loop_steps, repeats=args.loop_repeats)
+        result["ms"][name] = {
+            "plain": plain,
+            "plain_pipelined": pipelined,
+            "plain_in_jit_loop": in_jit,
+            "refresh": refresh,
+        }
         print(
-            f"{name:24s} plain {plain:10.2f} ms  pipelined {pipelined:8.2f} ms  refresh {refresh:10.2f} ms",
+            f"{name:24s} plain {plain:10.2f} ms  pipelined {pipelined:8.2f} ms  "
+            f"in-jit loop {in_jit:8.2f} ms  refresh {refresh:10.2f} ms",
             flush=True,
         )
         _write(args.out, result)  # partial results survive a time limit
@@ -249,6 +290,10 @@ def main() -> None:
             ms["moara_full"]["plain_pipelined"] / ms["galore_vanilla"]["plain_pipelined"]
         )
         print(f"pipelined: {result['moara_pipelined_over_galore_pipelined']:.3f}")
+        result["moara_in_jit_over_galore_in_jit"] = (
+            ms["moara_full"]["plain_in_jit_loop"] / ms["galore_vanilla"]["plain_in_jit_loop"]
+        )
+        print(f"in-jit loop (update + apply_updates): {result['moara_in_jit_over_galore_in_jit']:.3f}")
     print(json.dumps({"device": result["device"], "size": args.size}))
     _write(args.out, result)
 

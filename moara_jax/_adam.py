@@ -138,7 +138,7 @@ def inner_adam(
                 core_out, mu, nu = adam_direction(core, mu, nu, count_inc, b1, b2, eps)
             if isinstance(u, Decomposed):
                 dm, gmu, gnu = adam_direction(u.mag, gmu, gnu, count_inc, b1, b2, eps)
-                out.append(Decomposed(dm, core_out))
+                out.append(u.replace(mag=dm, direction=core_out))
             else:
                 out.append(core_out)
             for lst, v in zip(new, (mu, nu, dmu, dnu, gmu, gnu), strict=True):

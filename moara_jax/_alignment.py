@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._chain import FAN_IN_AXIS
-from moara_jax._decomposition import alignment, decompose_along, recompose_along
+from moara_jax._decomposition import FAN_IN_AXIS, alignment, decompose_along, recompose_along
 from moara_jax._labels import OTHER, module_label
 from moara_jax._projection import ProjectState, project_back, project_value, projection_side
 

@@ -16,15 +16,13 @@ import optax
 from moara_jax._adam import inner_adam
 from moara_jax._decomposition import (
     DEFAULT_EPS,
+    FAN_IN_AXIS,
     _check_block_size,
     decompose_along,
     recompose_along,
 )
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import project, project_back
-
-# Flax kernels are (..., fan_in, fan_out): the fan_in axis is where blocks run.
-FAN_IN_AXIS = -2
 
 
 def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -82,8 +80,12 @@ def decompose(block_size: int, eps: float = DEFAULT_EPS) -> optax.GradientTransf
 
     def update_fn(updates, state, params=None):
         del params
-        out = jax.tree.map(lambda g: Decomposed(*decompose_along(g, block_size, FAN_IN_AXIS, eps)), updates)
-        return out, state
+
+        def split(g):
+            mag, direction = decompose_along(g, block_size, FAN_IN_AXIS, eps)
+            return Decomposed(mag, direction, block_size, eps=eps, source=g)
+
+        return jax.tree.map(split, updates), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -93,10 +95,12 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
 
     A :class:`LowRank` becomes ``scale * P low`` (GaLore's ``project_back``); a
     :class:`Decomposed` multiplies its (back-projected) direction by the repeated block
-    magnitudes. The block size is read from the shapes (``mag`` has ``ceil(fan_in / B)`` rows), or
-    given. The result is cast to the parameter dtype when ``params`` is passed (else to the
-    direction's dtype). Stateless.
+    magnitudes, with the blocks of the ``decompose`` that made it. ``block_size``, if given, is
+    checked against that. The result is cast to the parameter dtype when ``params`` is passed
+    (else to the direction's dtype). Stateless.
     """
+    if block_size is not None:
+        _check_block_size(block_size)
 
     def back(u: Any, p: Any):
         core = u.direction if isinstance(u, Decomposed) else u
@@ -105,8 +109,12 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
         else:
             full = scale * core.astype(jnp.float32)
         if isinstance(u, Decomposed):
-            b = block_size or _infer_block(full.shape[FAN_IN_AXIS], u.mag.shape[FAN_IN_AXIS])
-            full = recompose_along(u.mag, full, b, FAN_IN_AXIS)
+            if block_size is not None and block_size != u.block_size:
+                raise ValueError(
+                    f"recompose: block_size={block_size} but the update was decomposed with "
+                    f"block_size={u.block_size}"
+                )
+            full = recompose_along(u.mag, full, u.block_size, FAN_IN_AXIS)
         dtype = p.dtype if p is not None else (core.basis.dtype if isinstance(core, LowRank) else core.dtype)
         return full.astype(dtype)
 
@@ -118,14 +126,6 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
         return out, state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
-
-
-def _infer_block(n: int, k: int) -> int:
-    """The smallest ``B`` with ``ceil(n / B) == k`` (any ``B`` in that range recomposes alike)."""
-    b = -(-n // k)
-    if -(-n // b) != k:
-        raise ValueError(f"cannot infer a block size from {n} entries in {k} blocks")
-    return b
 
 
 def scale_by_moara(

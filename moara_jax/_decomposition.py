@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 
 DEFAULT_EPS = 1e-12
+# Flax kernels are (..., fan_in, fan_out): the fan_in axis is where the Optax stages' blocks run.
+FAN_IN_AXIS = -2
 
 
 def _check_block_size(block_size: int) -> None:

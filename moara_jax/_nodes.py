@@ -8,20 +8,56 @@ structure and ``recompose`` turns nodes back into plain arrays. The basis travel
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
+from moara_jax._decomposition import DEFAULT_EPS
 
-class Decomposed(NamedTuple):
+
+@jax.tree_util.register_pytree_node_class
+class Decomposed:
     """Block magnitudes and the direction (an array, or a :class:`LowRank` after ``project``).
 
     ``mag`` is laid out like the leaf it came from, with the fan_in axis (-2) replaced by the
-    number of blocks: ``(..., ceil(fan_in / B), fan_out)``.
+    number of blocks: ``(..., ceil(fan_in / B), fan_out)``. ``block_size`` and ``eps`` (static)
+    are those of the decomposition, so that later stages recompose with the same blocks.
+    ``source`` is the matrix the direction was taken from (or ``None``): ``project`` recomputes
+    the direction from it inside its refresh branch, so that on plain steps the direction feeds
+    only the projection and is not held, in whatever layout the SVD wants, for the branch.
     """
 
-    mag: Any
-    direction: Any
+    def __init__(
+        self, mag: Any, direction: Any, block_size: int, *, eps: float = DEFAULT_EPS, source: Any = None
+    ):
+        self.mag = mag
+        self.direction = direction
+        self.block_size = block_size
+        self.eps = eps
+        self.source = source
+
+    def tree_flatten(self):
+        return (self.mag, self.direction, self.source), (self.block_size, self.eps)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        mag, direction, source = children
+        return cls(mag, direction, aux[0], eps=aux[1], source=source)
+
+    def replace(self, **changes: Any) -> Decomposed:
+        """A copy with the given fields (``mag``, ``direction``, ``source``) replaced."""
+        fields = {"mag": self.mag, "direction": self.direction, "source": self.source}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"Decomposed.replace got unknown fields {sorted(unknown)}")
+        fields.update(changes)
+        return Decomposed(
+            fields["mag"], fields["direction"], self.block_size, eps=self.eps, source=fields["source"]
+        )
+
+    def __repr__(self) -> str:
+        shape = getattr(self.mag, "shape", None)
+        return f"Decomposed(mag_shape={shape}, block_size={self.block_size})"
 
 
 @jax.tree_util.register_pytree_node_class

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from moara_jax._decomposition import FAN_IN_AXIS, decompose_along
 from moara_jax._nodes import Decomposed, LowRank, is_node
 
 PROJ_TYPES = ("std",)
@@ -61,6 +62,17 @@ def _check_args(rank: int, update_proj_gap: int, proj_type: str, svd: str) -> No
 def _matrix_of(u: Any) -> jax.Array:
     """The matrix a stage node projects: the direction of a ``Decomposed``, else the leaf."""
     return u.direction if isinstance(u, Decomposed) else u
+
+
+def _refresh_matrix(u: Any) -> jax.Array:
+    """The matrix whose SVD gives the basis: for a ``Decomposed`` that carries its source, the
+    direction recomputed from it (the same expression ``decompose`` evaluated, so the same
+    values). Called inside the refresh branch, whose operands are then the gradients (alive
+    anyway) rather than every direction at once; on plain steps each direction lives only
+    until its projection."""
+    if isinstance(u, Decomposed) and u.source is not None:
+        return decompose_along(u.source, u.block_size, FAN_IN_AXIS, u.eps)[1]
+    return _matrix_of(u)
 
 
 def _per_matrix(fn, x: jax.Array):
@@ -317,7 +329,8 @@ def project(
 
         def refresh():
             key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
-            new = refresh_bases(mats, ranks, svd, key, oversample, power_iters, canonical_signs)
+            sources = [_refresh_matrix(u) for u in leaves]
+            new = refresh_bases(sources, ranks, svd, key, oversample, power_iters, canonical_signs)
             return [n.astype(o.dtype) for n, o in zip(new, old, strict=True)]
 
         if leaves:
@@ -328,7 +341,7 @@ def project(
         for u, m, b in zip(leaves, mats, bases, strict=True):
             side = projection_side(m.shape)
             low = LowRank(project_value(m, b, side), b, side)
-            out.append(Decomposed(u.mag, low) if isinstance(u, Decomposed) else low)
+            out.append(u.replace(direction=low, source=None) if isinstance(u, Decomposed) else low)
         new_state = ProjectState(
             count=optax.safe_increment(state.count),
             basis=jax.tree.unflatten(treedef, bases),

@@ -188,6 +188,32 @@ def test_svd_runs_only_inside_the_refresh_cond():
     assert any("svd" in str(b) for b in branches)
 
 
+def test_moara_refresh_cond_takes_the_gradient_not_a_direction():
+    """The refresh branch recomputes the block direction from the gradient, so no full-size
+    direction is an operand of the cond (all of them live at once, before any projection)."""
+    tx = mj.scale_by_moara(4, 4, update_proj_gap=10)
+    params = {"a": jnp.ones((8, 12)), "b": jnp.ones((12, 8))}
+    state = tx.init(params)
+    jaxpr = jax.make_jaxpr(tx.update)(params, state, params).jaxpr
+    grad_vars = set(jaxpr.invars[:2])  # the two gradient leaves come first
+    (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    full = [
+        v for v in cond.invars if getattr(v, "aval", None) is not None and v.aval.shape in ((8, 12), (12, 8))
+    ]
+    assert full and set(full) <= grad_vars
+
+
+def test_recompose_uses_the_blocks_of_its_decompose():
+    """n = 10 in blocks of 6 gives 2 blocks, as blocks of 5 would; the node's block size decides."""
+    g = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((10, 3)), jnp.float32)}
+    tx = mj.stage_chain(mj.decompose(6), mj.recompose(scale=1.0))
+    out, _ = tx.update(g, tx.init(g))
+    np.testing.assert_allclose(out["w"], g["w"], rtol=1e-5, atol=1e-6)
+    wrong = mj.stage_chain(mj.decompose(6), mj.recompose(scale=1.0, block_size=5))
+    with pytest.raises(ValueError, match="block_size=5 but the update was decomposed with block_size=6"):
+        wrong.update(g, wrong.init(g))
+
+
 def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match="rank"):
         mj.scale_by_galore(0)
