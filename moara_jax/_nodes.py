@@ -45,11 +45,17 @@ class Decomposed:
         return cls(mag, direction, aux[0], eps=aux[1], source=source)
 
     def replace(self, **changes: Any) -> Decomposed:
-        """A copy with the given fields (``mag``, ``direction``, ``source``) replaced."""
+        """A copy with the given fields (``mag``, ``direction``, ``source``) replaced.
+
+        A new ``direction`` drops ``source`` unless one is given: the source describes only the
+        direction computed from it.
+        """
         fields = {"mag": self.mag, "direction": self.direction, "source": self.source}
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"Decomposed.replace got unknown fields {sorted(unknown)}")
+        if "direction" in changes and "source" not in changes:
+            fields["source"] = None
         fields.update(changes)
         return Decomposed(
             fields["mag"], fields["direction"], self.block_size, eps=self.eps, source=fields["source"]

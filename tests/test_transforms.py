@@ -203,6 +203,16 @@ def test_moara_refresh_cond_takes_the_gradient_not_a_direction():
     assert full and set(full) <= grad_vars
 
 
+def test_a_changed_direction_drops_its_source():
+    """A stage that rewrites the direction must not have the refresh recompute the old one."""
+    g = jnp.ones((8, 4))
+    node = mj.Decomposed(jnp.ones((2, 4)), g, 4, source=g)
+    assert node.replace(mag=jnp.zeros((2, 4))).source is g
+    assert node.replace(direction=2 * g).source is None
+    with pytest.raises(TypeError, match="unknown fields"):
+        node.replace(dirction=g)
+
+
 def test_recompose_uses_the_blocks_of_its_decompose():
     """n = 10 in blocks of 6 gives 2 blocks, as blocks of 5 would; the node's block size decides."""
     g = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((10, 3)), jnp.float32)}
