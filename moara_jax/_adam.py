@@ -46,6 +46,16 @@ def _check(b1: float, b2: float, eps: float) -> None:
             raise ValueError(f"{name} out of range: {value!r}")
 
 
+def dtype_arg(name: str, value: Any) -> jnp.dtype | None:
+    """``jnp.dtype(value)`` (``None`` stays ``None``), or a ``ValueError`` naming the argument."""
+    if value is None:
+        return None
+    try:
+        return jnp.dtype(value)
+    except TypeError as err:
+        raise ValueError(f"{name} must be a dtype, got {value!r}") from err
+
+
 def adam_direction(
     g: jax.Array,
     mu: jax.Array,
@@ -88,8 +98,8 @@ def inner_adam(
       Adam directions.
     """
     _check(b1, b2, eps)
-    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-    mag_dtype = jnp.dtype(mag_dtype)
+    mu_dtype = dtype_arg("mu_dtype", mu_dtype)
+    mag_dtype = dtype_arg("mag_dtype", mag_dtype)
 
     def zeros(x, dtype=None):
         return jnp.zeros(x.shape, dtype or mu_dtype or x.dtype)

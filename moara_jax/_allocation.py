@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -15,9 +16,10 @@ MLA_DONORS = ("q_b", "kv_b")
 DEFAULT_RECEIVERS = ("down",)
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def allocate_ranks(
@@ -46,7 +48,7 @@ def allocate_ranks(
       >>> allocate_ranks(256, ("q", "k", "v", "o", "up", "gate", "down"))["down"]
       512
     """
-    _positive_int("r_base", r_base)
+    r_base = _positive_int("r_base", r_base)
     types = tuple(dict.fromkeys(module_types))
     donors, receivers = tuple(donors), tuple(receivers)
     for name, group in (("donors", donors), ("receivers", receivers)):
@@ -60,8 +62,9 @@ def allocate_ranks(
     if bool(donors) != bool(receivers):
         raise ValueError("donors and receivers must both be empty or both be non-empty")
     delta = r_base // 2 if delta is None else delta
-    if isinstance(delta, bool) or not isinstance(delta, int) or delta < 0:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Integral) or delta < 0:
         raise ValueError(f"delta must be a non-negative integer, got {delta!r}")
+    delta = int(delta)
     if delta >= r_base:
         raise ValueError(f"delta ({delta}) must be smaller than r_base ({r_base})")
     gain, rem = divmod(delta * len(donors), max(len(receivers), 1))
@@ -98,7 +101,7 @@ def resolve_module_ranks(
 ) -> dict[str, int]:
     """The requested rank of each present module type (before per-matrix clipping)."""
     types = tuple(t for t in dict.fromkeys(module_types) if t != OTHER)
-    _positive_int("r_base", r_base)
+    r_base = _positive_int("r_base", r_base)
     if ranks is not None:
         for t, r in ranks.items():
             _positive_int(f"ranks[{t!r}]", r)

@@ -32,8 +32,9 @@ def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTran
     values, which ``inner_adam`` keeps moments for), so ``optax.chain``, which initialises every
     transform on the parameters, cannot size their states. Here transform ``i + 1`` is initialised
     on ``jax.eval_shape`` of transform ``i``'s update applied to the parameters (as a stand-in
-    gradient); nothing is computed or allocated for that. For shape-preserving transforms this is
-    ``optax.chain``.
+    gradient); nothing is computed or allocated for that. Where a stage preserves the parameters'
+    tree, shapes and dtypes, the next is initialised on the parameters themselves, so for
+    shape-preserving transforms this is ``optax.chain``.
     """
 
     def init_fn(params):
@@ -43,7 +44,10 @@ def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTran
             state = tx.init(example)
             states.append(state)
             if i + 1 < len(transforms):
-                example = jax.eval_shape(lambda u, s, t=tx: t.update(u, s, params)[0], example, state)
+                shaped = jax.eval_shape(lambda u, s, t=tx: t.update(u, s, params)[0], example, state)
+                # A shape-preserving stage hands on the parameters themselves, as optax.chain
+                # does (some transforms' init reads values).
+                example = params if _same_layout(shaped, params) else shaped
         return tuple(states)
 
     def update_fn(updates, state, params=None):
@@ -56,6 +60,14 @@ def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTran
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _same_layout(shaped: Any, params: Any) -> bool:
+    """Whether ``shaped`` (from ``eval_shape``) has ``params``' tree, shapes and dtypes."""
+    if jax.tree.structure(shaped) != jax.tree.structure(params):
+        return False
+    pairs = zip(jax.tree.leaves(shaped), jax.tree.leaves(params), strict=True)
+    return all(jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b) for a, b in pairs)
+
+
 def _check_matrix(path, x) -> None:
     if x.ndim < 2:
         raise ValueError(
@@ -64,15 +76,22 @@ def _check_matrix(path, x) -> None:
         )
 
 
-def decompose(block_size: int, eps: float = DEFAULT_EPS) -> optax.GradientTransformation:
+def decompose(
+    block_size: int, eps: float = DEFAULT_EPS, *, keep_source: bool = False
+) -> optax.GradientTransformation:
     """Splits every leaf (a Flax kernel ``(..., fan_in, fan_out)``) into block magnitude and direction.
 
     Blocks of ``block_size`` run along fan_in within each fan_out unit, exactly the paper's rows
     of ``W = kernel^T``. Emits :class:`Decomposed` nodes with ``mag`` of shape
     ``(..., ceil(fan_in / B), fan_out)`` (float32) and a direction of the leaf's shape and dtype.
     Stateless.
+
+    ``keep_source=True`` also carries the gradient in the node, from which a directly following
+    ``project`` recomputes the direction inside its refresh branch (so a plain step never keeps
+    every direction alive at once; :func:`scale_by_moara` sets it). Leave it off when other
+    transforms sit between ``decompose`` and ``project``: they would see, and change, the source.
     """
-    _check_block_size(block_size)
+    block_size = _check_block_size(block_size)
 
     def init_fn(params):
         jax.tree_util.tree_map_with_path(_check_matrix, params)
@@ -81,9 +100,20 @@ def decompose(block_size: int, eps: float = DEFAULT_EPS) -> optax.GradientTransf
     def update_fn(updates, state, params=None):
         del params
 
+        # The node's eps is static (pytree aux data): an injected (array) eps keeps it out, and
+        # then the refresh takes the direction itself rather than recomputing it.
+        static_eps = isinstance(eps, (int, float))
+        carry = keep_source and static_eps
+
         def split(g):
             mag, direction = decompose_along(g, block_size, FAN_IN_AXIS, eps)
-            return Decomposed(mag, direction, block_size, eps=eps, source=g)
+            return Decomposed(
+                mag,
+                direction,
+                block_size,
+                eps=float(eps) if static_eps else None,
+                source=g if carry else None,
+            )
 
         return jax.tree.map(split, updates), state
 
@@ -157,7 +187,7 @@ def scale_by_moara(
     """
     _check_block_size(block_size)
     return stage_chain(
-        decompose(block_size, decompose_eps),
+        decompose(block_size, decompose_eps, keep_source=True),
         project(
             rank,
             update_proj_gap,

@@ -10,6 +10,7 @@ stages work on Flax kernels ``(..., fan_in, fan_out)`` without transposing them.
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,11 @@ DEFAULT_EPS = 1e-12
 FAN_IN_AXIS = -2
 
 
-def _check_block_size(block_size: int) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+def _check_block_size(block_size: int) -> int:
+    """Validates ``block_size`` (any integer type, not bool) and returns it as a Python int."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    return int(block_size)
 
 
 def num_blocks(n: int, block_size: int) -> int:
@@ -127,8 +130,16 @@ def alignment(g: jnp.ndarray, g_recon: jnp.ndarray, eps: float = 1e-30) -> jnp.n
     """
     if g.shape != g_recon.shape:
         raise ValueError(f"alignment needs equal shapes, got {g.shape} and {g_recon.shape}")
-    a = g.astype(jnp.float32)
-    b = g_recon.astype(jnp.float32)
+    # Each matrix is first scaled by its largest magnitude (the cosine does not change), so
+    # the squared norms can neither underflow nor overflow in float32.
+    a = _unit_max(g.astype(jnp.float32))
+    b = _unit_max(g_recon.astype(jnp.float32))
     dot = jnp.sum(a * b, axis=(-2, -1))
-    norms = jnp.sqrt(jnp.sum(a * a, axis=(-2, -1)) * jnp.sum(b * b, axis=(-2, -1)))
+    norms = jnp.sqrt(jnp.sum(a * a, axis=(-2, -1))) * jnp.sqrt(jnp.sum(b * b, axis=(-2, -1)))
     return dot / jnp.maximum(norms, eps)
+
+
+def _unit_max(x: jnp.ndarray) -> jnp.ndarray:
+    """``x`` divided by its largest magnitude per matrix (a zero matrix stays zero)."""
+    peak = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
+    return x / jnp.where(peak > 0, peak, 1.0)

@@ -33,7 +33,8 @@ def path_names(path: Any) -> tuple[str, ...]:
     """Path components as strings, from a JAX key path, a tuple of names, or ``'a/b/c'``/``'a.b.c'``."""
     if isinstance(path, str):
         if path.startswith("["):  # jax.tree_util.keystr: "['layers']['q_proj']['kernel']"
-            return tuple(a or b for a, b in re.findall(r"\['([^']*)'\]|\[(\d+)\]", path))
+            parts = re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)", path)
+            return tuple(a or b or c for a, b, c in parts)
         return tuple(p for p in path.replace(".", "/").split("/") if p)
     names = []
     for k in path:

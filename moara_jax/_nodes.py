@@ -20,15 +20,22 @@ class Decomposed:
     """Block magnitudes and the direction (an array, or a :class:`LowRank` after ``project``).
 
     ``mag`` is laid out like the leaf it came from, with the fan_in axis (-2) replaced by the
-    number of blocks: ``(..., ceil(fan_in / B), fan_out)``. ``block_size`` and ``eps`` (static)
-    are those of the decomposition, so that later stages recompose with the same blocks.
+    number of blocks: ``(..., ceil(fan_in / B), fan_out)``. ``block_size`` and ``eps`` (static
+    Python numbers; ``eps`` may be ``None`` when it is not one) are those of the decomposition,
+    so that later stages recompose with the same blocks.
     ``source`` is the matrix the direction was taken from (or ``None``): ``project`` recomputes
     the direction from it inside its refresh branch, so that on plain steps the direction feeds
     only the projection and is not held, in whatever layout the SVD wants, for the branch.
     """
 
     def __init__(
-        self, mag: Any, direction: Any, block_size: int, *, eps: float = DEFAULT_EPS, source: Any = None
+        self,
+        mag: Any,
+        direction: Any,
+        block_size: int,
+        *,
+        eps: float | None = DEFAULT_EPS,
+        source: Any = None,
     ):
         self.mag = mag
         self.direction = direction

@@ -8,11 +8,11 @@ from typing import Any
 import jax
 import optax
 
-from moara_jax._adam import inner_adam
+from moara_jax._adam import dtype_arg, inner_adam
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
 from moara_jax._chain import scale_by_galore, scale_by_moara
 from moara_jax._decomposition import _check_block_size
-from moara_jax._labels import OTHER, module_label
+from moara_jax._labels import MODULE_TYPES, OTHER, module_label
 
 TARGET = "target"
 
@@ -83,6 +83,8 @@ def moara_adamw(
       >>> updates, state = tx.update(params, state, params)
       >>> params = optax.apply_updates(params, updates)
     """
+    dtype_arg("mu_dtype", mu_dtype)
+    dtype_arg("mag_dtype", mag_dtype)
     if decompose:
         if block_size is None:
             raise ValueError("block_size is required when decompose=True")
@@ -98,6 +100,8 @@ def moara_adamw(
         seed=seed,
         canonical_signs=canonical_signs,
     )
+    donors = None if donors is None else tuple(donors)
+    receivers = tuple(receivers)
     allocation = dict(
         r_base=r_base,
         rank_allocation=rank_allocation,
@@ -106,8 +110,11 @@ def moara_adamw(
         receivers=receivers,
         delta=delta,
     )
-    # Validate the rank arguments now (on a generic Llama block), not at the first update.
-    resolve_module_ranks(("q", "k", "v", "o", "up", "gate", "down"), **allocation)
+    # Validate the rank arguments now, not at the first update, on a block with every module type
+    # the labels can name (with a custom label_fn, also the types named here); whether the model
+    # has the donors and receivers is checked at init.
+    known = MODULE_TYPES if label_fn is module_label else (*MODULE_TYPES, *(donors or ()), *receivers)
+    resolve_module_ranks(known, **allocation)
 
     def build(tree) -> optax.GradientTransformation:
         labels, module_ranks = tree_ranks(tree, label_fn, **allocation)

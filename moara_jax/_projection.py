@@ -11,6 +11,7 @@ SVD. Between refreshes the basis is kept in the state.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -48,10 +49,14 @@ def effective_rank(shape: tuple[int, ...], rank: int) -> int:
     return min(rank, shape[-2], shape[-1])
 
 
+def _is_positive_int(value: Any, minimum: int = 1) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= minimum
+
+
 def _check_args(rank: int, update_proj_gap: int, proj_type: str, svd: str) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+    if not _is_positive_int(rank):
         raise ValueError(f"rank must be a positive integer, got {rank!r}")
-    if isinstance(update_proj_gap, bool) or not isinstance(update_proj_gap, int) or (update_proj_gap < 1):
+    if not _is_positive_int(update_proj_gap):
         raise ValueError(f"update_proj_gap must be a positive integer, got {update_proj_gap!r}")
     if proj_type not in PROJ_TYPES:
         raise ValueError(f"proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
@@ -70,7 +75,7 @@ def _refresh_matrix(u: Any) -> jax.Array:
     values). Called inside the refresh branch, whose operands are then the gradients (alive
     anyway) rather than every direction at once; on plain steps each direction lives only
     until its projection."""
-    if isinstance(u, Decomposed) and u.source is not None:
+    if isinstance(u, Decomposed) and u.source is not None and u.eps is not None:
         return decompose_along(u.source, u.block_size, FAN_IN_AXIS, u.eps)[1]
     return _matrix_of(u)
 
@@ -291,7 +296,11 @@ def project(
     Returns:
       A transform that emits :class:`LowRank` nodes (inside ``Decomposed`` when given one).
     """
-    _check_args(rank if isinstance(rank, int) else 1, update_proj_gap, proj_type, svd)
+    _check_args(rank if not callable(rank) else 1, update_proj_gap, proj_type, svd)
+    if not _is_positive_int(oversample, minimum=0):
+        raise ValueError(f"oversample must be a non-negative integer, got {oversample!r}")
+    if not _is_positive_int(power_iters, minimum=0):
+        raise ValueError(f"power_iters must be a non-negative integer, got {power_iters!r}")
     rank_fn = rank if callable(rank) else (lambda path: rank)
     name_fn = name if callable(name) else (lambda path: name)
 

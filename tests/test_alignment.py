@@ -49,3 +49,12 @@ def test_alignment_grows_with_rank():
         scores.append(mj.module_alignment(grads, state, block_size=8)["up"])
     assert scores[0] < scores[1] < scores[2]
     np.testing.assert_allclose(scores[2], 1.0, rtol=1e-5)  # full rank reconstructs exactly
+
+
+def test_alignment_is_scale_free_in_float32():
+    """Squared norms of tiny or huge matrices leave float32's range; the cosine must not."""
+    g = jnp.asarray(np.random.default_rng(3).standard_normal((16, 24)), jnp.float32)
+    for s in (1e-14, 1e-12, 1.0, 1e10, 1e18):
+        np.testing.assert_allclose(mj.alignment(s * g, s * g), 1.0, rtol=1e-5)
+        np.testing.assert_allclose(mj.alignment(s * g, -1e-3 * s * g), -1.0, rtol=1e-5)
+    assert float(mj.alignment(jnp.zeros((4, 4)), g[:4, :4])) == 0.0

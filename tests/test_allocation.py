@@ -13,6 +13,7 @@ import moara_jax as mj
     "path,label",
     [
         ("model/layers/0/self_attn/q_proj/kernel", "q"),
+        ("['layers'][0].q_proj['kernel']", "q"),  # keystr with an attribute key
         ("layers.self_attn.k_proj.kernel", "k"),
         (("layers", "self_attn", "v_proj", "kernel"), "v"),
         ("model.layers.3.self_attn.o_proj.weight", "o"),
@@ -105,3 +106,27 @@ def test_explicit_ranks_and_mla_default_donors_in_rank_table():
     basis = jax.eval_shape(tx.init, mla)
     shapes = [x.shape for x in jax.tree.leaves(basis) if x.shape[-2:] == (64, 24)]
     assert shapes, "down_proj's basis should have the explicit rank 24"
+
+
+def test_moara_adamw_takes_explicit_mla_donors_and_custom_labels():
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    mla = {
+        "self_attn": {
+            "q_a_proj": {"kernel": s(64, 48)},
+            "q_b_proj": {"kernel": s(48, 64)},
+            "kv_a_proj_with_mqa": {"kernel": s(64, 40)},
+            "kv_b_proj": {"kernel": s(32, 64)},
+            "o_proj": {"kernel": s(64, 64)},
+        },
+        "mlp": {"down_proj": {"kernel": s(96, 64)}},
+    }
+    tx = mj.moara_adamw(0.01, r_base=16, block_size=8, donors=mj.MLA_DONORS)
+    shapes = {x.shape for x in jax.tree.leaves(jax.eval_shape(tx.init, mla))}
+    # Bases (projected side, rank): q_b and kv_b donate 8 each, down receives 16.
+    assert {(48, 8), (32, 8), (64, 32)} <= shapes
+    # A typo is still refused when the optimizer is built, naming the argument.
+    with pytest.raises(ValueError, match="donors: unknown"):
+        mj.moara_adamw(0.01, r_base=16, block_size=8, donors=("q_bb",))
+    # With its own label function, the types it names are the ones allocation sees.
+    labels = lambda path: "attn" if "attn" in jax.tree_util.keystr(path) else "mlp"  # noqa: E731
+    mj.moara_adamw(0.01, r_base=16, block_size=8, donors=("attn",), receivers=("mlp",), label_fn=labels)

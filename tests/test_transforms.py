@@ -213,6 +213,36 @@ def test_a_changed_direction_drops_its_source():
         node.replace(dirction=g)
 
 
+def test_decomposed_static_data_stays_python_with_an_injected_eps():
+    """An injected (array) decompose eps must not become pytree aux data."""
+    g = {"w": jnp.asarray(np.random.default_rng(5).standard_normal((8, 4)), jnp.float32)}
+    static, _ = mj.decompose(4, eps=1e-9, keep_source=True).update(g, optax.EmptyState())
+    injected, _ = mj.decompose(4, eps=jnp.asarray(1e-9), keep_source=True).update(g, optax.EmptyState())
+    assert static["w"].eps == 1e-9 and static["w"].source is g["w"]
+    assert injected["w"].eps is None and injected["w"].source is None
+    # Only when asked (scale_by_moara, where project follows at once) is the source carried.
+    assert mj.decompose(4).update(g, optax.EmptyState())[0]["w"].source is None
+    kept, _ = mj.decompose(4, keep_source=True).update(g, optax.EmptyState())
+    assert kept["w"].source is g["w"]
+    tx = optax.inject_hyperparams(mj.scale_by_moara, static_args=("rank", "block_size", "update_proj_gap"))(
+        rank=2, block_size=4, update_proj_gap=3
+    )
+    plain = mj.scale_by_moara(2, 4, update_proj_gap=3)
+    update, reference = jax.jit(tx.update), jax.jit(plain.update)
+    s1, s2 = tx.init(g), plain.init(g)
+    for _ in range(4):  # across a refresh (hyperparameters as float32 arrays: rounding only)
+        (u1, s1), (u2, s2) = update(g, s1, g), reference(g, s2, g)
+        np.testing.assert_allclose(u1["w"], u2["w"], rtol=1e-4, atol=1e-6)
+
+
+def test_stage_chain_initialises_shape_preserving_stages_on_the_parameters():
+    """schedule_free's init reads parameter values; optax.chain gives it the parameters."""
+    params = {"w": jnp.arange(6.0).reshape(2, 3)}
+    ours = mj.stage_chain(optax.identity(), optax.contrib.schedule_free_sgd(0.1)).init(params)
+    theirs = optax.chain(optax.identity(), optax.contrib.schedule_free_sgd(0.1)).init(params)
+    chex.assert_trees_all_equal(ours, theirs)
+
+
 def test_recompose_uses_the_blocks_of_its_decompose():
     """n = 10 in blocks of 6 gives 2 blocks, as blocks of 5 would; the node's block size decides."""
     g = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((10, 3)), jnp.float32)}
@@ -241,6 +271,21 @@ def test_argument_errors_name_the_argument():
         mj.scale_by_galore(4, svd="lanczos")
     with pytest.raises(ValueError, match="only matrices"):
         mj.scale_by_galore(4).init({"bias": jnp.ones(3)})
+    with pytest.raises(ValueError, match="oversample"):
+        mj.project(4, svd="randomized", oversample=-1)
+    with pytest.raises(ValueError, match="power_iters"):
+        mj.project(4, svd="randomized", power_iters=-1)
+    with pytest.raises(ValueError, match="mag_dtype"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, mag_dtype="floot32")
+    with pytest.raises(ValueError, match="mu_dtype"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, mu_dtype="bf61")
+
+
+def test_numpy_integers_are_accepted_where_integers_are():
+    params = {"q_proj": {"kernel": jnp.ones((16, 16))}, "down_proj": {"kernel": jnp.ones((32, 16))}}
+    a = mj.moara_adamw(0.1, r_base=np.int64(8), block_size=np.int32(4), ranks={"down": np.int64(12)})
+    b = mj.moara_adamw(0.1, r_base=8, block_size=4, ranks={"down": 12})
+    chex.assert_trees_all_equal_shapes_and_dtypes(a.init(params), b.init(params))
 
 
 def test_rank_clipping_is_reported_with_module_and_both_numbers():
