@@ -6,7 +6,7 @@ The chain for one target matrix is ``decompose -> project -> inner_adam -> recom
 """
 
 from moara_jax._accounting import state_bytes
-from moara_jax._adam import InnerAdamState, adamw, inner_adam
+from moara_jax._adam import DecayAfterStepState, InnerAdamState, adamw, decay_after_step, inner_adam
 from moara_jax._alignment import (
     matrix_alignment,
     module_alignment,
@@ -38,6 +38,7 @@ from moara_jax._projection import ProjectState, project, projection_side
 __all__ = [
     "DEFAULT_DONORS",
     "DEFAULT_RECEIVERS",
+    "DecayAfterStepState",
     "Decomposed",
     "InnerAdamState",
     "LLAMA_MODULE_TYPES",
@@ -47,6 +48,7 @@ __all__ = [
     "MODULE_TYPES",
     "ProjectState",
     "adamw",
+    "decay_after_step",
     "alignment",
     "allocate_ranks",
     "block_decompose",

@@ -159,6 +159,49 @@ def inner_adam(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+class DecayAfterStepState(NamedTuple):
+    """State of :func:`decay_after_step`."""
+
+    count: jax.Array  # shape=(), dtype=jnp.int32: steps taken (for a schedule).
+
+
+def decay_after_step(
+    learning_rate: optax.ScalarOrSchedule, weight_decay: float
+) -> optax.GradientTransformation:
+    """Decoupled weight decay on the parameters *after* the step, as galore-torch's ``GaLoreAdamW``
+    (and HF's ``AdamW``): ``p <- (p + d) (1 - lr * wd)`` for a learning-rate-scaled step ``d``.
+
+    Place it after ``optax.scale_by_learning_rate``: it maps ``d`` to ``d - lr * wd * (p + d)``.
+    ``optax.add_decayed_weights`` before the learning rate decays the parameters before the step
+    instead, which differs by ``lr**2 * wd * d``. A Python ``weight_decay`` of 0 gives
+    ``optax.identity()``.
+    """
+    if isinstance(weight_decay, (int, float)):
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be non-negative, got {weight_decay!r}")
+        if weight_decay == 0:
+            return optax.identity()
+
+    def init_fn(params):
+        del params
+        return DecayAfterStepState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("decay_after_step needs the parameters: update(updates, state, params)")
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        factor = jnp.asarray(lr, jnp.float32) * weight_decay
+
+        def decay(d, p):
+            d32 = d.astype(jnp.float32)
+            return (d32 - factor * (p.astype(jnp.float32) + d32)).astype(d.dtype)
+
+        out = jax.tree.map(decay, updates, params)
+        return out, DecayAfterStepState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def adamw(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -167,7 +210,8 @@ def adamw(
     weight_decay: float = 0.0,
     mu_dtype: Any = None,
 ) -> optax.GradientTransformation:
-    """AdamW in galore-torch's formulation (decoupled weight decay ``-lr * wd * p``).
+    """AdamW in galore-torch's formulation (weight decay on the parameters after the step, see
+    :func:`decay_after_step`).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -177,6 +221,6 @@ def adamw(
     """
     return optax.chain(
         inner_adam(b1, b2, eps, mu_dtype=mu_dtype),
-        optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
+        decay_after_step(learning_rate, weight_decay),
     )

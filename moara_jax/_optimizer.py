@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import optax
 
-from moara_jax._adam import dtype_arg, inner_adam
+from moara_jax._adam import decay_after_step, dtype_arg, inner_adam
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
 from moara_jax._chain import scale_by_galore, scale_by_moara
 from moara_jax._decomposition import _check_block_size
@@ -64,7 +64,8 @@ def moara_adamw(
         ``('q_b', 'kv_b')`` for MLA models.
       update_proj_gap, scale: GaLore's refresh interval ``T`` and scale.
       b1, b2, eps: Adam hyperparameters (paper: 0.9, 0.999, 1e-6).
-      weight_decay: decoupled weight decay on every parameter (``-lr * wd * p``).
+      weight_decay: decoupled weight decay on every parameter, applied after the step as in
+        galore-torch (``p <- (p + step) (1 - lr * wd)``, :func:`decay_after_step`).
       mu_dtype: moment dtype; ``None`` follows the parameter dtype. Magnitude moments use
         ``mag_dtype`` (float32).
       svd: ``'exact'`` (SVD), ``'eigh'`` (Gram eigendecomposition, fast on GPU) or
@@ -115,6 +116,10 @@ def moara_adamw(
     # has the donors and receivers is checked at init.
     known = MODULE_TYPES if label_fn is module_label else (*MODULE_TYPES, *(donors or ()), *receivers)
     resolve_module_ranks(known, **allocation)
+    if ranks is not None and label_fn is module_label:
+        unknown = sorted(set(ranks) - set(MODULE_TYPES))
+        if unknown:
+            raise ValueError(f"ranks: unknown module types {unknown}; known: {list(MODULE_TYPES)}")
 
     def build(tree) -> optax.GradientTransformation:
         labels, module_ranks = tree_ranks(tree, label_fn, **allocation)
@@ -136,6 +141,6 @@ def moara_adamw(
 
     return optax.chain(
         optax.GradientTransformation(init_fn, update_fn),
-        optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
+        decay_after_step(learning_rate, weight_decay),
     )

@@ -16,7 +16,7 @@ galore_torch = pytest.importorskip("galore_torch")
 LR = 0.01
 
 
-def _torch_run(shapes_groups, grads_seq, rank, gap, scale):
+def _torch_run(shapes_groups, grads_seq, rank, gap, scale, weight_decay=0.0):
     """Runs GaLoreAdamW on PyTorch-orientation weights; returns the weights after each step."""
     weights, groups = {}, []
     for name, (shape, _) in shapes_groups.items():
@@ -35,7 +35,7 @@ def _torch_run(shapes_groups, grads_seq, rank, gap, scale):
                 "proj_type": "std",
             }
         )
-    opt = galore_torch.GaLoreAdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0)
+    opt = galore_torch.GaLoreAdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay)
     history = []
     for grads in grads_seq:
         for name, w in weights.items():
@@ -171,14 +171,16 @@ def _to_flax(values):
     return out
 
 
-def test_moara_adamw_vanilla_equals_galore_adamw_on_llama_tree(monkeypatch):
-    """The paper's two parameter groups: attention/MLP matrices with rank, the rest plain."""
+@pytest.mark.parametrize("weight_decay", [0.0, 0.5], ids=["no_decay", "decay"])
+def test_moara_adamw_vanilla_equals_galore_adamw_on_llama_tree(weight_decay, monkeypatch):
+    """The paper's two parameter groups: attention/MLP matrices with rank, the rest plain; weight
+    decay applied, as galore-torch does, to the parameters after the Adam step."""
     _sign_fix(monkeypatch)
     rng = np.random.default_rng(2)
     torch_shapes = _llama_torch_shapes()
     steps, rank, gap = 5, 8, 2
     seq = _grads(rng, {n: s for n, (s, _) in torch_shapes.items()}, steps)
-    ref = _torch_run(torch_shapes, seq, rank, gap, 0.25)
+    ref = _torch_run(torch_shapes, seq, rank, gap, 0.25, weight_decay)
     params = _to_flax({n: np.zeros(s, np.float32) for n, (s, _) in torch_shapes.items()})
     tx = mj.moara_adamw(
         LR,
@@ -187,6 +189,7 @@ def test_moara_adamw_vanilla_equals_galore_adamw_on_llama_tree(monkeypatch):
         rank_allocation=False,
         update_proj_gap=gap,
         canonical_signs=True,
+        weight_decay=weight_decay,
     )
     got, _ = _jax_run(tx, params, [_to_flax(g) for g in seq])
     for t in range(steps):

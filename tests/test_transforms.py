@@ -243,6 +243,21 @@ def test_stage_chain_initialises_shape_preserving_stages_on_the_parameters():
     chex.assert_trees_all_equal(ours, theirs)
 
 
+def test_decay_after_step_decays_the_stepped_parameters_on_schedule():
+    schedule = optax.linear_schedule(0.1, 0.0, 4)
+    tx = mj.decay_after_step(schedule, 0.5)
+    p = {"w": jnp.arange(1.0, 5.0)}
+    d = {"w": jnp.full(4, -0.25)}
+    state = tx.init(p)
+    for t in range(3):
+        out, state = tx.update(d, state, p)
+        lr = float(schedule(t))
+        np.testing.assert_allclose(p["w"] + out["w"], (p["w"] + d["w"]) * (1 - lr * 0.5), rtol=1e-6)
+    assert isinstance(mj.decay_after_step(0.1, 0.0).init(p), optax.EmptyState)
+    with pytest.raises(ValueError, match="weight_decay"):
+        mj.decay_after_step(0.1, -1.0)
+
+
 def test_recompose_uses_the_blocks_of_its_decompose():
     """n = 10 in blocks of 6 gives 2 blocks, as blocks of 5 would; the node's block size decides."""
     g = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((10, 3)), jnp.float32)}
@@ -275,6 +290,8 @@ def test_argument_errors_name_the_argument():
         mj.project(4, svd="randomized", oversample=-1)
     with pytest.raises(ValueError, match="power_iters"):
         mj.project(4, svd="randomized", power_iters=-1)
+    with pytest.raises(ValueError, match="ranks: unknown module types"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, ranks={"dwon": 16})
     with pytest.raises(ValueError, match="mag_dtype"):
         mj.moara_adamw(0.1, r_base=8, block_size=8, mag_dtype="floot32")
     with pytest.raises(ValueError, match="mu_dtype"):
