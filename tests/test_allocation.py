@@ -83,9 +83,10 @@ def test_allocation_errors_name_the_problem():
         mj.allocate_ranks(8, types, delta=8)
 
 
-def test_explicit_ranks_and_mla_default_donors_in_rank_table():
+def _mla_tree():
+    """Abstract DeepSeek-V2 MLA attention and a down projection, Flax layout."""
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    mla = {
+    return {
         "self_attn": {
             "q_a_proj": {"kernel": s(64, 48)},
             "q_b_proj": {"kernel": s(48, 64)},
@@ -95,6 +96,10 @@ def test_explicit_ranks_and_mla_default_donors_in_rank_table():
         },
         "mlp": {"down_proj": {"kernel": s(96, 64)}},
     }
+
+
+def test_explicit_ranks_and_mla_default_donors_in_rank_table():
+    mla = _mla_tree()
     rows = {r["module"]: r for r in mj.rank_table(mla, r_base=16)}
     assert rows["q_b"]["requested"] == rows["kv_b"]["requested"] == 8
     assert rows["down"]["requested"] == 32 and rows["o"]["requested"] == 16
@@ -109,17 +114,7 @@ def test_explicit_ranks_and_mla_default_donors_in_rank_table():
 
 
 def test_moara_adamw_takes_explicit_mla_donors_and_custom_labels():
-    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    mla = {
-        "self_attn": {
-            "q_a_proj": {"kernel": s(64, 48)},
-            "q_b_proj": {"kernel": s(48, 64)},
-            "kv_a_proj_with_mqa": {"kernel": s(64, 40)},
-            "kv_b_proj": {"kernel": s(32, 64)},
-            "o_proj": {"kernel": s(64, 64)},
-        },
-        "mlp": {"down_proj": {"kernel": s(96, 64)}},
-    }
+    mla = _mla_tree()
     tx = mj.moara_adamw(0.01, r_base=16, block_size=8, donors=mj.MLA_DONORS)
     shapes = {x.shape for x in jax.tree.leaves(jax.eval_shape(tx.init, mla))}
     # Bases (projected side, rank): q_b and kv_b donate 8 each, down receives 16.
