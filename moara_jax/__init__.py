@@ -32,7 +32,7 @@ from moara_jax._labels import (
     module_label,
 )
 from moara_jax._nodes import Decomposed, LowRank
-from moara_jax._optimizer import moara_adamw
+from moara_jax._optimizer import MOARA_ADAMW_STATIC_ARGS, moara_adamw
 from moara_jax._projection import ProjectState, project, projection_side
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "LLAMA_MODULE_TYPES",
     "LowRank",
     "MLA_DONORS",
+    "MOARA_ADAMW_STATIC_ARGS",
     "MLA_MODULE_TYPES",
     "MODULE_TYPES",
     "ProjectState",

@@ -17,6 +17,22 @@ from moara_jax._labels import MODULE_TYPES, OTHER, module_label
 TARGET = "target"
 
 
+# moara_adamw's arguments that shape the optimizer (ranks, blocks, the refresh period, the labels):
+# ``static_args`` for ``optax.inject_hyperparams``, which would otherwise inject every numeric or
+# boolean default as an array and call ``label_fn`` as a schedule.
+MOARA_ADAMW_STATIC_ARGS = (
+    "r_base",
+    "block_size",
+    "decompose",
+    "rank_allocation",
+    "delta",
+    "update_proj_gap",
+    "seed",
+    "canonical_signs",
+    "label_fn",
+)
+
+
 def moara_adamw(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -51,6 +67,11 @@ def moara_adamw(
 
     The paper's four conditions: vanilla GaLore (``decompose=False, rank_allocation=False``),
     +Rank (``decompose=False``), +Decomp (``rank_allocation=False``), Full (defaults).
+
+    To change ``learning_rate``, ``b1``, ``b2``, ``eps``, ``scale`` or ``weight_decay`` during
+    training, wrap it in ``optax.inject_hyperparams(moara_adamw,
+    static_args=MOARA_ADAMW_STATIC_ARGS)``; with bf16 parameters also pass
+    ``hyperparam_dtype=jnp.float32`` (in bf16, ``b2 = 0.999`` rounds to 1).
 
     Args:
       learning_rate: a float or an optax schedule.

@@ -258,6 +258,25 @@ def test_decay_after_step_decays_the_stepped_parameters_on_schedule():
         mj.decay_after_step(0.1, -1.0)
 
 
+def test_moara_adamw_under_inject_hyperparams_with_bf16_parameters():
+    params = {"q_proj": {"kernel": jnp.ones((16, 16), jnp.bfloat16)}, "norm": jnp.ones(16, jnp.bfloat16)}
+    grads = jax.tree.map(lambda p: (0.1 * jnp.arange(p.size).reshape(p.shape) % 1.0).astype(p.dtype), params)
+    kwargs = dict(r_base=4, block_size=4, update_proj_gap=3)
+    injected = optax.inject_hyperparams(
+        mj.moara_adamw, static_args=mj.MOARA_ADAMW_STATIC_ARGS, hyperparam_dtype=jnp.float32
+    )(learning_rate=1e-2, **kwargs)
+    plain = mj.moara_adamw(1e-2, **kwargs)
+    s1, s2 = injected.init(params), plain.init(params)
+    assert s1.hyperparams["b2"] == jnp.float32(0.999)
+    step1, step2 = jax.jit(injected.update), jax.jit(plain.update)
+    for _ in range(4):  # across a refresh
+        (u1, s1), (u2, s2) = step1(grads, s1, params), step2(grads, s2, params)
+        chex.assert_trees_all_close(u1, u2, rtol=2e-2, atol=1e-5)
+    s1.hyperparams["learning_rate"] = jnp.asarray(2e-2, jnp.float32)  # twice the rate, twice the step
+    (u1, _), (u2, _) = step1(grads, s1, params), step2(grads, s2, params)
+    chex.assert_trees_all_close(u1, jax.tree.map(lambda x: 2 * x, u2), rtol=2e-2, atol=1e-5)
+
+
 def test_recompose_uses_the_blocks_of_its_decompose():
     """n = 10 in blocks of 6 gives 2 blocks, as blocks of 5 would; the node's block size decides."""
     g = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((10, 3)), jnp.float32)}
