@@ -190,6 +190,10 @@ def test_compare_report(tmp_path):
         (["data.source=files", "data.paths=['/nonexistent.jsonl']"], "data file not found"),
         (["train.batch_size=6", "mesh.data=4"], "does not match the 1 available devices"),
         (["optimizer.rank_allocation=/no/such.json"], "allocation file not found"),
+        (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
+        (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
+        (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
+        (["mode=profile", "profile.steps=6", "profile.every=10"], "profile.every (10) must be <="),
     ],
 )
 def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message):
@@ -343,3 +347,32 @@ def test_labels_command_prints_the_optimizer_view():
     assert down.split()[-2:] == ["down", "512"] and q.split()[-2:] == ["q", "128"]
     assert embed.split()[-2:] == ["adamw", "-"]
     assert "moments 650.88" in lines[-1]
+
+
+def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path):
+    sets = [*FAST, "train.steps=4", "checkpoint.every=2"]
+    run_cli(tmp_path / "run", *sets)
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    fresh = run_cli(tmp_path / "run", *sets, check=False)
+    assert fresh.returncode == 2 and "already holds checkpoints" in fresh.stderr
+    changed = run_cli(tmp_path / "run", *sets, "optimizer.r_base=4", extra=["--resume"], check=False)
+    assert changed.returncode == 2 and "optimizer.r_base: 16 -> 4" in changed.stderr, changed.stderr
+    assert (tmp_path / "run" / "config.yaml").read_text() == saved  # the record is kept
+    again = run_cli(tmp_path / "run", *sets, extra=["--resume"])
+    assert "already complete" in again.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+
+
+def test_non_finite_parameters_are_never_checkpointed(tmp_path):
+    proc = run_cli(
+        tmp_path / "inf",
+        *FAST,
+        "train.lr=1.0e+39",
+        "train.warmup_ratio=0.0",
+        "checkpoint.every=1",
+        check=False,
+    )
+    assert proc.returncode == 1 and "non-finite parameters after step 1" in proc.stdout, proc.stdout
+    ckpt_dir = tmp_path / "inf" / "checkpoints"
+    assert not ckpt_dir.exists() or not [p for p in ckpt_dir.iterdir() if p.name.isdigit()]

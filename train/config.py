@@ -6,6 +6,7 @@ A YAML file may name ``base: other.yaml`` (relative to itself); its keys are mer
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import types
 import typing
@@ -14,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from moara_jax import MODULE_TYPES
 from train.errors import UserError
 
 
@@ -256,6 +258,39 @@ def validate(cfg: RunConfig) -> None:
         "checkpoint.keep must be >= 1 and checkpoint.every >= 0",
     )
     need(cfg.profile.every >= 1 and cfg.profile.steps >= 1, "profile.steps and profile.every must be >= 1")
+    finite = math.isfinite
+    need(finite(t.lr), f"train.lr must be finite, got {t.lr}")
+    need(
+        finite(t.grad_clip) and t.grad_clip >= 0,
+        f"train.grad_clip must be >= 0 (0: off), got {t.grad_clip}",
+    )
+    need(
+        t.micro_batch_size is None or t.micro_batch_size >= 1,
+        f"train.micro_batch_size must be >= 1 (or null), got {t.micro_batch_size}",
+    )
+    need(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
+    need(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32), got {t.seed}")
+    need(
+        d.max_documents is None or d.max_documents >= 1,
+        f"data.max_documents must be >= 1 (or null), got {d.max_documents}",
+    )
+    need(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optimizer.b1 and b2 must be in [0, 1), got {o.b1}, {o.b2}")
+    need(finite(o.eps) and o.eps >= 0, f"optimizer.eps must be >= 0, got {o.eps}")
+    need(finite(o.scale) and o.scale > 0, f"optimizer.scale must be > 0, got {o.scale}")
+    need(
+        finite(o.weight_decay) and o.weight_decay >= 0,
+        f"optimizer.weight_decay must be >= 0, got {o.weight_decay}",
+    )
+    if cfg.mode == "profile":
+        p = cfg.profile
+        need(
+            p.every <= min(t.steps, p.steps),
+            f"profile.every ({p.every}) must be <= the profiled steps ({min(t.steps, p.steps)})",
+        )
+        need(p.num_receivers >= 1, f"profile.num_receivers must be >= 1, got {p.num_receivers}")
+        need(0 <= p.ema < 1, f"profile.ema must be in [0, 1), got {p.ema}")
+        unknown = [x for x in p.donors if x not in MODULE_TYPES]
+        need(bool(p.donors) and not unknown, f"profile.donors must be module types {list(MODULE_TYPES)}")
 
 
 def to_dict(cfg: RunConfig) -> dict:

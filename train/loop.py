@@ -64,7 +64,15 @@ def train_and_evaluate(
     cfg: RunConfig, run_dir: pathlib.Path, resume: bool = False, quiet: bool = False
 ) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    ckpt_dir = run_dir / "checkpoints"
+    has_checkpoints = ckpt_dir.is_dir() and any(ckpt_dir.iterdir())
+    if has_checkpoints and not resume:
+        raise UserError(
+            f"{run_dir} already holds checkpoints of a run; pass --resume to continue it, or "
+            "choose another run dir"
+        )
+    if has_checkpoints and (run_dir / "config.yaml").is_file():
+        _check_resumable(yaml.safe_load((run_dir / "config.yaml").read_text()), to_dict(cfg))
     t = cfg.train
     profiling_mode = cfg.mode == "profile"
     total_steps = min(t.steps, cfg.profile.steps) if profiling_mode else t.steps
@@ -79,7 +87,10 @@ def train_and_evaluate(
     lr = schedule(cfg)
     if profiling_mode and cfg.optimizer.name == "adamw":
         raise UserError("mode profile needs optimizer.name galore or moara (it profiles projections)")
-    tx = make_optimizer(cfg.optimizer, lr, t.grad_clip, force_uniform_galore=profiling_mode)
+    try:
+        tx = make_optimizer(cfg.optimizer, lr, t.grad_clip, force_uniform_galore=profiling_mode)
+    except ValueError as e:
+        raise UserError(f"optimizer: {e}") from None
 
     abstract_params = models.abstract_params(model_cfg)
     p_shard = param_shardings(models.logical_axes(model_cfg), abstract_params, mesh)
@@ -92,7 +103,7 @@ def train_and_evaluate(
         params = models.init_params(model_cfg, rng)
         return TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
 
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint.keep, cfg.checkpoint.every)
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.every)
     data_iter = data.train_iterator(t.batch_size, t.seed)
     start = 0
     if resume and ckpt.latest_step() is not None:
@@ -104,6 +115,12 @@ def train_and_evaluate(
         if resume:
             print(f"no checkpoint in {run_dir / 'checkpoints'}; starting from scratch")
         state = jax.jit(init, out_shardings=s_shard)(jax.random.PRNGKey(t.seed))
+    summary_path = run_dir / "summary.json"
+    if start >= total_steps and summary_path.is_file():
+        ckpt.close()
+        print(f"{run_dir} is already complete at step {start}; nothing to do")
+        return json.loads(summary_path.read_text())
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     step_fn = jax.jit(
         make_train_step(
@@ -167,6 +184,14 @@ def train_and_evaluate(
                     }
                 )
             if ckpt.should_save(step) or step == total_steps or stop.requested:
+                if not bool(all_finite(state.params)):
+                    status = "nan"
+                    writer.end_progress()
+                    print(
+                        f"error: non-finite parameters after step {step}; stopping without "
+                        f"saving them. The last good checkpoint is kept in {ckpt_dir}"
+                    )
+                    break
                 ckpt.save(step, state, {"iterator": data_iter.get_state()}, force=True)
             if stop.requested:
                 status = "interrupted"
@@ -194,8 +219,44 @@ def train_and_evaluate(
     }
     if recorder is not None:
         summary["profile"] = profiling.write_outputs(recorder, run_dir, cfg)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    summary_path.write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+# Settings a resumed run must share with the run it continues (they shape the state or the data
+# order); everything else (steps, learning rate, logging, mesh, ...) may change.
+_FIXED_ON_RESUME = ("mode", "model", "data", "optimizer", "train.batch_size", "train.seq_len", "train.seed")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def _check_resumable(saved: dict, new: dict) -> None:
+    """Refuses a resume whose config changes what the checkpoint or the data order depend on."""
+    old_flat, new_flat = _flatten(saved or {}), _flatten(new)
+    changed = sorted(
+        k
+        for k in set(old_flat) | set(new_flat)
+        if any(k == f or k.startswith(f + ".") for f in _FIXED_ON_RESUME)
+        and k != "optimizer.svd"
+        and old_flat.get(k) != new_flat.get(k)
+    )
+    if changed:
+        details = ", ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
+        raise UserError(
+            f"--resume: the run's config.yaml differs in settings a resume cannot change ({details})"
+        )
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Whether every entry of every array in ``tree`` is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 def _global_batch(batch: np.ndarray, sharding) -> jax.Array:

@@ -103,7 +103,10 @@ def make_train_step(
         if micro_batches == 1:
             loss, grads = grad_fn(state.params, batch)
         else:
-            micro = batch.reshape((micro_batches, -1) + batch.shape[1:])
+            # Strided micro-batches (rows i, i + k, i + 2k, ...): each keeps the batch's split
+            # over the data-parallel devices, where contiguous slices would sit on a subset of
+            # them and need an all-gather.
+            micro = batch.reshape((-1, micro_batches) + batch.shape[1:]).swapaxes(0, 1)
 
             def accumulate(carry, mb):
                 loss, grads = grad_fn(state.params, mb)
