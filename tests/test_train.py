@@ -376,3 +376,15 @@ def test_non_finite_parameters_are_never_checkpointed(tmp_path):
     assert proc.returncode == 1 and "non-finite parameters after step 1" in proc.stdout, proc.stdout
     ckpt_dir = tmp_path / "inf" / "checkpoints"
     assert not ckpt_dir.exists() or not [p for p in ckpt_dir.iterdir() if p.name.isdigit()]
+
+
+def test_resumed_profile_records_like_an_uninterrupted_one(tmp_path):
+    sets = [*FAST, "mode=profile", "profile.every=2", "checkpoint.every=2"]
+    run_cli(tmp_path / "whole", *sets, "profile.steps=8")
+    run_cli(tmp_path / "parts", *sets, "profile.steps=4")
+    run_cli(tmp_path / "parts", *sets, "profile.steps=8", extra=["--resume"])
+    whole = json.loads((tmp_path / "whole" / "alignment.json").read_text())
+    parts = json.loads((tmp_path / "parts" / "alignment.json").read_text())
+    assert parts["steps"] == whole["steps"] == [2, 4, 6, 8]
+    for label, value in whole["s_tau"].items():
+        np.testing.assert_allclose(parts["s_tau"][label], value, rtol=1e-6)

@@ -106,6 +106,7 @@ def train_and_evaluate(
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.every)
     data_iter = data.train_iterator(t.batch_size, t.seed)
     start = 0
+    data_state: dict = {}
     if resume and ckpt.latest_step() is not None:
         abstract = abstract_with_shardings(jax.eval_shape(init, jax.random.PRNGKey(0)), s_shard)
         state, data_state = ckpt.restore(ckpt.latest_step(), abstract)
@@ -138,6 +139,8 @@ def train_and_evaluate(
 
     writer = MetricsWriter(run_dir, total_steps, resume and start > 0, quiet)
     recorder = profiling.AlignmentRecorder(cfg.profile.ema) if profiling_mode else None
+    if recorder is not None and "recorder" in data_state:
+        recorder.load(data_state["recorder"])
     tokens_per_step = t.batch_size * t.seq_len
     last_eval = None
     status = "completed"
@@ -192,7 +195,10 @@ def train_and_evaluate(
                         f"saving them. The last good checkpoint is kept in {ckpt_dir}"
                     )
                     break
-                ckpt.save(step, state, {"iterator": data_iter.get_state()}, force=True)
+                extra = {"iterator": data_iter.get_state()}
+                if recorder is not None:
+                    extra["recorder"] = recorder.state()
+                ckpt.save(step, state, extra, force=True)
             if stop.requested:
                 status = "interrupted"
                 break
@@ -217,8 +223,10 @@ def train_and_evaluate(
         "devices": len(mesh.devices.flat),
         "mesh": dict(mesh.shape),
     }
-    if recorder is not None:
+    if recorder is not None and status == "completed":
         summary["profile"] = profiling.write_outputs(recorder, run_dir, cfg)
+    elif recorder is not None:  # a partial profile gives no allocation; --resume finishes it
+        summary["profile"] = None
     summary_path.write_text(json.dumps(summary, indent=2, default=str))
     return summary
 

@@ -34,6 +34,15 @@ class AlignmentRecorder:
             prev = self.smoothed[label][-1] if self.smoothed[label] else v
             self.smoothed[label].append(self.ema * prev + (1 - self.ema) * v)
 
+    def state(self) -> dict:
+        """The recordings so far (JSON), saved with each checkpoint so a resumed profile goes on."""
+        return {"steps": self.steps, "values": dict(self.values), "smoothed": dict(self.smoothed)}
+
+    def load(self, state: dict) -> None:
+        self.steps = [int(s) for s in state["steps"]]
+        self.values = defaultdict(list, {k: list(v) for k, v in state["values"].items()})
+        self.smoothed = defaultdict(list, {k: list(v) for k, v in state["smoothed"].items()})
+
     def s_tau(self) -> dict[str, float]:
         return {k: float(np.mean(v)) for k, v in self.values.items()}
 
