@@ -10,6 +10,9 @@ import jax.numpy as jnp
 from models.configs import ModelConfig
 from models.layers import causal_attention, dense, inv_frequencies, rms_norm, rope_interleaved
 
+# HF builds the two latent norms with DeepseekV2RMSNorm's default eps, not config.rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
 
 class MLAttention(nn.Module):
     cfg: ModelConfig
@@ -23,7 +26,7 @@ class MLAttention(nn.Module):
         qk = nope + rope
         if cfg.q_lora_rank:
             q = dense(cfg.q_lora_rank, cfg, ("embed", "q_lora"), "q_a_proj", cfg.attention_bias)(x)
-            q = rms_norm(cfg, "q_a_layernorm", "q_lora")(q)
+            q = rms_norm(cfg, "q_a_layernorm", "q_lora", eps=LATENT_NORM_EPS)(q)
             q = dense(n * qk, cfg, ("q_lora", "heads"), "q_b_proj")(q)
         else:
             q = dense(n * qk, cfg, ("embed", "heads"), "q_proj")(x)
@@ -33,7 +36,7 @@ class MLAttention(nn.Module):
             cfg.kv_lora_rank + rope, cfg, ("embed", "kv_lora"), "kv_a_proj_with_mqa", cfg.attention_bias
         )(x)
         latent, k_pe = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
-        latent = rms_norm(cfg, "kv_a_layernorm", "kv_lora")(latent)
+        latent = rms_norm(cfg, "kv_a_layernorm", "kv_lora", eps=LATENT_NORM_EPS)(latent)
         kv = dense(n * (nope + vd), cfg, ("kv_lora", "heads"), "kv_b_proj")(latent)
         kv = kv.reshape(b, t, n, nope + vd)
         k_nope, v = kv[..., :nope], kv[..., nope:]

@@ -87,6 +87,13 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
         return jax.numpy.asarray(arr, spec.dtype)
 
     params = jax.tree_util.tree_map_with_path(fill, shapes)
+    head, embed = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and head is not None and embed is not None:
+        if not np.array_equal(np.asarray(head), np.asarray(embed)):
+            raise ValueError(
+                f"from_hf: config {cfg.name!r} ties the embeddings, but the state dict has its own "
+                "lm_head.weight (load it with tie_word_embeddings=False)"
+            )
     extra = [
         k
         for k in state_dict
@@ -116,6 +123,11 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
         raise ValueError(f"unsupported HF model_type {kind!r}")
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("sliding-window attention is not supported (use_sliding_window=True)")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"only the SiLU (SwiGLU) MLP is supported, got hidden_act={act!r}")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("MLP biases are not supported (mlp_bias=True)")
     theta, scaling = _rope(hf_config)
     fields = dict(
         model_type=kind,
@@ -175,7 +187,7 @@ def to_hf_config(cfg: ModelConfig):
             **common, head_dim=cfg.head_size, attention_bias=cfg.attention_bias, rope_parameters=rope
         )
     if cfg.model_type == "qwen2":
-        return transformers.Qwen2Config(**common, rope_parameters=rope)
+        return transformers.Qwen2Config(**common, head_dim=cfg.head_size, rope_parameters=rope)
     if cfg.model_type == "qwen3":
         return transformers.Qwen3Config(
             **common, head_dim=cfg.head_size, attention_bias=cfg.attention_bias, rope_parameters=rope

@@ -47,8 +47,10 @@ class RMSNorm(nn.Module):
         return scale.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def rms_norm(cfg: ModelConfig, name: str, axis_name: str = "norm") -> RMSNorm:
-    return RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.param_dtype), axis_name, name=name)
+def rms_norm(cfg: ModelConfig, name: str, axis_name: str = "norm", eps: float | None = None) -> RMSNorm:
+    """RMSNorm with the model's ``rms_norm_eps`` unless ``eps`` is given."""
+    eps = cfg.rms_norm_eps if eps is None else eps
+    return RMSNorm(eps, jnp.dtype(cfg.param_dtype), axis_name, name=name)
 
 
 class MLP(nn.Module):

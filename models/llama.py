@@ -29,4 +29,6 @@ class LlamaAttention(nn.Module):
         inv = inv_frequencies(h, cfg.rope_theta, cfg.rope_scaling)
         q, k = rope_half(q, positions, inv), rope_half(k, positions, inv)
         out = causal_attention(q, k, v, cfg).reshape(b, t, n * h)
-        return dense(cfg.hidden_size, cfg, ("heads", "embed"), "o_proj")(out)
+        # HF Llama and Qwen3 give o_proj the attention bias too; Qwen2's o_proj never has one.
+        o_bias = cfg.attention_bias and cfg.model_type != "qwen2"
+        return dense(cfg.hidden_size, cfg, ("heads", "embed"), "o_proj", o_bias)(out)

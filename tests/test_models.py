@@ -43,6 +43,20 @@ CASES = {
     "qwen3-explicit-head-dim": models.ModelConfig(
         model_type="qwen3", num_key_value_heads=2, head_dim=24, rope_theta=1e6, **SMALL
     ),
+    "llama-attention-bias": models.ModelConfig(model_type="llama", attention_bias=True, **SMALL),
+    "qwen3-attention-bias-eps": models.ModelConfig(
+        model_type="qwen3", attention_bias=True, rms_norm_eps=1e-5, head_dim=16, **SMALL
+    ),
+    "qwen2-explicit-head-dim": models.ModelConfig(model_type="qwen2", head_dim=24, **SMALL),
+    "deepseek-v2-mla-eps": models.ModelConfig(
+        model_type="deepseek_v2",
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        rms_norm_eps=1e-2,
+        **SMALL,
+    ),
     "deepseek-v2-mla": models.ModelConfig(
         model_type="deepseek_v2",
         q_lora_rank=40,
@@ -128,6 +142,22 @@ def test_unsupported_hf_features_are_refused():
         models.config_from_hf(hf)
     with pytest.raises(ValueError, match="rope_scaling"):
         models.get_config("deepseek-v2-tiny", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    gelu = models.to_hf_config(CASES["llama2-mha-untied"])
+    gelu.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        models.config_from_hf(gelu)
+    biased = models.to_hf_config(CASES["llama2-mha-untied"])
+    biased.mlp_bias = True
+    with pytest.raises(ValueError, match="mlp_bias"):
+        models.config_from_hf(biased)
+
+
+def test_a_separate_lm_head_is_not_dropped_under_a_tied_config():
+    untied = CASES["llama2-mha-untied"]
+    sd = _state_dict(_hf_model(untied, seed=3))
+    tied = dataclasses.replace(untied, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="own lm_head.weight"):
+        models.from_hf(tied, sd)
 
 
 PAPER = [

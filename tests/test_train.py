@@ -388,3 +388,14 @@ def test_resumed_profile_records_like_an_uninterrupted_one(tmp_path):
     assert parts["steps"] == whole["steps"] == [2, 4, 6, 8]
     for label, value in whole["s_tau"].items():
         np.testing.assert_allclose(parts["s_tau"][label], value, rtol=1e-6)
+
+
+def test_only_the_first_process_writes_the_run_dir_files(tmp_path, monkeypatch):
+    import train.loop
+
+    cfg = load_config(TINY, [*FAST, "train.steps=2", "checkpoint.every=0"])
+    monkeypatch.setattr(train.loop, "_is_main_process", lambda: False)
+    summary = train.loop.train_and_evaluate(cfg, tmp_path / "other", quiet=True)
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    written = {p.name for p in (tmp_path / "other").iterdir()}
+    assert not written & {"config.yaml", "metrics.jsonl", "summary.json"}, written

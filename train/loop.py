@@ -121,7 +121,9 @@ def train_and_evaluate(
         ckpt.close()
         print(f"{run_dir} is already complete at step {start}; nothing to do")
         return json.loads(summary_path.read_text())
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    main = _is_main_process()
+    if main:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     step_fn = jax.jit(
         make_train_step(
@@ -137,7 +139,7 @@ def train_and_evaluate(
     def evaluate(params) -> float:
         return float(np.mean([float(eval_fn(params, _global_batch(b, b_sharding))) for b in val]))
 
-    writer = MetricsWriter(run_dir, total_steps, resume and start > 0, quiet)
+    writer = MetricsWriter(run_dir, total_steps, resume and start > 0, quiet, enabled=main)
     recorder = profiling.AlignmentRecorder(cfg.profile.ema) if profiling_mode else None
     if recorder is not None and "recorder" in data_state:
         recorder.load(data_state["recorder"])
@@ -223,12 +225,18 @@ def train_and_evaluate(
         "devices": len(mesh.devices.flat),
         "mesh": dict(mesh.shape),
     }
-    if recorder is not None and status == "completed":
+    if recorder is not None and status == "completed" and main:
         summary["profile"] = profiling.write_outputs(recorder, run_dir, cfg)
     elif recorder is not None:  # a partial profile gives no allocation; --resume finishes it
         summary["profile"] = None
-    summary_path.write_text(json.dumps(summary, indent=2, default=str))
+    if main:  # one writer per run dir in a multi-host run
+        summary_path.write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _is_main_process() -> bool:
+    """The process that writes the run dir's files (checkpoints are orbax's own business)."""
+    return jax.process_index() == 0
 
 
 # Settings a resumed run must share with the run it continues (they shape the state or the data
@@ -296,7 +304,10 @@ def _rank_summary(cfg: RunConfig, abstract_params, profiling_mode: bool) -> dict
 def _mean_tokens_per_s(run_dir: pathlib.Path) -> float | None:
     from train.metrics import dedupe_by_step, read_metrics
 
-    rows = dedupe_by_step(read_metrics(run_dir / "metrics.jsonl"), "tokens_per_s")
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():  # a process that writes no metrics (multi-host, not the first)
+        return None
+    rows = dedupe_by_step(read_metrics(path), "tokens_per_s")
     rates = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
     return float(np.median(rates)) if rates else None
 

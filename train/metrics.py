@@ -10,9 +10,14 @@ import time
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: pathlib.Path, total_steps: int, resume: bool, quiet: bool = False):
+    def __init__(
+        self, run_dir: pathlib.Path, total_steps: int, resume: bool, quiet: bool = False, enabled: bool = True
+    ):
+        """``enabled=False`` (processes other than the first of a multi-host run) writes nothing."""
         self.path = run_dir / "metrics.jsonl"
-        if not resume and self.path.exists():
+        self.enabled = enabled
+        quiet = quiet or not enabled
+        if enabled and not resume and self.path.exists():
             self.path.unlink()
         self.total = total_steps
         self.quiet = quiet
@@ -26,6 +31,8 @@ class MetricsWriter:
         return self.wall_offset + time.perf_counter() - self.t0
 
     def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
