@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
 
+from moara_jax._decomposition import _is_int
 from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label
 from moara_jax._projection import effective_rank
 
@@ -17,7 +17,7 @@ DEFAULT_RECEIVERS = ("down",)
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not _is_int(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
@@ -62,7 +62,7 @@ def allocate_ranks(
     if bool(donors) != bool(receivers):
         raise ValueError("donors and receivers must both be empty or both be non-empty")
     delta = r_base // 2 if delta is None else delta
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Integral) or delta < 0:
+    if not _is_int(delta, minimum=0):
         raise ValueError(f"delta must be a non-negative integer, got {delta!r}")
     delta = int(delta)
     if delta >= r_base:

@@ -20,9 +20,14 @@ DEFAULT_EPS = 1e-12
 FAN_IN_AXIS = -2
 
 
+def _is_int(value, minimum: int = 1) -> bool:
+    """Whether ``value`` is an integer of any integer type (not bool) and at least ``minimum``."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= minimum
+
+
 def _check_block_size(block_size: int) -> int:
     """Validates ``block_size`` (any integer type, not bool) and returns it as a Python int."""
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+    if not _is_int(block_size):
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     return int(block_size)
 

@@ -11,7 +11,6 @@ SVD. Between refreshes the basis is kept in the state.
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._decomposition import FAN_IN_AXIS, decompose_along
+from moara_jax._decomposition import FAN_IN_AXIS, _is_int, decompose_along
 from moara_jax._nodes import Decomposed, LowRank, is_node
 
 PROJ_TYPES = ("std",)
@@ -49,14 +48,10 @@ def effective_rank(shape: tuple[int, ...], rank: int) -> int:
     return min(rank, shape[-2], shape[-1])
 
 
-def _is_positive_int(value: Any, minimum: int = 1) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= minimum
-
-
 def _check_args(rank: int, update_proj_gap: int, proj_type: str, svd: str) -> None:
-    if not _is_positive_int(rank):
+    if not _is_int(rank):
         raise ValueError(f"rank must be a positive integer, got {rank!r}")
-    if not _is_positive_int(update_proj_gap):
+    if not _is_int(update_proj_gap):
         raise ValueError(f"update_proj_gap must be a positive integer, got {update_proj_gap!r}")
     if proj_type not in PROJ_TYPES:
         raise ValueError(f"proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
@@ -297,9 +292,9 @@ def project(
       A transform that emits :class:`LowRank` nodes (inside ``Decomposed`` when given one).
     """
     _check_args(rank if not callable(rank) else 1, update_proj_gap, proj_type, svd)
-    if not _is_positive_int(oversample, minimum=0):
+    if not _is_int(oversample, minimum=0):
         raise ValueError(f"oversample must be a non-negative integer, got {oversample!r}")
-    if not _is_positive_int(power_iters, minimum=0):
+    if not _is_int(power_iters, minimum=0):
         raise ValueError(f"power_iters must be a non-negative integer, got {power_iters!r}")
     rank_fn = rank if callable(rank) else (lambda path: rank)
     name_fn = name if callable(name) else (lambda path: name)
