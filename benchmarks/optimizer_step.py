@@ -40,8 +40,11 @@ SIZES = {
 GAP = 200
 
 
-def llama2_params(hidden: int, inter: int, layers: int, vocab: int = 32000, seed: int = 0):
-    """Random bf16 Llama 2 parameters, one leaf per matrix (unscanned, like galore-torch)."""
+def llama2_params(
+    hidden: int, inter: int, layers: int, vocab: int = 32000, seed: int = 0, stacked: bool = False
+):
+    """Random bf16 Llama 2 parameters, one leaf per matrix (unscanned, like galore-torch), or with
+    ``stacked=True`` one ``(layers, fan_in, fan_out)`` leaf per module type (a scanned model)."""
     key = jax.random.PRNGKey(seed)
     params = {
         "embed_tokens": {"embedding": None},
@@ -65,6 +68,14 @@ def llama2_params(hidden: int, inter: int, layers: int, vocab: int = 32000, seed
 
     params["embed_tokens"]["embedding"] = rnd((vocab, hidden))
     params["lm_head"]["kernel"] = rnd((hidden, vocab))
+    if stacked:
+        params["layers"] = {"self_attn": {}, "mlp": {}}
+        for name, shape in shapes.items():
+            group = params["layers"]["self_attn" if name[0] in "qkvo" else "mlp"]
+            group[name] = {"kernel": rnd((layers, *shape))}
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            params["layers"][norm] = {"scale": jnp.ones((layers, hidden), jnp.bfloat16)}
+        return params
     for i in range(layers):
         layer = {
             "self_attn": {},
@@ -185,12 +196,12 @@ def decaying_gradients(params, r_base: int, seed: int = 1):
         key, k1, k2, k3 = jax.random.split(key, 4)
         if mj.module_label(path) == "other":
             return (0.02 * jax.random.normal(k1, p.shape)).astype(p.dtype)
-        m, n = p.shape
+        *batch, m, n = p.shape
         k = min(m, n)
         s = jnp.exp(-jnp.arange(k) / r_base)
-        x = jax.random.normal(k1, (m, k)) / jnp.sqrt(m)
-        y = jax.random.normal(k2, (k, n)) / jnp.sqrt(n)
-        noise = 1e-3 * jax.random.normal(k3, (m, n))
+        x = jax.random.normal(k1, (*batch, m, k)) / jnp.sqrt(m)
+        y = jax.random.normal(k2, (*batch, k, n)) / jnp.sqrt(n)
+        noise = 1e-3 * jax.random.normal(k3, p.shape)
         return ((x * s) @ y + noise).astype(p.dtype)
 
     return jax.tree_util.tree_map_with_path(make, params)
@@ -240,10 +251,16 @@ def main() -> None:
     parser.add_argument("--loop-steps", type=int, default=20, help="steps per in-jit loop")
     parser.add_argument("--loop-repeats", type=int, default=5, help="timed in-jit loops")
     parser.add_argument("--only", nargs="*", help="subset of optimizer names")
+    parser.add_argument(
+        "--in-jit-only", action="store_true", help="time only the in-jit loop (no single/pipelined calls)"
+    )
+    parser.add_argument(
+        "--stacked", action="store_true", help="one (layers, fan_in, fan_out) leaf per module type"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     hidden, inter, layers, r_base, block = SIZES[args.size]
-    params = llama2_params(hidden, inter, layers)
+    params = llama2_params(hidden, inter, layers, stacked=args.stacked)
     grads = decaying_gradients(params, r_base)
     device = jax.devices()[0]
     result = {
@@ -254,18 +271,20 @@ def main() -> None:
         "python": platform.python_version(),
         "repeats": args.repeats,
         "target_matrices": 7 * layers,
+        "stacked": args.stacked,
         "ms": {},
     }
     for name, tx in optimizers(r_base, block).items():
         if args.only and name not in args.only:
             continue
-        plain = time_update(tx, params, grads, count=1, repeats=args.repeats)
+        nan = float("nan")
+        plain = nan if args.in_jit_only else time_update(tx, params, grads, count=1, repeats=args.repeats)
         refresh = (
             time_update(tx, params, grads, count=0, repeats=args.refresh_repeats)
             if args.refresh_repeats > 0
             else float("nan")
         )
-        pipelined = time_pipelined(tx, params, grads)
+        pipelined = nan if args.in_jit_only else time_pipelined(tx, params, grads)
         in_jit = time_device_loop(tx, params, grads, steps=args.loop_steps, repeats=args.loop_repeats)
         result["ms"][name] = {
             "plain": plain,
@@ -279,7 +298,7 @@ def main() -> None:
             flush=True,
         )
         _write(args.out, result)  # partial results survive a time limit
-    if not args.only or "moara_full_randomized" in args.only:
+    if not args.stacked and (not args.only or "moara_full_randomized" in args.only):
         result["randomized_principal_angles"] = principal_angles_deg(params, grads, r_base, block)
         print("randomized vs exact basis:", result["randomized_principal_angles"])
     ms = result["ms"]

@@ -134,18 +134,22 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
 
     def back(u: Any, p: Any):
         core = u.direction if isinstance(u, Decomposed) else u
+        dtype = p.dtype if p is not None else (core.basis.dtype if isinstance(core, LowRank) else core.dtype)
         if isinstance(core, LowRank):
-            full = scale * project_back(core.value.astype(jnp.float32), core.basis, core.side)
+            full = scale * project_back(core.value, core.basis, core.side)
         else:
             full = scale * core.astype(jnp.float32)
         if isinstance(u, Decomposed):
+            # The back-projected direction is rounded to the update's dtype before the block
+            # magnitudes multiply it: for bf16 parameters half the bytes between the two kernels
+            # (the product is rounded to bf16 anyway); float32 parameters are unchanged.
+            full = full.astype(dtype)
             if block_size is not None and block_size != u.block_size:
                 raise ValueError(
                     f"recompose: block_size={block_size} but the update was decomposed with "
                     f"block_size={u.block_size}"
                 )
             full = recompose_along(u.mag, full, u.block_size, FAN_IN_AXIS)
-        dtype = p.dtype if p is not None else (core.basis.dtype if isinstance(core, LowRank) else core.dtype)
         return full.astype(dtype)
 
     def update_fn(updates, state, params=None):

@@ -244,11 +244,18 @@ def project_value(g: jax.Array, basis: jax.Array, side: str) -> jax.Array:
 
 
 def project_back(low: jax.Array, basis: jax.Array, side: str) -> jax.Array:
-    """Inverse map of :func:`project_value`: ``basis low`` or ``low basis^T``."""
-    basis = basis.astype(low.dtype)
+    """Inverse map of :func:`project_value`: ``basis low`` or ``low basis^T``.
+
+    The operands keep their common dtype (bf16 stays bf16, on the matrix units) and the products
+    accumulate and come out in at least float32: for bf16 operands the same values as upcasting
+    them first (their products are exact in float32), without a float32 matrix product.
+    """
+    dtype = jnp.result_type(low, basis)
+    low, basis = low.astype(dtype), basis.astype(dtype)
+    acc = jnp.promote_types(dtype, jnp.float32)
     if side == "in":
-        return basis @ low
-    return low @ jnp.swapaxes(basis, -1, -2)
+        return jnp.matmul(basis, low, preferred_element_type=acc)
+    return jnp.matmul(low, jnp.swapaxes(basis, -1, -2), preferred_element_type=acc)
 
 
 def _path_str(path) -> str:

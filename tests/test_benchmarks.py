@@ -39,3 +39,25 @@ def test_in_jit_loop_refuses_to_cross_a_refresh():
     tx = optimizer_step.optimizers(r_base, block)["galore_vanilla"]
     with pytest.raises(ValueError, match="refresh gap"):
         optimizer_step.time_device_loop(tx, params, params, steps=optimizer_step.GAP)
+
+
+def test_stacked_llama_params_hold_one_leaf_per_module_type():
+    hidden, inter, layers, _, _ = optimizer_step.SIZES["tiny"]
+    flat = optimizer_step.llama2_params(hidden, inter, layers)
+    stacked = optimizer_step.llama2_params(hidden, inter, layers, stacked=True)
+    size = lambda t: sum(x.size for x in jax.tree.leaves(t))  # noqa: E731
+    assert size(flat) == size(stacked)
+    assert stacked["layers"]["mlp"]["down_proj"]["kernel"].shape == (layers, inter, hidden)
+    grads = optimizer_step.decaying_gradients(stacked, r_base=8)
+    assert jax.tree.map(jnp.shape, grads) == jax.tree.map(jnp.shape, stacked)
+
+
+def test_kernel_profile_sums_device_events_of_the_traced_loop(tmp_path):
+    import kernel_profile
+
+    hidden, inter, layers, r_base, block = optimizer_step.SIZES["tiny"]
+    params = optimizer_step.llama2_params(hidden, inter, layers)
+    tx = optimizer_step.optimizers(r_base, block)["optax_adamw"]
+    result = kernel_profile.kernel_times(tx, params, params, steps=2, trace_dir=str(tmp_path))
+    assert result["busy_ms_per_step"] > 0 and result["launches_per_step"] > 0
+    assert sum(k["ms_per_step"] for k in result["kernels"]) == pytest.approx(result["busy_ms_per_step"])
