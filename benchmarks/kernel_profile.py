@@ -3,9 +3,10 @@
 
 For each optimizer, ``--loop-steps`` plain steps run inside one jitted ``fori_loop`` under
 ``jax.profiler.trace``; the device plane's events (GPU kernels; on a CPU, where there is no device
-plane, every event of the host plane, Python's included: a smoke check only) are grouped by name and reported as total device time per step, the kernel count per step, and the largest
-kernels. Kernel time summed is busy time: gaps between kernels (launch latency) are not in it,
-which is why it can be less than the loop's wall time per step.
+plane, every event of the host plane, Python's included: a smoke check only) are grouped by name
+and reported as total device time per step, the kernel count per step, and the largest kernels.
+Kernel time summed is busy time: gaps between kernels (launch latency) are not in it, which is why
+it can be less than the loop's wall time per step.
 
 Usage:
   python benchmarks/kernel_profile.py [--size 350m] [--only moara_full galore_vanilla] [--top 15]
@@ -59,10 +60,7 @@ def kernel_times(tx, params, grads, steps: int, trace_dir: str) -> dict:
     launches: collections.Counter = collections.Counter()
     lines = {}
     for line in plane.lines:
-        n = 0
-        for event in line.events:
-            n += 1
-        lines[line.name] = n
+        lines[line.name] = sum(1 for _ in line.events)
     # Kernels sit on the stream lines; skip the derived lines (XLA Ops/Modules, step markers).
     skip = ("XLA Modules", "XLA Ops", "Steps", "Source", "XLA TraceMe", "TensorFlow Name Scope")
     for line in plane.lines:
