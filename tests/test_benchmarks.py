@@ -61,3 +61,36 @@ def test_kernel_profile_sums_device_events_of_the_traced_loop(tmp_path):
     result = kernel_profile.kernel_times(tx, params, params, steps=2, trace_dir=str(tmp_path))
     assert result["busy_ms_per_step"] > 0 and result["launches_per_step"] > 0
     assert sum(k["ms_per_step"] for k in result["kernels"]) == pytest.approx(result["busy_ms_per_step"])
+
+
+@pytest.mark.parametrize("tiles", [None, (64, 32, 2)])
+@pytest.mark.parametrize(
+    "shape,rank,block,dtype",
+    [
+        ((96, 200), 128, 32, jnp.bfloat16),  # fan_in side, fan_out off the tile
+        ((200, 96), 64, 16, jnp.float32),  # fan_out side, fan_in off the block
+        ((3, 100, 72), 64, 16, jnp.float32),  # stacked
+    ],
+)
+def test_fused_kernel_experiment_computes_decompose_then_project(shape, rank, block, dtype, tiles):
+    """The experimental Pallas kernel (interpreted) gives XLA's magnitudes and projection."""
+    import fused_kernel
+    import numpy as np
+
+    from moara_jax._decomposition import decompose_along
+    from moara_jax._projection import project_value, projection_side
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(rank))
+    g = jax.random.normal(k1, shape).astype(dtype).at[..., :block, :3].set(0)  # zero blocks too
+    side = projection_side(shape)
+    d = shape[-2] if side == "in" else shape[-1]
+    basis = (jax.random.normal(k2, shape[:-2] + (d, rank)) / np.sqrt(d)).astype(dtype)
+    assert fused_kernel.supported(shape, dtype, rank, block)
+    mag, low = fused_kernel.decompose_project(
+        g, basis, block_size=block, eps=1e-12, side=side, interpret=True, tiles=tiles
+    )
+    mag_ref, direction = decompose_along(g, block, -2, 1e-12)
+    low_ref = np.asarray(project_value(direction, basis, side), np.float64)
+    np.testing.assert_allclose(np.asarray(mag), np.asarray(mag_ref), rtol=1e-5, atol=1e-6)
+    err = np.linalg.norm(np.asarray(low, np.float64) - low_ref) / np.linalg.norm(low_ref)
+    assert low.dtype == dtype and err < (1e-2 if dtype == jnp.bfloat16 else 1e-5)
