@@ -77,6 +77,14 @@ class ModelConfig:
                 raise ValueError("deepseek_v2: rope_scaling is not supported (plain RoPE only)")
         elif self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads (or set head_dim)")
+        if self.rope_scaling:
+            scaling = self.rope_scaling
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            if kind not in (None, "default", "llama3"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
+            missing = [k for k in ("factor", "original_max_position_embeddings") if k not in scaling]
+            if kind == "llama3" and missing:
+                raise ValueError(f"rope_scaling of type 'llama3' needs {missing}")
 
     @property
     def kv_heads(self) -> int:

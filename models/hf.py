@@ -61,8 +61,20 @@ def to_hf(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
+def _as_numpy(x: Any) -> np.ndarray:
+    """A state-dict value as numpy: torch tensors (bf16, on a GPU or requiring grad included,
+    which ``np.asarray`` refuses) are detached and copied to the host, bf16 kept exactly."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor, without importing torch
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            return x.float().numpy().astype(jax.numpy.bfloat16)  # bf16 -> f32 -> bf16 is exact
+        return x.numpy()
+    return np.asarray(x)
+
+
 def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Flax parameters from an HF state dict (numpy arrays or anything ``np.asarray`` takes).
+    """Flax parameters from an HF state dict: numpy arrays, torch tensors (any dtype or device,
+    e.g. ``model.state_dict()`` of a bf16 model) or anything ``np.asarray`` takes.
 
     Raises:
       ValueError: naming missing keys, unexpected keys, or a shape that does not match ``cfg``.
@@ -75,7 +87,7 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
         for name, _, transpose in _hf_entries(cfg, path):
             if name not in state_dict:
                 raise ValueError(f"from_hf: missing key {name!r} for config {cfg.name!r}")
-            x = np.asarray(state_dict[name])
+            x = _as_numpy(state_dict[name])
             parts.append(x.T if transpose else x)
             used.add(name)
         arr = np.stack(parts) if _names(path)[0] == "layers" else parts[0]
@@ -89,7 +101,7 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
     params = jax.tree_util.tree_map_with_path(fill, shapes)
     head, embed = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
     if cfg.tie_word_embeddings and head is not None and embed is not None:
-        if not np.array_equal(np.asarray(head), np.asarray(embed)):
+        if not np.array_equal(_as_numpy(head), _as_numpy(embed)):
             raise ValueError(
                 f"from_hf: config {cfg.name!r} ties the embeddings, but the state dict has its own "
                 "lm_head.weight (load it with tie_word_embeddings=False)"
@@ -109,7 +121,7 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
 def _rope(hf_config) -> tuple[float, dict | None]:
     params = getattr(hf_config, "rope_parameters", None)
     if params:  # transformers >= 5
-        theta = float(params.get("rope_theta", 10000.0))
+        theta = float(params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0)
         kind = params.get("rope_type", "default")
         scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
         return theta, scaling

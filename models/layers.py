@@ -109,13 +109,19 @@ def rope_interleaved(x, positions, inv):
 def causal_attention(q, k, v, cfg: ModelConfig, scale: float | None = None):
     """``jax.nn.dot_product_attention`` (cuDNN flash on GPU with ``attention_impl='cudnn'``).
 
-    ``q (B, T, N, H)``, ``k (B, T, K, H)``, ``v (B, T, K, Hv)``; a narrower ``Hv`` is zero-padded to
-    ``H`` and cropped after, so MLA's value width can use the same kernel.
+    ``q (B, T, N, H)``, ``k (B, T, K, H)``, ``v (B, T, K, Hv)``. Where ``Hv != H`` (MLA) the narrower
+    side is zero-padded to the wider and the output cropped to ``Hv``: zero columns of q and k add
+    nothing to their products, zero columns of v only zero outputs. ``scale`` defaults to
+    ``H ** -0.5`` (of the unpadded query).
     """
-    hv = v.shape[-1]
-    if hv != q.shape[-1]:
-        v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - hv)])
+    h, hv = q.shape[-1], v.shape[-1]
+    scale = h**-0.5 if scale is None else scale
+    width = max(h, hv)
+
+    def widen(x):
+        return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+
     out = jax.nn.dot_product_attention(
-        q, k, v, scale=scale, is_causal=True, implementation=cfg.attention_impl
+        widen(q), widen(k), widen(v), scale=scale, is_causal=True, implementation=cfg.attention_impl
     )
     return out[..., :hv]

@@ -60,6 +60,8 @@ CASES = {
 }
 # HF's latent norms keep eps 1e-6 whatever rms_norm_eps says.
 CASES["deepseek-v2-mla-eps"] = dataclasses.replace(CASES["deepseek-v2-mla"], rms_norm_eps=1e-2)
+# A value head wider than the query/key head (16 + 8).
+CASES["deepseek-v2-mla-wide-v"] = dataclasses.replace(CASES["deepseek-v2-mla"], v_head_dim=40)
 
 
 def _hf_model(cfg, seed=0):
@@ -128,6 +130,22 @@ def test_mla_without_q_lora_matches_transformers():
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
 
 
+def test_from_hf_takes_a_bf16_torch_state_dict_as_is():
+    """``model.state_dict()`` of a bf16 model (torch tensors numpy cannot take) loads exactly."""
+    cfg = CASES["llama2-mha-untied"]
+    model = _hf_model(cfg, seed=4).to(torch.bfloat16)
+    sd = model.state_dict()
+    assert any(v.dtype == torch.bfloat16 for v in sd.values())
+    got = models.from_hf(cfg, sd)
+    want = models.from_hf(cfg, {k: v.float().numpy() for k, v in sd.items()})
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # A tensor that requires grad (a parameter, not a state-dict copy) loads too.
+    params = dict(model.named_parameters())
+    embed = models.from_hf(cfg, {**sd, "model.embed_tokens.weight": params["model.embed_tokens.weight"]})
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), embed, got))
+
+
 def test_unsupported_hf_features_are_refused():
     hf = models.to_hf_config(CASES["qwen2.5-gqa4-bias-tied"])
     hf.use_sliding_window = True
@@ -135,6 +153,17 @@ def test_unsupported_hf_features_are_refused():
         models.config_from_hf(hf)
     with pytest.raises(ValueError, match="rope_scaling"):
         models.get_config("deepseek-v2-tiny", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    # Refused with the config, before any parameter exists (HF's linear/dynamic/yarn scalings).
+    for kind in ("linear", "dynamic", "yarn"):
+        scaled = models.to_hf_config(CASES["llama2-mha-untied"])
+        if getattr(scaled, "rope_parameters", None):  # transformers >= 5
+            scaled.rope_parameters = {**scaled.rope_parameters, "rope_type": kind, "factor": 2.0}
+        else:
+            scaled.rope_scaling = {"rope_type": kind, "factor": 2.0}
+        with pytest.raises(ValueError, match=f"unsupported rope_scaling type '{kind}'"):
+            models.config_from_hf(scaled)
+    with pytest.raises(ValueError, match="needs \\['original_max_position_embeddings'\\]"):
+        models.get_config("llama3.2-tiny", rope_scaling={"rope_type": "llama3", "factor": 8.0})
     gelu = models.to_hf_config(CASES["llama2-mha-untied"])
     gelu.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act='gelu'"):

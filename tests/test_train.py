@@ -203,6 +203,20 @@ def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_micro_batches_off_the_data_split_name_the_numbers(tmp_path):
+    proc = run_cli(
+        tmp_path / "bad",
+        *FAST,
+        "train.batch_size=6",
+        "train.micro_batch_size=3",
+        "mesh.data=2",
+        check=False,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "train.micro_batch_size (3) must be divisible by the mesh's data x fsdp = 2 x 1 = 2" in proc.stderr
+
+
 def test_missing_config_file_is_a_clean_error(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "train", "--config", str(tmp_path / "nope.yaml")],
@@ -249,8 +263,10 @@ def test_packing_is_eos_separated_windows():
     windows = pack(["ab", "c"], ByteTokenizer(), 3)
     assert windows.tolist() == [[97, 98, 256]]  # "ab" EOS | "c" EOS (dropped: partial window)
     np.testing.assert_array_equal(pack(["abcde"], ByteTokenizer(), 2), [[97, 98], [99, 100], [101, 256]])
-    with pytest.raises(UserError, match="fewer than one window"):
+    with pytest.raises(UserError, match=r"the train split has 2 tokens, fewer than one window of 8"):
         pack(["a"], ByteTokenizer(), 8)
+    with pytest.raises(UserError, match=r"validation split .* raise data.validation_fraction"):
+        pack(["a"], ByteTokenizer(), 8, split="validation")
 
 
 def test_sentencepiece_tokenizer_path(tmp_path):

@@ -189,15 +189,25 @@ def load_splits(cfg: DataSection) -> tuple[list[str], list[str], Counts]:
     return train, val, counts
 
 
-def pack(docs: Iterable[str], tokenizer, window: int) -> np.ndarray:
-    """Concatenates ``doc + EOS`` token streams and cuts them into ``(n, window)`` rows."""
+def pack(docs: Iterable[str], tokenizer, window: int, split: str = "train") -> np.ndarray:
+    """Concatenates ``doc + EOS`` token streams and cuts them into ``(n, window)`` rows.
+
+    ``split`` names the split in the error raised when it holds less than one window."""
     ids: list[int] = []
     for d in docs:
         ids.extend(tokenizer.encode(d))
         ids.append(tokenizer.eos_id)
     n = len(ids) // window
     if n == 0:
-        raise UserError(f"the data has {len(ids)} tokens, fewer than one window of {window}")
+        hint = (
+            "raise data.validation_fraction, add documents or lower train.seq_len"
+            if split == "validation"
+            else "add documents (data.max_documents) or lower train.seq_len"
+        )
+        raise UserError(
+            f"the {split} split has {len(ids)} tokens, fewer than one window of {window} "
+            f"(train.seq_len + 1): {hint}"
+        )
     return np.asarray(ids[: n * window], np.int32).reshape(n, window)
 
 
@@ -230,4 +240,9 @@ class Data:
 def build_data(cfg: DataSection, seq_len: int) -> Data:
     tokenizer = make_tokenizer(cfg.tokenizer)
     train, val, counts = load_splits(cfg)
-    return Data(tokenizer, pack(train, tokenizer, seq_len + 1), pack(val, tokenizer, seq_len + 1), counts)
+    return Data(
+        tokenizer,
+        pack(train, tokenizer, seq_len + 1),
+        pack(val, tokenizer, seq_len + 1, split="validation"),
+        counts,
+    )

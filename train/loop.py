@@ -82,8 +82,12 @@ def train_and_evaluate(
     mesh = make_mesh(cfg.mesh)
     b_sharding = batch_sharding(mesh, t.batch_size)
     micro = t.batch_size // (t.micro_batch_size or t.batch_size)
-    if (t.batch_size // micro) % (mesh.shape["data"] * mesh.shape["fsdp"]):
-        raise UserError("train.micro_batch_size must be divisible by the mesh's data x fsdp")
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (t.batch_size // micro) % shards:
+        raise UserError(
+            f"train.micro_batch_size ({t.batch_size // micro}) must be divisible by the mesh's "
+            f"data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']} = {shards}"
+        )
     lr = schedule(cfg)
     if profiling_mode and cfg.optimizer.name == "adamw":
         raise UserError("mode profile needs optimizer.name galore or moara (it profiles projections)")
