@@ -94,3 +94,14 @@ def test_fused_kernel_experiment_computes_decompose_then_project(shape, rank, bl
     np.testing.assert_allclose(np.asarray(mag), np.asarray(mag_ref), rtol=1e-5, atol=1e-6)
     err = np.linalg.norm(np.asarray(low, np.float64) - low_ref) / np.linalg.norm(low_ref)
     assert low.dtype == dtype and err < (1e-2 if dtype == jnp.bfloat16 else 1e-5)
+
+
+def test_train_step_benchmark_runs_donated_steps_from_a_fresh_state():
+    import train_step
+
+    import models
+
+    cfg = models.get_config("llama2-tiny", param_dtype="bfloat16", dtype="bfloat16")
+    tx = train_step.optimizers(r_base=8, block=16)["moara_full"]
+    ms = train_step.time_steps(cfg, tx, batch=4, micro=2, seq_len=16, steps=2, warmup=1)
+    assert ms > 0
