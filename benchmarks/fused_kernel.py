@@ -26,6 +26,7 @@ import functools
 import math
 import statistics
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,97 +67,80 @@ def supported(shape: tuple[int, ...], dtype, rank: int, block_size: int) -> bool
     )
 
 
-def _in_kernel(
-    g_ref,
-    p_ref,
-    low_ref,
-    mag_ref,
-    *,
-    block: int,
-    eps: float,
-    fan_in: int,
-    fan_out: int,
-    tr_: int,
-    tf_: int,
-    nbk: int,
-):
+class _Tiles(NamedTuple):
+    """Static shape of a kernel launch: the block size, eps, the leaf's sides, the rank tile
+    ``tr``, the free-axis tile ``tf`` and the blocks ``nbk`` in each step."""
+
+    block: int
+    eps: float
+    fan_in: int
+    fan_out: int
+    tr: int
+    tf: int
+    nbk: int
+
+
+def _direction_tile(g_ref, mag_ref, mi, kb, c, write_mag, t: _Tiles):
+    """The block direction of rows ``[kb * nbk * B, (kb + 1) * nbk * B)`` and columns
+    ``[c * tf, (c + 1) * tf)`` of matrix ``mi`` (zero outside the matrix), in ``g``'s dtype; the
+    tile's block norms are stored in ``mag_ref`` where ``write_mag``."""
+    bk = t.nbk * t.block
+    rows_ok = (kb * bk + jnp.arange(bk)) < t.fan_in
+    cols_ok = (c * t.tf + jnp.arange(t.tf)) < t.fan_out
+    mask = rows_ok[:, None] & cols_ok[None, :]
+    x = plgpu.load(g_ref.at[mi, pl.ds(kb * bk, bk), pl.ds(c * t.tf, t.tf)], mask=mask, other=0.0)
+    x = x.astype(jnp.float32).reshape(t.nbk, t.block, t.tf)
+    norm = jnp.sqrt(jnp.sum(x * x, axis=1))  # (nbk, tf)
+
+    @pl.when(write_mag)
+    def _():
+        blocks_ok = (kb * t.nbk + jnp.arange(t.nbk)) < -(-t.fan_in // t.block)
+        ok = blocks_ok[:, None] & cols_ok[None, :]
+        plgpu.store(mag_ref.at[mi, pl.ds(kb * t.nbk, t.nbk), pl.ds(c * t.tf, t.tf)], norm, mask=ok)
+
+    return (x / (norm[:, None, :] + t.eps)).reshape(bk, t.tf).astype(g_ref.dtype)
+
+
+def _in_kernel(g_ref, p_ref, low_ref, mag_ref, *, t: _Tiles):
     """Side 'in': ``low[l, r, j] = sum_i P[l, i, r] dir[l, i, j]``, blocks along i (contracted).
 
-    Each step takes ``nbk`` whole blocks (``nbk * block`` rows) of a ``tf_``-column tile."""
+    Each program owns a ``tr x tf`` tile of ``low`` and walks fan_in in ``nbk`` whole blocks."""
     mi, tr, tf = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols = tf * tf_ + jnp.arange(tf_)
-    col_ok = cols < fan_out
-    ranks = pl.ds(tr * tr_, tr_)
-    nb = -(-fan_in // block)
-    bk = nbk * block
+    ranks = pl.ds(tr * t.tr, t.tr)
+    bk = t.nbk * t.block
 
     def body(k, acc):
-        rows = k * bk + jnp.arange(bk)
-        row_ok = rows < fan_in
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = plgpu.load(g_ref.at[mi, pl.ds(k * bk, bk), pl.ds(tf * tf_, tf_)], mask=mask, other=0.0)
-        x = x.astype(jnp.float32).reshape(nbk, block, tf_)
-        norm = jnp.sqrt(jnp.sum(x * x, axis=1))  # (nbk, tf_)
-
-        @pl.when(tr == 0)
-        def _():
-            ok = ((k * nbk + jnp.arange(nbk)) < nb)[:, None] & col_ok[None, :]
-            plgpu.store(mag_ref.at[mi, pl.ds(k * nbk, nbk), pl.ds(tf * tf_, tf_)], norm, mask=ok)
-
-        d = (x / (norm[:, None, :] + eps)).reshape(bk, tf_).astype(g_ref.dtype)
-        p = plgpu.load(p_ref.at[mi, pl.ds(k * bk, bk), ranks], mask=row_ok[:, None], other=0.0)
+        d = _direction_tile(g_ref, mag_ref, mi, k, tf, tr == 0, t)
+        rows_ok = (k * bk + jnp.arange(bk)) < t.fan_in
+        p = plgpu.load(p_ref.at[mi, pl.ds(k * bk, bk), ranks], mask=rows_ok[:, None], other=0.0)
         return acc + jax.lax.dot_general(
             p.astype(g_ref.dtype), d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    acc = jax.lax.fori_loop(0, pl.cdiv(fan_in, bk), body, jnp.zeros((tr_, tf_), jnp.float32))
-    plgpu.store(low_ref.at[mi, ranks, pl.ds(tf * tf_, tf_)], acc.astype(low_ref.dtype), mask=col_ok[None, :])
+    acc = jax.lax.fori_loop(0, pl.cdiv(t.fan_in, bk), body, jnp.zeros((t.tr, t.tf), jnp.float32))
+    cols_ok = (tf * t.tf + jnp.arange(t.tf)) < t.fan_out
+    plgpu.store(
+        low_ref.at[mi, ranks, pl.ds(tf * t.tf, t.tf)], acc.astype(low_ref.dtype), mask=cols_ok[None, :]
+    )
 
 
-def _out_kernel(
-    g_ref,
-    p_ref,
-    low_ref,
-    mag_ref,
-    *,
-    block: int,
-    eps: float,
-    fan_in: int,
-    fan_out: int,
-    tr_: int,
-    tf_: int,
-    nbk: int,
-):
+def _out_kernel(g_ref, p_ref, low_ref, mag_ref, *, t: _Tiles):
     """Side 'out': ``low[l, i, r] = sum_j dir[l, i, j] Q[l, j, r]``, blocks along i (free).
 
-    Each program owns ``nbk`` whole blocks (``nbk * block`` rows) and walks fan_out in ``tf_``."""
+    Each program owns ``nbk`` whole blocks of rows and a ``tr`` rank tile, and walks fan_out."""
     mi, kb, tr = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bk = nbk * block
-    nb = -(-fan_in // block)
-    rows = kb * bk + jnp.arange(bk)
-    row_ok = rows < fan_in
-    ranks = pl.ds(tr * tr_, tr_)
-    blocks_ok = (kb * nbk + jnp.arange(nbk)) < nb
+    ranks = pl.ds(tr * t.tr, t.tr)
+    bk = t.nbk * t.block
 
     def body(c, acc):
-        cols = c * tf_ + jnp.arange(tf_)
-        col_ok = cols < fan_out
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = plgpu.load(g_ref.at[mi, pl.ds(kb * bk, bk), pl.ds(c * tf_, tf_)], mask=mask, other=0.0)
-        x = x.astype(jnp.float32).reshape(nbk, block, tf_)
-        norm = jnp.sqrt(jnp.sum(x * x, axis=1))  # (nbk, tf_)
-
-        @pl.when(tr == 0)
-        def _():
-            ok = blocks_ok[:, None] & col_ok[None, :]
-            plgpu.store(mag_ref.at[mi, pl.ds(kb * nbk, nbk), pl.ds(c * tf_, tf_)], norm, mask=ok)
-
-        d = (x / (norm[:, None, :] + eps)).reshape(bk, tf_).astype(g_ref.dtype)
-        q = plgpu.load(p_ref.at[mi, pl.ds(c * tf_, tf_), ranks], mask=col_ok[:, None], other=0.0)
+        d = _direction_tile(g_ref, mag_ref, mi, kb, c, tr == 0, t)
+        cols_ok = (c * t.tf + jnp.arange(t.tf)) < t.fan_out
+        q = plgpu.load(p_ref.at[mi, pl.ds(c * t.tf, t.tf), ranks], mask=cols_ok[:, None], other=0.0)
         return acc + jnp.dot(d, q.astype(g_ref.dtype), preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, pl.cdiv(fan_out, tf_), body, jnp.zeros((bk, tr_), jnp.float32))
-    plgpu.store(low_ref.at[mi, pl.ds(kb * bk, bk), ranks], acc.astype(low_ref.dtype), mask=row_ok[:, None])
+    acc = jax.lax.fori_loop(0, pl.cdiv(t.fan_out, t.tf), body, jnp.zeros((bk, t.tr), jnp.float32))
+    rows_ok = (kb * bk + jnp.arange(bk)) < t.fan_in
+    plgpu.store(low_ref.at[mi, pl.ds(kb * bk, bk), ranks], acc.astype(low_ref.dtype), mask=rows_ok[:, None])
 
 
 @functools.partial(
@@ -185,16 +169,15 @@ def decompose_project(
     g3 = g.reshape(lead, fan_in, fan_out)
     p3 = basis.reshape(lead, *basis.shape[-2:]).astype(g.dtype)
     nb = -(-fan_in // block_size)
-    tr_, tf_, nbk = tiles or (_TR, _TF, 1)
-    tr_ = min(tr_, rank)
-    kw = dict(block=block_size, eps=float(eps), fan_in=fan_in, fan_out=fan_out, tr_=tr_, tf_=tf_, nbk=nbk)
+    tr, tf, nbk = tiles or (_TR, _TF, 1)
+    t = _Tiles(block_size, float(eps), fan_in, fan_out, min(tr, rank), tf, nbk)
     if side == "in":
-        kernel = functools.partial(_in_kernel, **kw)
-        grid = (lead, rank // tr_, pl.cdiv(fan_out, tf_))
+        kernel = functools.partial(_in_kernel, t=t)
+        grid = (lead, rank // t.tr, pl.cdiv(fan_out, t.tf))
         low_shape = (lead, rank, fan_out)
     else:
-        kernel = functools.partial(_out_kernel, **kw)
-        grid = (lead, pl.cdiv(nb, nbk), rank // tr_)
+        kernel = functools.partial(_out_kernel, t=t)
+        grid = (lead, pl.cdiv(nb, nbk), rank // t.tr)
         low_shape = (lead, fan_in, rank)
     low, mag = pl.pallas_call(
         kernel,
