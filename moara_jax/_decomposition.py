@@ -69,10 +69,15 @@ def decompose_along(
     _check_block_size(block_size)
     axis = axis % g.ndim
     n = g.shape[axis]
-    blocks = _blocked(g.astype(jnp.float32), block_size, axis)
+    g32 = g.astype(jnp.float32)
+    blocks = _blocked(g32, block_size, axis)
     mag = jnp.sqrt(jnp.sum(jnp.square(blocks), axis=axis + 1))
-    direction = blocks / (jnp.expand_dims(mag, axis + 1) + eps)
-    return mag, _unblocked(direction, n, axis).astype(g.dtype)
+    # The quotients on the unpadded gradient, each magnitude repeated over its block: a padded
+    # direction would be cropped by a copy of its own (XLA does not fuse that slice into the
+    # projection that reads it).
+    rep = jax.lax.slice_in_dim(jnp.repeat(mag, block_size, axis=axis), 0, n, axis=axis)
+    direction = g32 / (rep + eps)
+    return mag, direction.astype(g.dtype)
 
 
 def recompose_along(mag: jnp.ndarray, direction: jnp.ndarray, block_size: int, axis: int) -> jnp.ndarray:

@@ -125,3 +125,17 @@ def test_alignment_is_cosine_per_matrix_and_zero_safe():
 def test_jit_and_grad_of_decomposition_are_finite_at_zero():
     f = jax.jit(lambda x: jnp.sum(mj.block_recompose(*mj.block_decompose(x, 2), 2)))
     assert np.isfinite(float(f(jnp.zeros((2, 4)))))
+
+
+def test_padded_direction_is_computed_at_the_gradient_size():
+    """Where the blocks pad the fan_in axis, the direction is divided out at the gradient's own
+    size, not computed padded and cropped (a crop XLA runs as one more copy of the direction)."""
+    from moara_jax._decomposition import decompose_along
+
+    jaxpr = jax.make_jaxpr(lambda g: decompose_along(g, 32, -2)[1])(jnp.ones((100, 8), jnp.bfloat16)).jaxpr
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    chain, var = [], jaxpr.outvars[0]
+    while var in producer and len(chain) < 3:
+        chain.append(producer[var].primitive.name)
+        var = producer[var].invars[0]
+    assert chain[:2] == ["convert_element_type", "div"], chain
