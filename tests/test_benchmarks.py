@@ -52,15 +52,20 @@ def test_stacked_llama_params_hold_one_leaf_per_module_type():
     assert jax.tree.map(jnp.shape, grads) == jax.tree.map(jnp.shape, stacked)
 
 
-def test_kernel_profile_sums_device_events_of_the_traced_loop(tmp_path):
+def test_kernel_profile_groups_the_traced_loop_events_by_name(tmp_path):
+    """A smoke check on CPU (no device plane: the host plane's events are grouped); on a GPU the
+    same code reads the device plane's kernels."""
     import kernel_profile
 
     hidden, inter, layers, r_base, block = optimizer_step.SIZES["tiny"]
     params = optimizer_step.llama2_params(hidden, inter, layers)
     tx = optimizer_step.optimizers(r_base, block)["optax_adamw"]
     result = kernel_profile.kernel_times(tx, params, params, steps=2, trace_dir=str(tmp_path))
+    assert result["plane"].startswith("/host:CPU") and result["lines"]
+    names = [k["name"] for k in result["kernels"]]
+    times = [k["ms_per_step"] for k in result["kernels"]]
+    assert len(names) == len(set(names)) and times == sorted(times, reverse=True)
     assert result["busy_ms_per_step"] > 0 and result["launches_per_step"] > 0
-    assert sum(k["ms_per_step"] for k in result["kernels"]) == pytest.approx(result["busy_ms_per_step"])
 
 
 @pytest.mark.parametrize("tiles", [None, (64, 32, 2)])
@@ -96,7 +101,9 @@ def test_fused_kernel_experiment_computes_decompose_then_project(shape, rank, bl
     assert low.dtype == dtype and err < (1e-2 if dtype == jnp.bfloat16 else 1e-5)
 
 
-def test_train_step_benchmark_runs_donated_steps_from_a_fresh_state():
+def test_train_step_benchmark_times_finite_donated_steps():
+    """time_steps builds its state inside jit (the donated step refuses shared buffers) and
+    raises on a non-finite loss; a tiny bf16 model runs through it."""
     import train_step
 
     import models

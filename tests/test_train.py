@@ -265,7 +265,7 @@ def test_packing_is_eos_separated_windows():
     np.testing.assert_array_equal(pack(["abcde"], ByteTokenizer(), 2), [[97, 98], [99, 100], [101, 256]])
     with pytest.raises(UserError, match=r"the train split has 2 tokens, fewer than one window of 8"):
         pack(["a"], ByteTokenizer(), 8)
-    with pytest.raises(UserError, match=r"validation split .* raise data.validation_fraction"):
+    with pytest.raises(UserError, match=r"validation split .*validation_fraction, data.validation_paths"):
         pack(["a"], ByteTokenizer(), 8, split="validation")
 
 

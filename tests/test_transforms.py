@@ -232,9 +232,9 @@ def test_bf16_moara_update_is_within_bf16_rounding_of_float32():
     u32, _ = jax.jit(tx.update)(jax.tree.map(lambda x: x.astype(jnp.float32), g16), tx.init(params), params)
     u16, _ = jax.jit(tx.update)(g16, tx.init(p16), p16)
     assert u16["w"].dtype == jnp.bfloat16
-    # Two bf16 roundings (2**-9 each) plus the bf16 SVD input and inner Adam: a few 2**-8.
+    # Two bf16 roundings (2**-9 each) plus bf16 moments and projections: about 2**-7 measured.
     err = np.linalg.norm(np.asarray(u16["w"], np.float32) - np.asarray(u32["w"])) / np.linalg.norm(u32["w"])
-    assert err < 2**-5, err
+    assert err < 2**-6, err
 
 
 def test_a_changed_direction_drops_its_source():

@@ -200,9 +200,10 @@ def pack(docs: Iterable[str], tokenizer, window: int, split: str = "train") -> n
     n = len(ids) // window
     if n == 0:
         hint = (
-            "raise data.validation_fraction, add documents or lower train.seq_len"
+            "give it more documents (data.validation_fraction, data.validation_paths or, for "
+            "tfds, data.max_documents) or lower train.seq_len"
             if split == "validation"
-            else "add documents (data.max_documents) or lower train.seq_len"
+            else "add documents (data.paths, data.max_documents) or lower train.seq_len"
         )
         raise UserError(
             f"the {split} split has {len(ids)} tokens, fewer than one window of {window} "
