@@ -22,8 +22,7 @@ import os
 import tempfile
 
 import jax
-import optax
-from optimizer_step import SIZES, _with_count, decaying_gradients, llama2_params, optimizers
+from optimizer_step import SIZES, _with_count, decaying_gradients, llama2_params, optimizers, plain_step_loop
 
 
 def _device_plane(data):
@@ -37,19 +36,10 @@ def _device_plane(data):
 def kernel_times(tx, params, grads, steps: int, trace_dir: str) -> dict:
     """Per-name device time (ms per step) and launches per step of ``steps`` in-jit plain steps."""
     state = _with_count(tx.init(params), 1)
-
-    @jax.jit
-    def run(params, state):
-        def body(_, carry):
-            p, s = carry
-            u, s = tx.update(grads, s, p)
-            return optax.apply_updates(p, u), s
-
-        return jax.lax.fori_loop(0, steps, body, (params, state))
-
-    jax.block_until_ready(run(params, state))  # compile and warm up outside the trace
+    run = plain_step_loop(tx, steps)
+    jax.block_until_ready(run(params, state, grads))  # compile and warm up outside the trace
     with jax.profiler.trace(trace_dir):
-        jax.block_until_ready(run(params, state))
+        jax.block_until_ready(run(params, state, grads))
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not files:
         raise RuntimeError(f"no xplane.pb written under {trace_dir}")

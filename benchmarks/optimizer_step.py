@@ -156,13 +156,11 @@ def time_pipelined(tx, params, grads, steps: int = 20) -> float:
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
-def time_device_loop(tx, params, grads, steps: int = 20, repeats: int = 5) -> float:
-    """Median ms per plain step, ``steps`` steps (update + ``optax.apply_updates``) run inside one
-    jitted ``lax.fori_loop``: the device's time per step, without the host's per-call dispatch of
-    every parameter, gradient and state buffer (which dominates single calls at 350M)."""
+def plain_step_loop(tx, steps: int):
+    """``run(params, state, grads)``: ``steps`` plain steps (update + ``optax.apply_updates``) in
+    one jitted ``lax.fori_loop``; ``steps`` must stay below the refresh gap."""
     if steps >= GAP:
         raise ValueError(f"steps ({steps}) must stay below the refresh gap ({GAP})")
-    state = _with_count(tx.init(params), 1)
 
     @jax.jit
     def run(params, state, grads):
@@ -173,6 +171,15 @@ def time_device_loop(tx, params, grads, steps: int = 20, repeats: int = 5) -> fl
 
         return jax.lax.fori_loop(0, steps, body, (params, state))
 
+    return run
+
+
+def time_device_loop(tx, params, grads, steps: int = 20, repeats: int = 5) -> float:
+    """Median ms per plain step, ``steps`` steps (update + ``optax.apply_updates``) run inside one
+    jitted ``lax.fori_loop``: the device's time per step, without the host's per-call dispatch of
+    every parameter, gradient and state buffer (which dominates single calls at 350M)."""
+    state = _with_count(tx.init(params), 1)
+    run = plain_step_loop(tx, steps)
     jax.block_until_ready(run(params, state, grads))
     times = []
     for _ in range(repeats):

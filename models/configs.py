@@ -77,13 +77,14 @@ class ModelConfig:
                 raise ValueError("deepseek_v2: rope_scaling is not supported (plain RoPE only)")
         elif self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads (or set head_dim)")
-        if self.rope_scaling:
-            scaling = self.rope_scaling
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in (None, "default", "llama3"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
-            missing = [k for k in ("factor", "original_max_position_embeddings") if k not in scaling]
-            if kind == "llama3" and missing:
+        kind = rope_scaling_type(self.rope_scaling)
+        if kind not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
+        if kind == "llama3":
+            missing = [
+                k for k in ("factor", "original_max_position_embeddings") if k not in self.rope_scaling
+            ]
+            if missing:
                 raise ValueError(f"rope_scaling of type 'llama3' needs {missing}")
 
     @property
@@ -96,6 +97,13 @@ class ModelConfig:
 
     def replace(self, **overrides) -> ModelConfig:
         return replace_config(self, **overrides)
+
+
+def rope_scaling_type(scaling: dict | None) -> str:
+    """HF's rope scaling type of a ``rope_scaling`` dict (``rope_type``, or the older ``type``);
+    ``'default'`` for none."""
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type")) or "default"
 
 
 def replace_config(cfg: ModelConfig, **overrides) -> ModelConfig:

@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.configs import ModelConfig
+from models.configs import ModelConfig, rope_scaling_type
 
 Axes = tuple[str | None, ...]
 
@@ -69,11 +69,8 @@ class MLP(nn.Module):
 def inv_frequencies(dim: int, theta: float, scaling: dict | None) -> jnp.ndarray:
     """RoPE inverse frequencies, with HF's ``llama3`` scaling when ``scaling`` asks for it."""
     inv = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
+    if rope_scaling_type(scaling) == "default":  # ModelConfig admits only default and llama3
         return inv
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, llama3)")
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling["original_max_position_embeddings"]
