@@ -22,8 +22,17 @@ from moara_jax._allocation import (
     rank_table,
     resolve_module_ranks,
 )
-from moara_jax._chain import decompose, recompose, scale_by_galore, scale_by_moara, stage_chain
+from moara_jax._chain import (
+    HOSTS,
+    decompose,
+    recompose,
+    scale_by_fira,
+    scale_by_galore,
+    scale_by_moara,
+    stage_chain,
+)
 from moara_jax._decomposition import alignment, block_decompose, block_recompose, num_blocks
+from moara_jax._fira import FiraState, fira_adam
 from moara_jax._labels import (
     LLAMA_MODULE_TYPES,
     MLA_MODULE_TYPES,
@@ -40,6 +49,8 @@ __all__ = [
     "DEFAULT_RECEIVERS",
     "DecayAfterStepState",
     "Decomposed",
+    "FiraState",
+    "HOSTS",
     "InnerAdamState",
     "LLAMA_MODULE_TYPES",
     "LowRank",
@@ -56,6 +67,7 @@ __all__ = [
     "block_recompose",
     "decompose",
     "default_donors",
+    "fira_adam",
     "inner_adam",
     "label_tree",
     "matrix_alignment",
@@ -70,6 +82,7 @@ __all__ = [
     "recompose",
     "reconstruct",
     "resolve_module_ranks",
+    "scale_by_fira",
     "scale_by_galore",
     "scale_by_moara",
     "stage_chain",

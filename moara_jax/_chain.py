@@ -21,8 +21,30 @@ from moara_jax._decomposition import (
     decompose_along,
     recompose_along,
 )
+from moara_jax._fira import DEFAULT_GROWTH_LIMIT, fira_adam
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import project, project_back
+
+# The low-rank methods MoARa runs on: the stage between ``project`` and ``recompose``.
+HOSTS = ("galore", "fira")
+
+
+def _check_host(host: str) -> None:
+    if host not in HOSTS:
+        raise ValueError(f"host must be one of {HOSTS}, got {host!r}")
+
+
+def _host_adam(
+    host: str, b1, b2, eps, scale, growth_limit, mu_dtype, mag_dtype
+) -> optax.GradientTransformation:
+    """The host's update of the projected value: GaLore's inner Adam, or Fira's (Adam plus a
+    norm-scaled full-rank residual)."""
+    _check_host(host)
+    if host == "fira":
+        return fira_adam(
+            b1, b2, eps, scale=scale, growth_limit=growth_limit, mu_dtype=mu_dtype, mag_dtype=mag_dtype
+        )
+    return inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
 
 
 def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -137,6 +159,8 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
         dtype = p.dtype if p is not None else (core.basis.dtype if isinstance(core, LowRank) else core.dtype)
         if isinstance(core, LowRank):
             full = scale * project_back(core.value, core.basis, core.side)
+            if core.residual is not None:  # a host's full-rank term (Fira)
+                full = full + core.residual.astype(full.dtype)
         else:
             full = scale * core.astype(jnp.float32)
         if isinstance(u, Decomposed):
@@ -179,6 +203,8 @@ def scale_by_moara(
     seed: int = 0,
     canonical_signs: bool = False,
     name: str | Callable[[Any], str] | None = None,
+    host: str = "galore",
+    growth_limit: float = DEFAULT_GROWTH_LIMIT,
 ) -> optax.GradientTransformation:
     """MoARa's direction for every leaf: decompose -> project -> inner Adam -> recompose.
 
@@ -186,10 +212,16 @@ def scale_by_moara(
     direction with no learning rate, so ``optax.chain(scale_by_moara(...), optax.scale(-lr))`` is
     a full optimizer. See :func:`moara_adamw` for per-module ranks and non-target parameters.
 
+    ``host='fira'`` runs Fira on the block direction instead of GaLore's inner Adam
+    (:func:`fira_adam`, with ``growth_limit``): the direction's dropped part, norm-scaled, is
+    added before the magnitudes multiply.
+
     References:
-      MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507.
+      MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507;
+      Chen et al., Fira, https://arxiv.org/abs/2410.01623.
     """
     _check_block_size(block_size)
+    adam = _host_adam(host, b1, b2, eps, scale, growth_limit, mu_dtype, mag_dtype)
     return stage_chain(
         decompose(block_size, decompose_eps, keep_source=True),
         project(
@@ -200,8 +232,9 @@ def scale_by_moara(
             seed=seed,
             canonical_signs=canonical_signs,
             name=name,
+            keep_source=host == "fira",
         ),
-        inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype),
+        adam,
         recompose(scale, block_size),
     )
 
@@ -233,5 +266,39 @@ def scale_by_galore(
             name=name,
         ),
         inner_adam(b1, b2, eps, mu_dtype=mu_dtype),
+        recompose(scale),
+    )
+
+
+def scale_by_fira(
+    rank: int | Callable[[Any], int],
+    *,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    growth_limit: float = DEFAULT_GROWTH_LIMIT,
+    mu_dtype: Any = None,
+    proj_type: str = "std",
+    svd: str = "exact",
+    seed: int = 0,
+    canonical_signs: bool = False,
+    name: str | Callable[[Any], str] | None = None,
+) -> optax.GradientTransformation:
+    """Fira's direction for every leaf (the reference ``fira.FiraAdamW``, without the lr):
+    ``project(keep_source=True) -> fira_adam -> recompose``; ``scale`` is Fira's ``alpha``."""
+    return stage_chain(
+        project(
+            rank,
+            update_proj_gap,
+            proj_type,
+            svd=svd,
+            seed=seed,
+            canonical_signs=canonical_signs,
+            name=name,
+            keep_source=True,
+        ),
+        fira_adam(b1, b2, eps, scale=scale, growth_limit=growth_limit, mu_dtype=mu_dtype),
         recompose(scale),
     )

@@ -81,19 +81,26 @@ class LowRank:
     side), ``basis`` is ``(..., fan_in, r)`` and ``value = basis^T G`` is ``(..., r, fan_out)``;
     for ``side='out'``, ``basis`` is ``(..., fan_out, r)`` and ``value = G basis`` is
     ``(..., fan_in, r)``. ``side`` is static.
+
+    Two optional full-shape fields serve hosts that update outside the subspace (Fira):
+    ``source`` is the matrix that was projected (set by ``project(keep_source=True)``), and
+    ``residual`` is a full-rank term that ``recompose`` adds to the back-projected value.
     """
 
-    def __init__(self, value: Any, basis: Any, side: str):
+    def __init__(self, value: Any, basis: Any, side: str, *, source: Any = None, residual: Any = None):
         self.value = value
         self.basis = basis
         self.side = side
+        self.source = source
+        self.residual = residual
 
     def tree_flatten(self):
-        return (self.value, self.basis), self.side
+        return (self.value, self.basis, self.source, self.residual), self.side
 
     @classmethod
     def tree_unflatten(cls, side, children):
-        return cls(*children, side=side)
+        value, basis, source, residual = children
+        return cls(value, basis, side, source=source, residual=residual)
 
     def __repr__(self) -> str:
         shape = getattr(self.value, "shape", None)

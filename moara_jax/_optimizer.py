@@ -10,8 +10,9 @@ import optax
 
 from moara_jax._adam import decay_after_step, dtype_arg, inner_adam
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
-from moara_jax._chain import scale_by_galore, scale_by_moara
+from moara_jax._chain import _check_host, scale_by_fira, scale_by_galore, scale_by_moara
 from moara_jax._decomposition import _check_block_size
+from moara_jax._fira import DEFAULT_GROWTH_LIMIT
 from moara_jax._labels import MODULE_TYPES, OTHER, module_label
 
 TARGET = "target"
@@ -30,6 +31,7 @@ MOARA_ADAMW_STATIC_ARGS = (
     "seed",
     "canonical_signs",
     "label_fn",
+    "host",
 )
 
 
@@ -56,6 +58,8 @@ def moara_adamw(
     seed: int = 0,
     canonical_signs: bool = False,
     label_fn: Callable[[Any], str] = module_label,
+    host: str = "galore",
+    growth_limit: float = DEFAULT_GROWTH_LIMIT,
 ) -> optax.GradientTransformation:
     """MoARa-AdamW: per-module-rank GaLore projection with optional block decomposition.
 
@@ -67,6 +71,8 @@ def moara_adamw(
 
     The paper's four conditions: vanilla GaLore (``decompose=False, rank_allocation=False``),
     +Rank (``decompose=False``), +Decomp (``rank_allocation=False``), Full (defaults).
+    ``host='fira'`` gives the same four conditions on Fira (the cross-method study): with both
+    flags off it is the reference ``fira.FiraAdamW`` with the paper's two parameter groups.
 
     To change ``learning_rate``, ``b1``, ``b2``, ``eps``, ``scale`` or ``weight_decay`` during
     training, wrap it in ``optax.inject_hyperparams(moara_adamw,
@@ -93,6 +99,9 @@ def moara_adamw(
         ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
       canonical_signs: make each basis vector's largest entry positive (backend-independent).
       label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``.
+      host: the low-rank method the target modules run: ``'galore'`` or ``'fira'`` (Fira's
+        norm-scaled full-rank residual, :func:`fira_adam`).
+      growth_limit: Fira's norm-growth limit ``gamma`` (``host='fira'`` only).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -107,6 +116,7 @@ def moara_adamw(
     """
     dtype_arg("mu_dtype", mu_dtype)
     dtype_arg("mag_dtype", mag_dtype)
+    _check_host(host)
     if decompose:
         if block_size is None:
             raise ValueError("block_size is required when decompose=True")
@@ -148,7 +158,17 @@ def moara_adamw(
         # SVD batches shared across module types of the same shape.
         rank_of = lambda path: module_ranks[label_fn(path)]  # noqa: E731
         if decompose:
-            target = scale_by_moara(rank_of, block_size, mag_dtype=mag_dtype, name=label_fn, **common)
+            target = scale_by_moara(
+                rank_of,
+                block_size,
+                mag_dtype=mag_dtype,
+                name=label_fn,
+                host=host,
+                growth_limit=growth_limit,
+                **common,
+            )
+        elif host == "fira":
+            target = scale_by_fira(rank_of, name=label_fn, growth_limit=growth_limit, **common)
         else:
             target = scale_by_galore(rank_of, name=label_fn, **common)
         groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)

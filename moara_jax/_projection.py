@@ -273,6 +273,7 @@ def project(
     power_iters: int = 2,
     canonical_signs: bool = False,
     name: str | Callable[[Any], str] | None = None,
+    keep_source: bool = False,
 ) -> optax.GradientTransformation:
     """Projects every leaf (or the direction of a ``Decomposed`` leaf) onto a rank-``rank`` basis.
 
@@ -294,6 +295,8 @@ def project(
         the raw signs (the default here).
       name: module type named in the clipping warning (e.g. ``'down'``), or a function of the
         key path giving it.
+      keep_source: also carry the projected matrix in each :class:`LowRank` (``source``), for a
+        following stage that works outside the subspace (:func:`fira_adam`).
 
     Returns:
       A transform that emits :class:`LowRank` nodes (inside ``Decomposed`` when given one).
@@ -351,7 +354,7 @@ def project(
         out = []
         for u, m, b in zip(leaves, mats, bases, strict=True):
             side = projection_side(m.shape)
-            low = LowRank(project_value(m, b, side), b, side)
+            low = LowRank(project_value(m, b, side), b, side, source=m if keep_source else None)
             out.append(u.replace(direction=low, source=None) if isinstance(u, Decomposed) else low)
         new_state = ProjectState(
             count=optax.safe_increment(state.count),

@@ -48,17 +48,34 @@ def rep(mag, block, n):
 class ReferenceMoara:
     """Algorithm 1 for one matrix W (m, n), PyTorch orientation, float64, galore-torch shape rules.
 
-    ``block=None`` is plain GaLore (P from the SVD of G). Returns the update ``-lr * ...``.
+    ``block=None`` is plain GaLore (P from the SVD of G). ``fira=True`` adds Fira's norm-scaled,
+    growth-limited residual of the projected matrix (G, or the direction V). Returns the update
+    ``-lr * ...``.
     """
 
-    def __init__(self, shape, rank, block, gap=200, scale=0.25, lr=0.01, b1=0.9, b2=0.999, eps=1e-6):
+    def __init__(
+        self,
+        shape,
+        rank,
+        block,
+        gap=200,
+        scale=0.25,
+        lr=0.01,
+        b1=0.9,
+        b2=0.999,
+        eps=1e-6,
+        fira=False,
+        growth=1.01,
+    ):
         self.m, self.n = shape
         self.rank, self.block, self.gap, self.scale, self.lr = rank, block, gap, scale, lr
         self.b1, self.b2, self.eps = b1, b2, eps
+        self.fira, self.growth = fira, growth
         self.t = 0
         self.p = None
         self.mom = None
         self.mag_mom = None
+        self.residual_norm = None
 
     def _adam(self, x, mom):
         if mom is None:
@@ -82,6 +99,19 @@ class ReferenceMoara:
         low = v @ self.p.T if right else self.p.T @ v
         d_low, self.mom = self._adam(low, self.mom)
         dv = self.scale * (d_low @ self.p if right else self.p @ d_low)
+        if self.fira:
+            t = self.t + 1
+            step = np.sqrt(1 - self.b2**t) / (1 - self.b1**t)
+            axis = 1 if right else 0  # the rank axis of the low-rank value
+            norm = lambda x: np.linalg.norm(x, axis=axis, keepdims=True)  # noqa: E731
+            phi = norm(d_low / step) / (norm(low) + 1e-8)
+            s = (v - self.scale * (low @ self.p if right else self.p @ low)) * phi
+            s_norm = np.linalg.norm(s)
+            if self.residual_norm is not None:
+                limiter = max(s_norm / (self.residual_norm + 1e-8), self.growth) / self.growth
+                s, s_norm = s / limiter, s_norm / limiter
+            self.residual_norm = s_norm
+            dv = dv + step * s
         if mag is not None:
             d_mag, self.mag_mom = self._adam(mag, self.mag_mom)
             dv = rep(d_mag, self.block, self.n) * dv

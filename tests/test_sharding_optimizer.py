@@ -6,7 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
+    import sys
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import moara_jax as mj
@@ -21,7 +24,8 @@ SCRIPT = textwrap.dedent("""
     grads = [jax.tree.map(lambda p: normal(*p.shape), params) for _ in range(3)]
     spec = lambda p: P(*([None] * (p.ndim - 1) + ["fsdp"]))
     shard = lambda t: jax.tree.map(lambda p: jax.device_put(p, NamedSharding(mesh, spec(p))), t)
-    tx = mj.moara_adamw(0.01, r_base=8, block_size=8, update_proj_gap=2, canonical_signs=True)
+    host = sys.argv[1]
+    tx = mj.moara_adamw(0.01, r_base=8, block_size=8, update_proj_gap=2, canonical_signs=True, host=host)
 
     def state_sharding(x):  # last axis over fsdp where it divides, else replicated
         ok = x.ndim > 0 and x.shape[-1] % 4 == 0
@@ -49,9 +53,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sharded_optimizer_matches_single_device():
+@pytest.mark.parametrize("host", ["galore", "fira"])
+def test_sharded_optimizer_matches_single_device(host):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", SCRIPT, host], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]

@@ -22,6 +22,10 @@ VARIANTS = {
     ),
     "randomized": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, svd="randomized"),
     "eigh": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, svd="eigh"),
+    "fira": lambda lr: mj.moara_adamw(
+        lr, r_base=4, decompose=False, rank_allocation=False, update_proj_gap=5, host="fira"
+    ),
+    "fira_full": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, host="fira"),
     "adamw": lambda lr: mj.adamw(lr),
     # The stages composed by hand, partitioned by ndim as in optax's Muon.
     "chain": lambda lr: optax.partition(
@@ -92,7 +96,7 @@ def test_converges_on_matrix_targets_under_jit_without_retracing(name):
     assert np.isfinite(last) and last < 0.5 * first, (first, last)
 
 
-@pytest.mark.parametrize("name", ["full", "galore", "adamw"])
+@pytest.mark.parametrize("name", ["full", "galore", "fira_full", "adamw"])
 def test_bf16_params_keep_dtypes(name):
     tx = VARIANTS[name](0.01)
     params = _params(jnp.bfloat16)
@@ -156,9 +160,10 @@ def test_multisteps_and_inject_hyperparams():
     assert jax.tree.leaves(u_inj2)[0].shape == jax.tree.leaves(u_plain)[0].shape
 
 
-def test_state_is_arrays_and_survives_orbax_round_trip(tmp_path):
+@pytest.mark.parametrize("name", ["full", "fira_full"])
+def test_state_is_arrays_and_survives_orbax_round_trip(name, tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
-    tx = VARIANTS["full"](0.01)
+    tx = VARIANTS[name](0.01)
     params = _params()
     grads = [jax.tree.map(lambda p, i=i: jnp.full_like(p, 0.1 * (i + 1)) + p, params) for i in range(8)]
     state = tx.init(params)

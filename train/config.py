@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from moara_jax import MODULE_TYPES
+from moara_jax import HOSTS, MODULE_TYPES
 from train.errors import UserError
 
 
@@ -35,6 +35,8 @@ class OptimizerSection:
     update_proj_gap: int = 200
     scale: float = 0.25
     svd: str = "exact"  # exact | eigh | randomized
+    host: str = "galore"  # galore | fira: the low-rank method the target modules run
+    growth_limit: float = 1.01  # Fira's norm-growth limit (host fira)
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-6
@@ -280,6 +282,15 @@ def validate(cfg: RunConfig) -> None:
     need(
         finite(o.weight_decay) and o.weight_decay >= 0,
         f"optimizer.weight_decay must be >= 0, got {o.weight_decay}",
+    )
+    need(o.host in HOSTS, f"optimizer.host must be one of {', '.join(HOSTS)}, got {o.host!r}")
+    need(
+        finite(o.growth_limit) and o.growth_limit > 0,
+        f"optimizer.growth_limit must be > 0, got {o.growth_limit}",
+    )
+    need(
+        o.host == "galore" or o.name != "adamw",
+        f"optimizer.host {o.host} needs optimizer.name galore or moara (adamw projects nothing)",
     )
     if cfg.mode == "profile":
         p = cfg.profile

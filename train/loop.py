@@ -217,6 +217,7 @@ def train_and_evaluate(
         "steps": step,
         "model": model_cfg.name,
         "optimizer": cfg.optimizer.name,
+        "host": None if cfg.optimizer.name == "adamw" else cfg.optimizer.host,
         "wall_s": writer.wall(),
         "final_eval_loss": last_eval,
         "final_eval_ppl": math.exp(min(last_eval, 50.0)) if last_eval is not None else None,

@@ -49,7 +49,8 @@ def read_allocation(path: str) -> dict[str, int]:
 def make_optimizer(
     opt: OptimizerSection, lr: optax.ScalarOrSchedule, grad_clip: float, *, force_uniform_galore: bool = False
 ) -> optax.GradientTransformation:
-    """AdamW, GaLore or MoARa per the config (all with galore-torch's Adam formulation)."""
+    """AdamW, or GaLore/MoARa on the configured host (GaLore or Fira), per the config (all with
+    galore-torch's Adam formulation)."""
     if opt.name == "adamw":
         tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay)
     else:
@@ -74,6 +75,8 @@ def make_optimizer(
             eps=opt.eps,
             weight_decay=opt.weight_decay,
             svd=opt.svd,
+            host=opt.host,
+            growth_limit=opt.growth_limit,
         )
     if grad_clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(grad_clip), tx)
