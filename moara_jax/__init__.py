@@ -23,8 +23,8 @@ from moara_jax._allocation import (
     resolve_module_ranks,
 )
 from moara_jax._chain import (
-    HOSTS,
     decompose,
+    host_stages,
     recompose,
     scale_by_fira,
     scale_by_galore,
@@ -33,6 +33,7 @@ from moara_jax._chain import (
 )
 from moara_jax._decomposition import alignment, block_decompose, block_recompose, num_blocks
 from moara_jax._fira import FiraState, fira_adam
+from moara_jax._hosts import HOSTS, Fira, GaLore, QGaLore, resolve_host
 from moara_jax._labels import (
     LLAMA_MODULE_TYPES,
     MLA_MODULE_TYPES,
@@ -43,14 +44,29 @@ from moara_jax._labels import (
 from moara_jax._nodes import Decomposed, LowRank
 from moara_jax._optimizer import MOARA_ADAMW_STATIC_ARGS, moara_adamw
 from moara_jax._projection import ProjectState, project, projection_side
+from moara_jax._qgalore import (
+    QGaLoreProjectState,
+    QuantizedBasis,
+    QuantizeWeightsState,
+    q_galore_project,
+    quantize_weights,
+)
+from moara_jax._quant import Blockwise8bit, adam8bit, dynamic_map
 
 __all__ = [
     "DEFAULT_DONORS",
     "DEFAULT_RECEIVERS",
     "DecayAfterStepState",
     "Decomposed",
+    "Blockwise8bit",
+    "Fira",
     "FiraState",
+    "GaLore",
     "HOSTS",
+    "QGaLore",
+    "QGaLoreProjectState",
+    "QuantizeWeightsState",
+    "QuantizedBasis",
     "InnerAdamState",
     "LLAMA_MODULE_TYPES",
     "LowRank",
@@ -59,6 +75,7 @@ __all__ = [
     "MLA_MODULE_TYPES",
     "MODULE_TYPES",
     "ProjectState",
+    "adam8bit",
     "adamw",
     "decay_after_step",
     "alignment",
@@ -67,7 +84,9 @@ __all__ = [
     "block_recompose",
     "decompose",
     "default_donors",
+    "dynamic_map",
     "fira_adam",
+    "host_stages",
     "inner_adam",
     "label_tree",
     "matrix_alignment",
@@ -78,9 +97,12 @@ __all__ = [
     "project",
     "projection_bases",
     "projection_side",
+    "q_galore_project",
+    "quantize_weights",
     "rank_table",
     "recompose",
     "reconstruct",
+    "resolve_host",
     "resolve_module_ranks",
     "scale_by_fira",
     "scale_by_galore",

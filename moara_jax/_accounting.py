@@ -13,6 +13,7 @@ import numpy as np
 
 from moara_jax._adam import InnerAdamState
 from moara_jax._projection import ProjectState
+from moara_jax._qgalore import QGaLoreProjectState
 
 COMPONENTS = ("direction_moments", "magnitude_moments", "projection_bases", "adam_moments")
 _INNER_FIELDS = {
@@ -32,14 +33,15 @@ def _nbytes(tree: Any) -> int:
 
 
 def _is_state(x: Any) -> bool:
-    return isinstance(x, (InnerAdamState, ProjectState))
+    return isinstance(x, (InnerAdamState, ProjectState, QGaLoreProjectState))
 
 
 def state_bytes(opt_state: Any) -> dict[str, int]:
     """Bytes of an optimizer state, split by component.
 
     Returns a dict with ``direction_moments`` (Adam moments of projected low-rank values),
-    ``magnitude_moments`` (Adam moments of block magnitudes), ``projection_bases`` (GaLore's ``P``),
+    ``magnitude_moments`` (Adam moments of block magnitudes), ``projection_bases`` (GaLore's ``P``;
+    Q-GaLore's quantized codes, scales and zero points),
     ``adam_moments`` (moments of non-target parameters, or of any unprojected leaf), ``other``
     (counters and the states of other transforms), ``moments`` (the three moment groups: the
     paper's "Opt. state", which does not count bases) and ``total`` (everything).
@@ -59,9 +61,11 @@ def state_bytes(opt_state: Any) -> dict[str, int]:
             for field, component in _INNER_FIELDS.items():
                 out[component] += _nbytes(getattr(node, field))
             rest += _nbytes(node.count)
-        elif isinstance(node, ProjectState):
+        elif isinstance(node, (ProjectState, QGaLoreProjectState)):
+            # A quantized basis counts its codes, scales and zero points; Q-GaLore's refresh
+            # schedule (intervals, cosines, first vectors) goes to ``other``.
             out["projection_bases"] += _nbytes(node.basis)
-            rest += _nbytes(node.count)
+            rest += _nbytes(node) - _nbytes(node.basis)
         else:
             rest += _nbytes(node)
     out["other"] = rest

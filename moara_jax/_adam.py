@@ -12,6 +12,7 @@ gradient, with float32 moments.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -101,32 +102,49 @@ def inner_adam(
     mu_dtype = dtype_arg("mu_dtype", mu_dtype)
     mag_dtype = dtype_arg("mag_dtype", mag_dtype)
 
-    def zeros(x, dtype=None):
-        return jnp.zeros(x.shape, dtype or mu_dtype or x.dtype)
+    def zeros(x, kind):
+        dtype = mag_dtype if kind == MAG else (mu_dtype or x.dtype)
+        return jnp.zeros(x.shape, dtype), jnp.zeros(x.shape, dtype)
+
+    def step(g, mu, nu, count_inc, kind):
+        del kind
+        return adam_direction(g, mu, nu, count_inc, b1, b2, eps)
+
+    return node_adam(zeros, step)
+
+
+# What an Adam moment belongs to (node_adam's ``kind``): a plain (unprojected) leaf, a projected
+# low-rank value, or block magnitudes.
+PLAIN, DIRECTION, MAG = "plain", "direction", "magnitude"
+
+
+def node_adam(
+    init_moments: Callable[[jax.Array, str], tuple[Any, Any]],
+    step: Callable[..., tuple[jax.Array, Any, Any]],
+) -> optax.GradientTransformation:
+    """An Adam over leaves and the chain's nodes, with its moment storage and step supplied.
+
+    ``init_moments(x, kind)`` makes the two stored moments ``(mu, nu)`` (arrays, or pytrees such
+    as quantized ones) for a value like ``x``; ``step(g, mu, nu, count_inc, kind)`` returns
+    ``(direction, mu, nu)``. ``kind`` is :data:`PLAIN`, :data:`DIRECTION` (a ``LowRank`` value) or :data:`MAG`
+    (the block magnitudes of a ``Decomposed``). The state is :class:`InnerAdamState`, so
+    ``state_bytes`` sorts the moments by component whatever their storage.
+    """
 
     def init_fn(params):
         leaves, treedef = jax.tree.flatten(params, is_leaf=is_node)
-        groups = {k: [] for k in ("mu", "dir", "mag")}
+        groups = {k: [] for k in ("mu", "nu", "dir_mu", "dir_nu", "mag_mu", "mag_nu")}
         for u in leaves:
             mag = u.mag if isinstance(u, Decomposed) else None
             core = u.direction if isinstance(u, Decomposed) else u
             low = core.value if isinstance(core, LowRank) else None
-            groups["mag"].append(None if mag is None else zeros(mag, mag_dtype))
-            groups["dir"].append(None if low is None else zeros(low))
-            groups["mu"].append(zeros(core) if low is None else None)
-
-        def tree(k):
-            return treedef.unflatten(groups[k])
-
-        return InnerAdamState(
-            count=jnp.zeros([], jnp.int32),
-            mu=tree("mu"),
-            nu=tree("mu"),
-            dir_mu=tree("dir"),
-            dir_nu=tree("dir"),
-            mag_mu=tree("mag"),
-            mag_nu=tree("mag"),
-        )
+            plain = core if low is None else None
+            for prefix, x, kind in (("mag_", mag, MAG), ("dir_", low, DIRECTION), ("", plain, PLAIN)):
+                mu, nu = (None, None) if x is None else init_moments(x, kind)
+                groups[prefix + "mu"].append(mu)
+                groups[prefix + "nu"].append(nu)
+        trees = {k: treedef.unflatten(v) for k, v in groups.items()}
+        return InnerAdamState(jnp.zeros([], jnp.int32), **trees)
 
     def update_fn(updates, state, params=None):
         del params
@@ -142,12 +160,12 @@ def inner_adam(
         for u, mu, nu, dmu, dnu, gmu, gnu in zip(leaves, *fields, strict=True):
             core = u.direction if isinstance(u, Decomposed) else u
             if isinstance(core, LowRank):
-                d, dmu, dnu = adam_direction(core.value, dmu, dnu, count_inc, b1, b2, eps)
+                d, dmu, dnu = step(core.value, dmu, dnu, count_inc, DIRECTION)
                 core_out = LowRank(d, core.basis, core.side)
             else:
-                core_out, mu, nu = adam_direction(core, mu, nu, count_inc, b1, b2, eps)
+                core_out, mu, nu = step(core, mu, nu, count_inc, PLAIN)
             if isinstance(u, Decomposed):
-                dm, gmu, gnu = adam_direction(u.mag, gmu, gnu, count_inc, b1, b2, eps)
+                dm, gmu, gnu = step(u.mag, gmu, gnu, count_inc, MAG)
                 out.append(u.replace(mag=dm, direction=core_out))
             else:
                 out.append(core_out)

@@ -12,6 +12,7 @@ import optax
 from moara_jax._decomposition import FAN_IN_AXIS, alignment, decompose_along, recompose_along
 from moara_jax._labels import OTHER, module_label
 from moara_jax._projection import ProjectState, project_back, project_value, projection_side
+from moara_jax._qgalore import QGaLoreProjectState, QuantizedBasis, dequantized
 
 
 def reconstruct(g: jax.Array, basis: jax.Array, block_size: int | None = None) -> jax.Array:
@@ -29,18 +30,20 @@ def reconstruct(g: jax.Array, basis: jax.Array, block_size: int | None = None) -
 
 def projection_bases(opt_state: Any) -> dict[str, jax.Array]:
     """Every projection basis ``P`` in an optimizer state, keyed by its parameter's path string
-    (``jax.tree_util.keystr``); stacked leaves keep their leading axes."""
+    (``jax.tree_util.keystr``); stacked leaves keep their leading axes, quantized bases
+    (Q-GaLore) are dequantized."""
     found: dict[str, jax.Array] = {}
-    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, ProjectState))
+    states = (ProjectState, QGaLoreProjectState)
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, states))
     for node in nodes:
-        if not isinstance(node, ProjectState):
+        if not isinstance(node, states):
             continue
         leaves = jax.tree_util.tree_flatten_with_path(
-            node.basis, is_leaf=lambda x: isinstance(x, optax.MaskedNode)
+            node.basis, is_leaf=lambda x: isinstance(x, (optax.MaskedNode, QuantizedBasis))
         )[0]
         for path, b in leaves:
             if not isinstance(b, optax.MaskedNode):
-                found[jax.tree_util.keystr(path)] = b
+                found[jax.tree_util.keystr(path)] = dequantized(b)
     return found
 
 

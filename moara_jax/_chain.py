@@ -22,29 +22,11 @@ from moara_jax._decomposition import (
     recompose_along,
 )
 from moara_jax._fira import DEFAULT_GROWTH_LIMIT, fira_adam
+from moara_jax._hosts import Fira, Host, QGaLore, resolve_host
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import project, project_back
-
-# The low-rank methods MoARa runs on: the stage between ``project`` and ``recompose``.
-HOSTS = ("galore", "fira")
-
-
-def _check_host(host: str) -> None:
-    if host not in HOSTS:
-        raise ValueError(f"host must be one of {HOSTS}, got {host!r}")
-
-
-def _host_adam(
-    host: str, b1, b2, eps, scale, growth_limit, mu_dtype, mag_dtype
-) -> optax.GradientTransformation:
-    """The host's update of the projected value: GaLore's inner Adam, or Fira's (Adam plus a
-    norm-scaled full-rank residual)."""
-    _check_host(host)
-    if host == "fira":
-        return fira_adam(
-            b1, b2, eps, scale=scale, growth_limit=growth_limit, mu_dtype=mu_dtype, mag_dtype=mag_dtype
-        )
-    return inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
+from moara_jax._qgalore import q_galore_project
+from moara_jax._quant import adam8bit
 
 
 def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -186,6 +168,54 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+def host_stages(
+    host: str | Host,
+    rank: int | Callable[[Any], int],
+    *,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    mu_dtype: Any = None,
+    mag_dtype: Any = "float32",
+    proj_type: str = "std",
+    svd: str = "exact",
+    seed: int = 0,
+    canonical_signs: bool = False,
+    name: str | Callable[[Any], str] | None = None,
+) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
+    """A host's ``(projection, Adam)`` stages, the two between ``decompose`` (if any) and
+    ``recompose``: GaLore's :func:`project` and :func:`inner_adam`; Fira's ``project`` keeping its
+    source and :func:`fira_adam`; Q-GaLore's :func:`q_galore_project` and :func:`adam8bit`."""
+    host = resolve_host(host)
+    where = dict(svd=svd, seed=seed, canonical_signs=canonical_signs, name=name)
+    if isinstance(host, QGaLore):
+        if proj_type != "std":
+            raise ValueError(f"the q_galore host projects with proj_type='std' only, got {proj_type!r}")
+        projection = q_galore_project(
+            rank,
+            update_proj_gap,
+            bits=host.basis_bits,
+            group_size=host.basis_group_size,
+            cos_threshold=host.cos_threshold,
+            gamma=host.gamma,
+            queue_size=host.queue_size,
+            **where,
+        )
+        adam = adam8bit(b1, b2, eps, min_8bit_size=host.min_8bit_size, mag_bits=host.mag_bits)
+        return projection, adam
+    fira = isinstance(host, Fira)
+    projection = project(rank, update_proj_gap, proj_type, keep_source=fira, **where)
+    if fira:
+        adam = fira_adam(
+            b1, b2, eps, scale=scale, growth_limit=host.growth_limit, mu_dtype=mu_dtype, mag_dtype=mag_dtype
+        )
+    else:
+        adam = inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
+    return projection, adam
+
+
 def scale_by_moara(
     rank: int | Callable[[Any], int],
     block_size: int,
@@ -203,8 +233,7 @@ def scale_by_moara(
     seed: int = 0,
     canonical_signs: bool = False,
     name: str | Callable[[Any], str] | None = None,
-    host: str = "galore",
-    growth_limit: float = DEFAULT_GROWTH_LIMIT,
+    host: str | Host = "galore",
 ) -> optax.GradientTransformation:
     """MoARa's direction for every leaf: decompose -> project -> inner Adam -> recompose.
 
@@ -212,28 +241,32 @@ def scale_by_moara(
     direction with no learning rate, so ``optax.chain(scale_by_moara(...), optax.scale(-lr))`` is
     a full optimizer. See :func:`moara_adamw` for per-module ranks and non-target parameters.
 
-    ``host='fira'`` runs Fira on the block direction instead of GaLore's inner Adam
-    (:func:`fira_adam`, with ``growth_limit``): the direction's dropped part, norm-scaled, is
-    added before the magnitudes multiply.
+    ``host`` (a name or settings, :mod:`moara_jax` ``GaLore``/``Fira``/``QGaLore``) picks the
+    projection and Adam stages (:func:`host_stages`); they then work on the block direction.
 
     References:
-      MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507;
-      Chen et al., Fira, https://arxiv.org/abs/2410.01623.
+      MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507.
     """
     _check_block_size(block_size)
-    adam = _host_adam(host, b1, b2, eps, scale, growth_limit, mu_dtype, mag_dtype)
+    projection, adam = host_stages(
+        host,
+        rank,
+        update_proj_gap=update_proj_gap,
+        scale=scale,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        mu_dtype=mu_dtype,
+        mag_dtype=mag_dtype,
+        proj_type=proj_type,
+        svd=svd,
+        seed=seed,
+        canonical_signs=canonical_signs,
+        name=name,
+    )
     return stage_chain(
         decompose(block_size, decompose_eps, keep_source=True),
-        project(
-            rank,
-            update_proj_gap,
-            proj_type,
-            svd=svd,
-            seed=seed,
-            canonical_signs=canonical_signs,
-            name=name,
-            keep_source=host == "fira",
-        ),
+        projection,
         adam,
         recompose(scale, block_size),
     )
@@ -253,52 +286,35 @@ def scale_by_galore(
     seed: int = 0,
     canonical_signs: bool = False,
     name: str | Callable[[Any], str] | None = None,
+    host: str | Host = "galore",
 ) -> optax.GradientTransformation:
-    """GaLore-Adam's direction for every leaf (galore-torch ``GaLoreAdamW``, without the lr)."""
-    return stage_chain(
-        project(
-            rank,
-            update_proj_gap,
-            proj_type,
-            svd=svd,
-            seed=seed,
-            canonical_signs=canonical_signs,
-            name=name,
-        ),
-        inner_adam(b1, b2, eps, mu_dtype=mu_dtype),
-        recompose(scale),
+    """GaLore-Adam's direction for every leaf (galore-torch ``GaLoreAdamW``, without the lr), or
+    another ``host``'s without decomposition (:func:`host_stages`)."""
+    projection, adam = host_stages(
+        host,
+        rank,
+        update_proj_gap=update_proj_gap,
+        scale=scale,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        mu_dtype=mu_dtype,
+        proj_type=proj_type,
+        svd=svd,
+        seed=seed,
+        canonical_signs=canonical_signs,
+        name=name,
     )
+    return stage_chain(projection, adam, recompose(scale))
 
 
 def scale_by_fira(
     rank: int | Callable[[Any], int],
     *,
-    update_proj_gap: int = 200,
-    scale: float = 0.25,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-6,
     growth_limit: float = DEFAULT_GROWTH_LIMIT,
-    mu_dtype: Any = None,
-    proj_type: str = "std",
-    svd: str = "exact",
-    seed: int = 0,
-    canonical_signs: bool = False,
-    name: str | Callable[[Any], str] | None = None,
+    **kwargs: Any,
 ) -> optax.GradientTransformation:
     """Fira's direction for every leaf (the reference ``fira.FiraAdamW``, without the lr):
-    ``project(keep_source=True) -> fira_adam -> recompose``; ``scale`` is Fira's ``alpha``."""
-    return stage_chain(
-        project(
-            rank,
-            update_proj_gap,
-            proj_type,
-            svd=svd,
-            seed=seed,
-            canonical_signs=canonical_signs,
-            name=name,
-            keep_source=True,
-        ),
-        fira_adam(b1, b2, eps, scale=scale, growth_limit=growth_limit, mu_dtype=mu_dtype),
-        recompose(scale),
-    )
+    ``project(keep_source=True) -> fira_adam -> recompose``; ``scale`` is Fira's ``alpha``.
+    Other keyword arguments are :func:`scale_by_galore`'s."""
+    return scale_by_galore(rank, host=Fira(growth_limit), **kwargs)

@@ -10,10 +10,12 @@ import optax
 
 from moara_jax._adam import decay_after_step, dtype_arg, inner_adam
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
-from moara_jax._chain import _check_host, scale_by_fira, scale_by_galore, scale_by_moara
+from moara_jax._chain import scale_by_galore, scale_by_moara
 from moara_jax._decomposition import _check_block_size
-from moara_jax._fira import DEFAULT_GROWTH_LIMIT
-from moara_jax._labels import MODULE_TYPES, OTHER, module_label
+from moara_jax._hosts import Host, QGaLore, resolve_host
+from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
+from moara_jax._qgalore import quantize_weights
+from moara_jax._quant import adam8bit
 
 TARGET = "target"
 
@@ -58,8 +60,7 @@ def moara_adamw(
     seed: int = 0,
     canonical_signs: bool = False,
     label_fn: Callable[[Any], str] = module_label,
-    host: str = "galore",
-    growth_limit: float = DEFAULT_GROWTH_LIMIT,
+    host: str | Host = "galore",
 ) -> optax.GradientTransformation:
     """MoARa-AdamW: per-module-rank GaLore projection with optional block decomposition.
 
@@ -71,8 +72,11 @@ def moara_adamw(
 
     The paper's four conditions: vanilla GaLore (``decompose=False, rank_allocation=False``),
     +Rank (``decompose=False``), +Decomp (``rank_allocation=False``), Full (defaults).
-    ``host='fira'`` gives the same four conditions on Fira (the cross-method study): with both
-    flags off it is the reference ``fira.FiraAdamW`` with the paper's two parameter groups.
+    ``host`` runs the same four conditions on another low-rank method (the paper's cross-method
+    study): ``'fira'`` (``fira.FiraAdamW`` with both flags off) or ``'q_galore'``
+    (q-galore-torch's ``QGaLoreAdamW8bit``: INT4 bases with layer-adaptive refresh, 8-bit
+    Adam for every parameter, INT8 target weights), or their settings objects (:class:`Fira`,
+    :class:`QGaLore`).
 
     To change ``learning_rate``, ``b1``, ``b2``, ``eps``, ``scale`` or ``weight_decay`` during
     training, wrap it in ``optax.inject_hyperparams(moara_adamw,
@@ -99,9 +103,9 @@ def moara_adamw(
         ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
       canonical_signs: make each basis vector's largest entry positive (backend-independent).
       label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``.
-      host: the low-rank method the target modules run: ``'galore'`` or ``'fira'`` (Fira's
-        norm-scaled full-rank residual, :func:`fira_adam`).
-      growth_limit: Fira's norm-growth limit ``gamma`` (``host='fira'`` only).
+      host: the low-rank method: ``'galore'``, ``'fira'``, ``'q_galore'`` or a settings object
+        (:mod:`moara_jax._hosts`). Under Q-GaLore the non-target AdamW is bitsandbytes' 8-bit one,
+        with its weight decay before the step.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -116,7 +120,7 @@ def moara_adamw(
     """
     dtype_arg("mu_dtype", mu_dtype)
     dtype_arg("mag_dtype", mag_dtype)
-    _check_host(host)
+    host = resolve_host(host)
     if decompose:
         if block_size is None:
             raise ValueError("block_size is required when decompose=True")
@@ -152,6 +156,8 @@ def moara_adamw(
         if unknown:
             raise ValueError(f"ranks: unknown module types {unknown}; known: {list(MODULE_TYPES)}")
 
+    q_galore = isinstance(host, QGaLore)
+
     def build(tree) -> optax.GradientTransformation:
         labels, module_ranks = tree_ranks(tree, label_fn, **allocation)
         # One transform over all target matrices (ranks per leaf): one refresh cond per step and
@@ -159,20 +165,18 @@ def moara_adamw(
         rank_of = lambda path: module_ranks[label_fn(path)]  # noqa: E731
         if decompose:
             target = scale_by_moara(
-                rank_of,
-                block_size,
-                mag_dtype=mag_dtype,
-                name=label_fn,
-                host=host,
-                growth_limit=growth_limit,
-                **common,
+                rank_of, block_size, mag_dtype=mag_dtype, name=label_fn, host=host, **common
             )
-        elif host == "fira":
-            target = scale_by_fira(rank_of, name=label_fn, growth_limit=growth_limit, **common)
         else:
-            target = scale_by_galore(rank_of, name=label_fn, **common)
+            target = scale_by_galore(rank_of, name=label_fn, host=host, **common)
         groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)
-        return optax.partition({TARGET: target, OTHER: inner_adam(b1, b2, eps, mu_dtype=mu_dtype)}, groups)
+        if q_galore:  # bitsandbytes' AdamW8bit: decoupled decay before the step
+            other = adam8bit(b1, b2, eps, min_8bit_size=host.min_8bit_size)
+            if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+                other = optax.chain(other, optax.add_decayed_weights(weight_decay))
+        else:
+            other = inner_adam(b1, b2, eps, mu_dtype=mu_dtype)
+        return optax.partition({TARGET: target, OTHER: other}, groups)
 
     def init_fn(params):
         return build(params).init(params)
@@ -180,8 +184,21 @@ def moara_adamw(
     def update_fn(updates, state, params=None):
         return build(updates).update(updates, state, params)
 
-    return optax.chain(
+    stages = [
         optax.GradientTransformation(init_fn, update_fn),
         optax.scale_by_learning_rate(learning_rate),
-        decay_after_step(learning_rate, weight_decay),
-    )
+    ]
+    if not q_galore:
+        stages.append(decay_after_step(learning_rate, weight_decay))
+    else:
+        # Target matrices: decay after the back-projected step, then back onto the INT8 grid.
+        def targets(tree):
+            return jax.tree.map(lambda lab: lab != OTHER, label_tree(tree, label_fn))
+
+        stages.append(optax.masked(decay_after_step(learning_rate, weight_decay), targets))
+        if host.weight_bits is not None:
+            weights = quantize_weights(
+                host.weight_group_size, host.weight_bits, stochastic=host.stochastic_round, seed=seed
+            )
+            stages.append(optax.masked(weights, targets))
+    return optax.chain(*stages)

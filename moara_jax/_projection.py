@@ -262,6 +262,17 @@ def _path_str(path) -> str:
     return jax.tree_util.keystr(path) if path else "<leaf>"
 
 
+def rank_warning(path, shape: tuple[int, ...], requested: int, rank: int, module: str | None) -> None:
+    """Warns, naming the module and both numbers, when the requested rank was clipped."""
+    if rank < requested:
+        what = f"module {module!r} at " if module else ""
+        warnings.warn(
+            f"projection rank {requested} for {what}{_path_str(path)} (Flax shape "
+            f"{tuple(shape)}) exceeds min(fan_in, fan_out) = {rank}; clipped to {rank}",
+            stacklevel=4,
+        )
+
+
 def project(
     rank: int | Callable[[Any], int],
     update_proj_gap: int = 200,
@@ -320,14 +331,7 @@ def project(
             requested = rank_fn(path)
             _check_args(requested, update_proj_gap, proj_type, svd)
             r = effective_rank(m.shape, requested)
-            if r < requested:
-                module = name_fn(path)
-                what = f"module {module!r} at " if module else ""
-                warnings.warn(
-                    f"projection rank {requested} for {what}{_path_str(path)} (Flax shape "
-                    f"{tuple(m.shape)}) exceeds min(fan_in, fan_out) = {r}; clipped to {r}",
-                    stacklevel=3,
-                )
+            rank_warning(path, m.shape, requested, r, name_fn(path))
             d = m.shape[-2] if projection_side(m.shape) == "in" else m.shape[-1]
             return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
 

@@ -226,6 +226,8 @@ def test_host_errors_name_the_argument():
         mj.scale_by_moara(4, 8, host="fira-ish")
     with pytest.raises(ValueError, match="growth_limit"):
         mj.fira_adam(growth_limit=0.0)
+    with pytest.raises(ValueError, match="growth_limit"):
+        mj.moara_adamw(LR, r_base=4, block_size=8, host=mj.Fira(growth_limit=-1.0))
     without_source = mj.stage_chain(mj.project(4), mj.fira_adam(), mj.recompose())
     with pytest.raises(ValueError, match="keep_source=True"):
         without_source.init({"w": jnp.zeros((16, 16))})

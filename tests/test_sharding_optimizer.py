@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     grads = [jax.tree.map(lambda p: normal(*p.shape), params) for _ in range(3)]
     spec = lambda p: P(*([None] * (p.ndim - 1) + ["fsdp"]))
     shard = lambda t: jax.tree.map(lambda p: jax.device_put(p, NamedSharding(mesh, spec(p))), t)
-    host = sys.argv[1]
+    host = {"q_galore": mj.QGaLore(basis_group_size=64)}.get(sys.argv[1], sys.argv[1])
     tx = mj.moara_adamw(0.01, r_base=8, block_size=8, update_proj_gap=2, canonical_signs=True, host=host)
 
     def state_sharding(x):  # last axis over fsdp where it divides, else replicated
@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("host", ["galore", "fira"])
+@pytest.mark.parametrize("host", ["galore", "fira", "q_galore"])
 def test_sharded_optimizer_matches_single_device(host):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(

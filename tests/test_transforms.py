@@ -13,6 +13,8 @@ import pytest
 
 import moara_jax as mj
 
+Q_GALORE = mj.QGaLore(basis_group_size=8, weight_group_size=8, min_8bit_size=256)
+
 VARIANTS = {
     "full": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5),
     "decomp": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, rank_allocation=False, update_proj_gap=5),
@@ -26,6 +28,11 @@ VARIANTS = {
         lr, r_base=4, decompose=False, rank_allocation=False, update_proj_gap=5, host="fira"
     ),
     "fira_full": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, host="fira"),
+    # Q-GaLore with groups that fit the tiny matrices (its defaults are groups of 256).
+    "q_galore": lambda lr: mj.moara_adamw(
+        lr, r_base=4, decompose=False, rank_allocation=False, update_proj_gap=5, host=Q_GALORE
+    ),
+    "q_galore_full": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, host=Q_GALORE),
     "adamw": lambda lr: mj.adamw(lr),
     # The stages composed by hand, partitioned by ndim as in optax's Muon.
     "chain": lambda lr: optax.partition(
@@ -96,7 +103,7 @@ def test_converges_on_matrix_targets_under_jit_without_retracing(name):
     assert np.isfinite(last) and last < 0.5 * first, (first, last)
 
 
-@pytest.mark.parametrize("name", ["full", "galore", "fira_full", "adamw"])
+@pytest.mark.parametrize("name", ["full", "galore", "fira_full", "q_galore_full", "adamw"])
 def test_bf16_params_keep_dtypes(name):
     tx = VARIANTS[name](0.01)
     params = _params(jnp.bfloat16)
@@ -104,12 +111,18 @@ def test_bf16_params_keep_dtypes(name):
     grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
     updates, state = jax.jit(tx.update)(grads, state, params)
     chex.assert_trees_all_equal_dtypes(updates, params)
+    q_galore = name.startswith("q_galore")
     for node in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mj.InnerAdamState)):
         if isinstance(node, mj.InnerAdamState):
             for leaf in jax.tree.leaves((node.mu, node.dir_mu, node.nu, node.dir_nu)):
-                assert leaf.dtype == jnp.bfloat16  # moments follow the parameter dtype
+                # Moments follow the parameter dtype; Q-GaLore's are 8-bit codes with float32
+                # block scales, or float32 for small units.
+                assert leaf.dtype in ((jnp.uint8, jnp.float32) if q_galore else (jnp.bfloat16,))
             for leaf in jax.tree.leaves((node.mag_mu, node.mag_nu)):
-                assert leaf.dtype == jnp.float32  # magnitude moments are float32
+                assert leaf.dtype in ((jnp.uint8, jnp.float32) if q_galore else (jnp.float32,))
+    if q_galore:
+        codes = [x for x in jax.tree.leaves(state) if x.dtype == jnp.uint8]
+        assert codes  # some moments (and the INT4 bases) are stored in 8-bit codes
 
 
 def test_mu_dtype_overrides_moment_dtype():
@@ -160,7 +173,7 @@ def test_multisteps_and_inject_hyperparams():
     assert jax.tree.leaves(u_inj2)[0].shape == jax.tree.leaves(u_plain)[0].shape
 
 
-@pytest.mark.parametrize("name", ["full", "fira_full"])
+@pytest.mark.parametrize("name", ["full", "fira_full", "q_galore_full"])
 def test_state_is_arrays_and_survives_orbax_round_trip(name, tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     tx = VARIANTS[name](0.01)

@@ -35,8 +35,8 @@ class OptimizerSection:
     update_proj_gap: int = 200
     scale: float = 0.25
     svd: str = "exact"  # exact | eigh | randomized
-    host: str = "galore"  # galore | fira: the low-rank method the target modules run
-    growth_limit: float = 1.01  # Fira's norm-growth limit (host fira)
+    host: str = "galore"  # galore | fira | q_galore: the low-rank method the target modules run
+    host_options: dict = field(default_factory=dict)  # the host's settings (moara_jax.Fira, QGaLore)
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-6
@@ -284,10 +284,7 @@ def validate(cfg: RunConfig) -> None:
         f"optimizer.weight_decay must be >= 0, got {o.weight_decay}",
     )
     need(o.host in HOSTS, f"optimizer.host must be one of {', '.join(HOSTS)}, got {o.host!r}")
-    need(
-        finite(o.growth_limit) and o.growth_limit > 0,
-        f"optimizer.growth_limit must be > 0, got {o.growth_limit}",
-    )
+    host_settings(o)
     need(
         o.host == "galore" or o.name != "adamw",
         f"optimizer.host {o.host} needs optimizer.name galore or moara (adamw projects nothing)",
@@ -302,6 +299,23 @@ def validate(cfg: RunConfig) -> None:
         need(0 <= p.ema < 1, f"profile.ema must be in [0, 1), got {p.ema}")
         unknown = [x for x in p.donors if x not in MODULE_TYPES]
         need(bool(p.donors) and not unknown, f"profile.donors must be module types {list(MODULE_TYPES)}")
+
+
+def host_settings(o: OptimizerSection):
+    """The host's settings object (``moara_jax.GaLore/Fira/QGaLore``) from ``optimizer.host`` and
+    ``optimizer.host_options``; a ``UserError`` naming an unknown or out-of-range option."""
+    cls = HOSTS[o.host]
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(o.host_options) - set(known))
+    if unknown:
+        known_text = known or "none"
+        raise UserError(
+            f"optimizer.host_options: unknown option(s) {unknown} for host {o.host} (known: {known_text})"
+        )
+    try:
+        return cls(**o.host_options)
+    except ValueError as e:
+        raise UserError(f"optimizer.host_options: {e}") from None
 
 
 def to_dict(cfg: RunConfig) -> dict:

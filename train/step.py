@@ -12,7 +12,7 @@ import optax
 
 import moara_jax as mj
 import models
-from train.config import OptimizerSection, RunConfig
+from train.config import OptimizerSection, RunConfig, host_settings
 from train.errors import UserError
 
 
@@ -49,8 +49,7 @@ def read_allocation(path: str) -> dict[str, int]:
 def make_optimizer(
     opt: OptimizerSection, lr: optax.ScalarOrSchedule, grad_clip: float, *, force_uniform_galore: bool = False
 ) -> optax.GradientTransformation:
-    """AdamW, or GaLore/MoARa on the configured host (GaLore or Fira), per the config (all with
-    galore-torch's Adam formulation)."""
+    """AdamW, or GaLore/MoARa on the configured host (GaLore, Fira or Q-GaLore), per the config."""
     if opt.name == "adamw":
         tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay)
     else:
@@ -75,8 +74,7 @@ def make_optimizer(
             eps=opt.eps,
             weight_decay=opt.weight_decay,
             svd=opt.svd,
-            host=opt.host,
-            growth_limit=opt.growth_limit,
+            host=host_settings(opt),
         )
     if grad_clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(grad_clip), tx)

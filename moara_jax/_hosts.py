@@ -1,0 +1,94 @@
+"""The low-rank methods MoARa runs on ("hosts", the paper's cross-method study).
+
+A host decides how a target matrix's (or block direction's) low-rank update is made: the
+projection stage and the Adam stage of the chain. ``moara_adamw(host=...)`` takes a name or one
+of these frozen settings objects; decomposition and rank allocation combine with each the same
+way (decomposition first, each module type's rank for its projection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moara_jax._decomposition import _is_int
+
+
+@dataclasses.dataclass(frozen=True)
+class GaLore:
+    """GaLore (Zhao et al., https://arxiv.org/abs/2403.03507): SVD basis every ``T`` steps, Adam
+    in the subspace (galore-torch's ``GaLoreAdamW``). The default host."""
+
+    name = "galore"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fira:
+    """Fira (Chen et al., https://arxiv.org/abs/2410.01623): GaLore plus the dropped part of the
+    gradient, scaled per row by Adam's norm ratio, its norm growth limited to ``growth_limit``
+    per step (``fira.FiraAdamW``; :func:`moara_jax.fira_adam`)."""
+
+    growth_limit: float = 1.01
+    name = "fira"
+
+    def __post_init__(self):
+        if not (isinstance(self.growth_limit, (int, float)) and self.growth_limit > 0):
+            raise ValueError(f"growth_limit must be positive, got {self.growth_limit!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QGaLore:
+    """Q-GaLore (Zhang et al., https://arxiv.org/abs/2407.08296), q-galore-torch's defaults.
+
+    Attributes:
+      basis_bits, basis_group_size: the projection basis stored in ``basis_bits``-bit groups
+        (``None``: float).
+      cos_threshold, gamma, queue_size: layer-adaptive refresh: a matrix whose last
+        ``queue_size`` first-vector cosines average at least ``cos_threshold`` multiplies its
+        refresh interval by ``gamma``.
+      min_8bit_size: Adam moments of units with at least this many entries are 8-bit blockwise
+        (bitsandbytes' ``AdamW8bit``), smaller ones float32.
+      mag_bits: 8 or 32: the block magnitudes' moments under decomposition (the paper's
+        precision ablation uses 32).
+      weight_bits, weight_group_size, stochastic_round: target weights kept on a
+        ``weight_bits``-bit group grid after every step (``None``: off), with stochastic rounding.
+    """
+
+    basis_bits: int | None = 4
+    basis_group_size: int = 256
+    cos_threshold: float = 0.4
+    gamma: float = 2.0
+    queue_size: int = 5
+    min_8bit_size: int = 4096
+    mag_bits: int = 8
+    weight_bits: int | None = 8
+    weight_group_size: int = 256
+    stochastic_round: bool = True
+    name = "q_galore"
+
+    def __post_init__(self):
+        for field in ("basis_bits", "weight_bits"):
+            value = getattr(self, field)
+            if value is not None and not (_is_int(value) and value <= 8):
+                raise ValueError(f"{field} must be an integer in [1, 8] or None, got {value!r}")
+        for field in ("basis_group_size", "weight_group_size", "queue_size"):
+            if not _is_int(getattr(self, field)):
+                raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)!r}")
+        if not _is_int(self.min_8bit_size, minimum=0):
+            raise ValueError(f"min_8bit_size must be a non-negative integer, got {self.min_8bit_size!r}")
+        if self.mag_bits not in (8, 32):
+            raise ValueError(f"mag_bits must be 8 or 32, got {self.mag_bits!r}")
+        if not (isinstance(self.gamma, (int, float)) and self.gamma >= 1):
+            raise ValueError(f"gamma must be >= 1, got {self.gamma!r}")
+
+
+Host = GaLore | Fira | QGaLore
+HOSTS = {"galore": GaLore, "fira": Fira, "q_galore": QGaLore}
+
+
+def resolve_host(host: str | Host) -> Host:
+    """A host's settings from its name (with defaults) or as given; ``ValueError`` otherwise."""
+    if isinstance(host, (GaLore, Fira, QGaLore)):
+        return host
+    if isinstance(host, str) and host in HOSTS:
+        return HOSTS[host]()
+    raise ValueError(f"host must be one of {tuple(HOSTS)} or a host settings object, got {host!r}")

@@ -1,0 +1,295 @@
+"""Q-GaLore's projection and weight quantization (Zhang et al., https://arxiv.org/abs/2407.08296).
+
+- :func:`q_galore_project`: GaLore's projection with the basis stored group-quantized (INT4 by
+  default) and a layer-adaptive refresh: each matrix records the cosine between the first basis
+  vector of consecutive refreshes; once its last ``queue_size`` cosines average at least
+  ``cos_threshold``, its refresh interval is multiplied by ``gamma`` (and again at later
+  refreshes while that holds). A matrix refreshes when the step is a multiple of its own interval.
+- :func:`quantize_weights`: each update ``u`` becomes ``Q(p + u) - p``, with ``Q`` group-wise
+  INT8 min-max quantization (stochastic rounding by default), so that the parameters stay on
+  the INT8 grid as in q-galore-torch's simulated INT8 weights.
+
+Both follow the reference package ``q_galore_torch`` (its ``GaLoreProjector`` and the simulated
+``QGaLoreAdamW8bit``), tested against it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moara_jax._decomposition import _is_int
+from moara_jax._nodes import Decomposed, LowRank, is_node
+from moara_jax._projection import (
+    _check_args,
+    _matrix_of,
+    _path_str,
+    _refresh_matrix,
+    effective_rank,
+    project_value,
+    projection_side,
+    rank_warning,
+    refresh_bases,
+)
+from moara_jax._quant import group_dequantize, group_quantize
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedBasis:
+    """A projection basis ``(..., d, r)`` stored as ``bits``-bit group codes (uint8), with a
+    float32 scale and zero point per group of ``group_size`` entries of each matrix in PyTorch
+    orientation (``basis^T`` for a projected fan_in side, ``basis`` for fan_out). ``shape``,
+    ``side``, ``bits``, ``group_size`` and ``dtype`` are static."""
+
+    def __init__(self, codes, scales, zeros, shape, side, bits, group_size, dtype):
+        self.codes, self.scales, self.zeros = codes, scales, zeros
+        self.shape, self.side, self.bits, self.group_size, self.dtype = (
+            tuple(shape),
+            side,
+            bits,
+            group_size,
+            dtype,
+        )
+
+    def tree_flatten(self):
+        return (self.codes, self.scales, self.zeros), (
+            self.shape,
+            self.side,
+            self.bits,
+            self.group_size,
+            self.dtype,
+        )
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @classmethod
+    def quantize(cls, basis: jax.Array, side: str, bits: int, group_size: int) -> QuantizedBasis:
+        torch_layout = jnp.swapaxes(basis, -1, -2) if side == "in" else basis
+        flat = torch_layout.reshape(basis.shape[:-2] + (-1,))
+        codes, scales, zeros = group_quantize(flat, group_size, bits)
+        return cls(codes, scales, zeros, basis.shape, side, bits, group_size, jnp.dtype(basis.dtype).name)
+
+    def dequantize(self) -> jax.Array:
+        flat = group_dequantize(self.codes, self.scales, self.zeros).astype(self.dtype)
+        if self.side == "in":
+            t = self.shape[:-2] + (self.shape[-1], self.shape[-2])
+            return jnp.swapaxes(flat.reshape(t), -1, -2)
+        return flat.reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return f"QuantizedBasis(shape={self.shape}, bits={self.bits})"
+
+
+def dequantized(basis: Any) -> jax.Array:
+    """The float basis of a stored one (a :class:`QuantizedBasis`, or an array as it is)."""
+    return basis.dequantize() if isinstance(basis, QuantizedBasis) else basis
+
+
+class QGaLoreProjectState(NamedTuple):
+    """State of :func:`q_galore_project` (per target leaf, over its leading batch axes)."""
+
+    count: jax.Array  # shape=(), dtype=jnp.int32: steps taken.
+    basis: Any  # QuantizedBasis (or the float basis with bits=None), (..., d, r).
+    gap: Any  # int32 (...): each matrix's refresh interval.
+    cosines: Any  # float32 (..., queue_size): the last cosines between refreshes, oldest first.
+    refreshes: Any  # int32 (...): refreshes so far.
+    top: Any  # float32 (..., d): the first basis vector of the last refresh.
+
+
+def _cosine(a: jax.Array, b: jax.Array) -> jax.Array:
+    dot = jnp.sum(a * b, axis=-1)
+    return dot / jnp.maximum(jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1), 1e-8)
+
+
+def q_galore_project(
+    rank: int | Callable[[Any], int],
+    update_proj_gap: int = 200,
+    *,
+    bits: int | None = 4,
+    group_size: int = 256,
+    cos_threshold: float = 0.4,
+    gamma: float = 2.0,
+    queue_size: int = 5,
+    svd: str = "exact",
+    seed: int = 0,
+    canonical_signs: bool = False,
+    name: str | Callable[[Any], str] | None = None,
+) -> optax.GradientTransformation:
+    """Projects every leaf (or a ``Decomposed`` direction) like :func:`project`, with Q-GaLore's
+    quantized basis and layer-adaptive refresh (see the module docstring).
+
+    One ``lax.cond`` per step computes new bases when any matrix is due; only the due matrices
+    take theirs. ``bits=None`` keeps float bases. ``group_size`` must divide each basis's size.
+    """
+    _check_args(rank if not callable(rank) else 1, update_proj_gap, "std", svd)
+    if bits is not None and not (_is_int(bits) and bits <= 8):
+        raise ValueError(f"bits must be an integer in [1, 8] or None, got {bits!r}")
+    if not _is_int(group_size):
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    if not _is_int(queue_size):
+        raise ValueError(f"queue_size must be a positive integer, got {queue_size!r}")
+    if not gamma >= 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma!r}")
+    rank_fn = rank if callable(rank) else (lambda path: rank)
+    name_fn = name if callable(name) else (lambda path: name)
+
+    def store(basis: jax.Array, side: str):
+        return basis if bits is None else QuantizedBasis.quantize(basis, side, bits, group_size)
+
+    def init_fn(params):
+        def make(path, u):
+            m = _matrix_of(u)
+            if m.ndim < 2:
+                raise ValueError(
+                    f"q_galore_project: parameter {_path_str(path)} has shape {m.shape}; only "
+                    "matrices (..., fan_in, fan_out) can be projected (label it as a non-target)"
+                )
+            requested = rank_fn(path)
+            _check_args(requested, update_proj_gap, "std", svd)
+            r = effective_rank(m.shape, requested)
+            rank_warning(path, m.shape, requested, r, name_fn(path))
+            side = projection_side(m.shape)
+            d = m.shape[-2] if side == "in" else m.shape[-1]
+            if bits is not None and (d * r) % group_size:
+                raise ValueError(
+                    f"q_galore_project: the basis of {_path_str(path)} has {d} x {r} = {d * r} "
+                    f"entries, not a multiple of group_size={group_size}"
+                )
+            batch = m.shape[:-2]
+            return (
+                store(jnp.zeros(batch + (d, r), m.dtype), side),
+                jnp.full(batch, update_proj_gap, jnp.int32),
+                jnp.zeros(batch + (queue_size,), jnp.float32),
+                jnp.zeros(batch, jnp.int32),
+                jnp.zeros(batch + (d,), jnp.float32),
+            )
+
+        made = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
+        leaves, treedef = jax.tree.flatten(params, is_leaf=is_node)
+        per = treedef.flatten_up_to(made)
+        fields = [treedef.unflatten([p[i] for p in per]) for i in range(5)]
+        return QGaLoreProjectState(jnp.zeros([], jnp.int32), *fields)
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
+        # Per leaf: (basis, gap, cosines, refreshes, top).
+        old = list(zip(*(treedef.flatten_up_to(f) for f in state[1:]), strict=True)) if leaves else []
+        due = [state.count % fields[1] == 0 for fields in old]
+
+        def refresh():
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+            sources = [_refresh_matrix(u) for u in leaves]
+            ranks = [fields[0].shape[-1] for fields in old]  # a QuantizedBasis keeps the float shape
+            new = refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
+            return [
+                _refreshed(n, u, d, fields) for n, u, d, fields in zip(new, leaves, due, old, strict=True)
+            ]
+
+        def _refreshed(basis_new, u, d, fields):
+            basis, gap, cos, refreshes, top = fields
+            m = _matrix_of(u)
+            basis_new = basis_new.astype(m.dtype)
+            first = basis_new[..., :, 0].astype(jnp.float32)
+            had_past = refreshes > 0
+            pushed = jnp.concatenate([cos[..., 1:], _cosine(top, first)[..., None]], axis=-1)
+            cos_new = jnp.where(had_past[..., None], pushed, cos)
+            full = had_past & (refreshes >= queue_size)  # queue_size cosines recorded
+            grow = full & (jnp.mean(cos_new, axis=-1) >= cos_threshold)
+            gap_new = jnp.where(grow, (gap.astype(jnp.float32) * gamma).astype(jnp.int32), gap)
+
+            def pick(a, b):  # the due matrices take the new value
+                return jnp.where(d.reshape(d.shape + (1,) * (a.ndim - d.ndim)), a, b)
+
+            stored = jax.tree.map(pick, store(basis_new, projection_side(m.shape)), basis)
+            return (
+                stored,
+                pick(gap_new, gap),
+                pick(cos_new, cos),
+                pick(refreshes + 1, refreshes),
+                pick(first, top),
+            )
+
+        if leaves:
+            any_due = jnp.any(jnp.stack([jnp.any(d) for d in due]))
+            fields = jax.lax.cond(any_due, refresh, lambda: old)
+        else:
+            fields = []
+        out = []
+        for u, (basis, *_) in zip(leaves, fields, strict=True):
+            m = _matrix_of(u)
+            side = projection_side(m.shape)
+            b = dequantized(basis).astype(m.dtype)
+            low = LowRank(project_value(m, b, side), b, side)
+            out.append(u.replace(direction=low, source=None) if isinstance(u, Decomposed) else low)
+        if leaves:
+            columns = [treedef.unflatten([f[i] for f in fields]) for i in range(5)]
+        else:
+            columns = list(state[1:])
+        new_state = QGaLoreProjectState(optax.safe_increment(state.count), *columns)
+        return jax.tree.unflatten(treedef, out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class QuantizeWeightsState(NamedTuple):
+    """State of :func:`quantize_weights`."""
+
+    count: jax.Array  # shape=(), dtype=jnp.int32: steps taken (folded into the rounding key).
+
+
+def quantize_weights(
+    group_size: int = 256, bits: int = 8, *, stochastic: bool = True, seed: int = 0
+) -> optax.GradientTransformation:
+    """Keeps the parameters on a ``bits``-bit group grid: ``u -> Q(p + u) - p`` (place it last).
+
+    ``Q`` is group-wise min-max quantization followed by dequantization, groups of
+    ``group_size`` consecutive entries of each matrix in PyTorch orientation (``kernel^T``; a
+    vector as it is), with stochastic rounding (``seed``, folded with the step) or
+    round-to-nearest. The parameters stay float arrays holding grid values (q-galore-torch's
+    simulated INT8 weights). ``group_size`` must divide each matrix's size.
+    """
+    if not (_is_int(bits) and bits <= 8):
+        raise ValueError(f"bits must be an integer in [1, 8], got {bits!r}")
+    if not _is_int(group_size):
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+
+    def unit(x):
+        return jnp.swapaxes(x, -1, -2) if x.ndim >= 2 else x
+
+    def init_fn(params):
+        def check(path, p):
+            n = math.prod(p.shape[-2:]) if p.ndim >= 2 else p.size
+            if n % group_size:
+                raise ValueError(
+                    f"quantize_weights: {_path_str(path)} has {n} entries per matrix, not a "
+                    f"multiple of group_size={group_size}"
+                )
+
+        jax.tree_util.tree_map_with_path(check, params)
+        return QuantizeWeightsState(jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("quantize_weights needs the parameters: update(updates, state, params)")
+        leaves, treedef = jax.tree.flatten(updates)
+        plist = treedef.flatten_up_to(params)
+        base = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+        out = []
+        for i, (u, p) in enumerate(zip(leaves, plist, strict=True)):
+            new = unit(p.astype(jnp.float32) + u.astype(jnp.float32))
+            flat = new.reshape(new.shape[:-2] + (-1,)) if new.ndim >= 2 else new
+            key = jax.random.fold_in(base, i) if stochastic else None
+            q = group_dequantize(*group_quantize(flat, group_size, bits, key))
+            q = unit(q.reshape(new.shape))
+            out.append((q - p.astype(jnp.float32)).astype(u.dtype))
+        return treedef.unflatten(out), QuantizeWeightsState(optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,271 @@
+"""Low-bit storage for the Q-GaLore host.
+
+- 8-bit blockwise dynamic quantization of Adam moments, the storage of bitsandbytes' 8-bit
+  optimizers (Dettmers et al., https://arxiv.org/abs/2110.02861): each unit (a matrix, or a whole
+  plain leaf) is flattened, cut into blocks of 256 entries, each block scaled by its largest
+  magnitude and every entry stored as the index (uint8) of the nearest value of a 256-entry
+  "dynamic" map (signed for first moments, unsigned for second moments).
+- Group-wise min-max integer quantization (``n_bit``-bit unsigned codes with a float scale and
+  zero point per group of ``group_size`` consecutive entries), the quantization Q-GaLore
+  (https://arxiv.org/abs/2407.08296) applies to projection bases (INT4) and weights (INT8), with
+  round-to-nearest or stochastic rounding.
+- :func:`adam8bit`: Adam with moments stored that way, the update of bitsandbytes' ``AdamW8bit``
+  (``m_hat / (sqrt(v_hat) + eps)``); units under ``min_8bit_size`` entries keep float32 moments,
+  as there.
+
+Units of matrices are taken in the paper's (PyTorch) orientation, ``W = kernel^T``, each matrix
+of a stacked leaf on its own, so blocks and groups run along the same entries as the reference
+packages'.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from moara_jax._adam import MAG, PLAIN, _check, node_adam
+
+BLOCK_SIZE = 256
+MIN_8BIT_SIZE = 4096
+
+
+def _linspace32(start: float, stop: float, num: int) -> np.ndarray:
+    """A float32 ``linspace`` whose step is rounded to float32 and whose points are computed in
+    float64 from both ends (the first half from ``start``, the rest from ``stop``)."""
+    start32, stop32 = np.float32(start), np.float32(stop)
+    step = np.float64((stop32 - start32) / np.float32(num - 1))
+    i = np.arange(num, dtype=np.float64)
+    values = np.where(i < num // 2, np.float64(start32) + step * i, np.float64(stop32) - step * (num - 1 - i))
+    return values.astype(np.float32)
+
+
+@functools.cache
+def dynamic_map(signed: bool = True) -> np.ndarray:
+    """The 8-bit dynamic quantization map (256 sorted float32 values in [-1, 1] or [0, 1]).
+
+    Seven decades ``10^-6 .. 10^0``; in decade ``i`` the midpoints of ``2^i + 1`` (signed) or
+    ``2^(i+1) + 1`` (unsigned) evenly spaced points of ``[0.1, 1]``, scaled by ``10^(i-6)`` (and
+    negated, when signed); plus 0 and 1, and zeros to fill 256 entries. Equal to bitsandbytes'
+    ``create_dynamic_map`` (tested).
+    """
+    values = [np.float32(0.0), np.float32(1.0)]
+    for i in range(7):
+        points = _linspace32(0.1, 1.0, 2 ** (i + (0 if signed else 1)) + 1)
+        means = (points[:-1] + points[1:]) / np.float32(2)
+        decade = np.float32(10.0 ** (i - 6)) * means
+        values += list(decade) + (list(-decade) if signed else [])
+    values += [np.float32(0.0)] * (256 - len(values))
+    out = np.sort(np.array(values, np.float32))
+    out.setflags(write=False)
+    return out
+
+
+def _unit_flat(x: jax.Array, batch_ndim: int, transpose: bool) -> jax.Array:
+    if transpose:
+        x = jnp.swapaxes(x, -1, -2)
+    return x.reshape(x.shape[:batch_ndim] + (-1,))
+
+
+def _unit_restore(flat: jax.Array, shape: tuple[int, ...], transpose: bool) -> jax.Array:
+    if transpose:
+        t = shape[:-2] + (shape[-1], shape[-2])
+        return jnp.swapaxes(flat.reshape(t), -1, -2)
+    return flat.reshape(shape)
+
+
+@jax.tree_util.register_pytree_node_class
+class Blockwise8bit:
+    """An array stored as 8-bit dynamic-map codes with one float32 scale per block of entries.
+
+    ``codes`` is ``(*batch, n)`` uint8 and ``absmax`` ``(*batch, ceil(n / block_size))`` float32,
+    where each unit (the trailing axes after ``batch_ndim``, transposed first when
+    ``transpose``) is flattened to ``n`` entries. ``shape``, ``batch_ndim``, ``transpose``,
+    ``signed`` and ``block_size`` are static.
+    """
+
+    def __init__(self, codes, absmax, shape, batch_ndim, transpose, signed, block_size=BLOCK_SIZE):
+        self.codes = codes
+        self.absmax = absmax
+        self.shape = tuple(shape)
+        self.batch_ndim = batch_ndim
+        self.transpose = transpose
+        self.signed = signed
+        self.block_size = block_size
+
+    def tree_flatten(self):
+        aux = (self.shape, self.batch_ndim, self.transpose, self.signed, self.block_size)
+        return (self.codes, self.absmax), aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @classmethod
+    def zeros(cls, shape, batch_ndim, transpose, signed, block_size=BLOCK_SIZE) -> Blockwise8bit:
+        """All zeros (zero scales), as bitsandbytes initialises its 8-bit states."""
+        n = math.prod(shape[batch_ndim:])
+        batch = tuple(shape[:batch_ndim])
+        codes = jnp.zeros(batch + (n,), jnp.uint8)
+        absmax = jnp.zeros(batch + (-(-n // block_size),), jnp.float32)
+        return cls(codes, absmax, shape, batch_ndim, transpose, signed, block_size)
+
+    @classmethod
+    def quantize(cls, x, batch_ndim, transpose, signed, block_size=BLOCK_SIZE) -> Blockwise8bit:
+        flat = _unit_flat(x.astype(jnp.float32), batch_ndim, transpose)
+        codes, absmax = blockwise_quantize(flat, dynamic_map(signed), block_size)
+        return cls(codes, absmax, x.shape, batch_ndim, transpose, signed, block_size)
+
+    def dequantize(self) -> jax.Array:
+        flat = blockwise_dequantize(self.codes, self.absmax, dynamic_map(self.signed), self.block_size)
+        return _unit_restore(flat, self.shape, self.transpose)
+
+    def __repr__(self) -> str:
+        return f"Blockwise8bit(shape={self.shape}, signed={self.signed})"
+
+
+def _split_blocks(flat: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """``(full blocks (..., k, B), remainder (..., n - k B))`` of the last axis."""
+    n = flat.shape[-1]
+    k = n // block_size
+    full = flat[..., : k * block_size].reshape(flat.shape[:-1] + (k, block_size))
+    return full, flat[..., k * block_size :]
+
+
+def blockwise_quantize(flat: jax.Array, code: np.ndarray, block_size: int = BLOCK_SIZE):
+    """8-bit codes and per-block absolute maxima of ``flat`` (``(..., n)``, float32).
+
+    Entries are scaled into ``[-1, 1]`` by their block's absolute maximum (a full block by
+    multiplying with its reciprocal, a last partial block by dividing, as bitsandbytes does) and
+    mapped to the nearest entry of ``code`` (ties to the lower one).
+    """
+    full, rest = _split_blocks(flat, block_size)
+    amax_full = jnp.max(jnp.abs(full), axis=-1)
+    # A zero block scales to zeros (bitsandbytes' 1e-38 floor on the maximum would be flushed to
+    # zero, and give NaN, where the backend flushes subnormals).
+    inverse = jnp.where(amax_full > 0, 1.0 / jnp.where(amax_full > 0, amax_full, 1.0), 0.0)
+    scaled = [jnp.clip(full * inverse[..., None], -1.0, 1.0)]
+    scaled = [scaled[0].reshape(flat.shape[:-1] + (-1,))]
+    absmax = [amax_full]
+    if rest.shape[-1]:
+        amax_rest = jnp.max(jnp.abs(rest), axis=-1, keepdims=True)
+        safe = jnp.where(amax_rest > 0, amax_rest, 1.0)
+        scaled.append(jnp.where(amax_rest > 0, jnp.clip(rest / safe, -1.0, 1.0), 0.0))
+        absmax.append(amax_rest)
+    scaled = jnp.concatenate(scaled, axis=-1) if len(scaled) > 1 else scaled[0]
+    absmax = jnp.concatenate(absmax, axis=-1) if len(absmax) > 1 else absmax[0]
+    code = np.asarray(code, np.float32)
+    bounds = jnp.asarray((code[:-1] + code[1:]) / np.float32(2))
+    codes = jnp.searchsorted(bounds, scaled, side="left").astype(jnp.uint8)
+    return codes, absmax
+
+
+def blockwise_dequantize(codes: jax.Array, absmax: jax.Array, code: np.ndarray, block_size: int = BLOCK_SIZE):
+    """Inverse of :func:`blockwise_quantize`: ``code[codes]`` times the block's maximum."""
+    values = jnp.asarray(code, jnp.float32)[codes.astype(jnp.int32)]
+    full, rest = _split_blocks(values, block_size)
+    k = full.shape[-2]
+    out = (full * absmax[..., :k, None]).reshape(values.shape[:-1] + (-1,))
+    if rest.shape[-1]:
+        out = jnp.concatenate([out, rest * absmax[..., k:]], axis=-1)
+    return out
+
+
+def group_quantize(
+    x: jax.Array, group_size: int, n_bit: int, key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Min-max quantization of ``x`` (``(..., n)``, ``n`` a multiple of ``group_size``) in
+    groups of ``group_size`` consecutive entries: ``(codes, scales, zeros)`` with ``codes`` in
+    ``[0, 2^n_bit - 1]`` (uint8), ``x ~ scales * (codes - zeros)``.
+
+    ``scales = max(max - min, 1e-5) / (2^n_bit - 1)``, ``zeros = clip(round(-min / scales))``;
+    codes round to nearest (ties to even), or stochastically when ``key`` is given (up with
+    probability equal to the fractional part: unbiased on the grid).
+    """
+    max_int = 2**n_bit - 1
+    groups = x.reshape(x.shape[:-1] + (-1, group_size)).astype(jnp.float32)
+    hi = jnp.max(groups, axis=-1, keepdims=True)
+    lo = jnp.min(groups, axis=-1, keepdims=True)
+    scales = jnp.maximum(hi - lo, 1e-5) / max_int
+    zeros = jnp.clip(-jnp.round(lo / scales), 0, max_int)
+    if key is None:
+        q = jnp.round(groups / scales)
+    else:
+        ratio = groups / scales
+        down = jnp.floor(ratio)
+        q = jnp.where(jax.random.uniform(key, ratio.shape) < ratio - down, jnp.ceil(ratio), down)
+    codes = jnp.clip(q + zeros, 0, max_int).astype(jnp.uint8)
+    return codes, scales, zeros
+
+
+def group_dequantize(codes: jax.Array, scales: jax.Array, zeros: jax.Array) -> jax.Array:
+    """``scales * (codes - zeros)``, groups merged back into the last axis."""
+    out = (codes.astype(jnp.float32) - zeros) * scales
+    return out.reshape(out.shape[:-2] + (-1,))
+
+
+def _moment_step(g, mu, nu, count_inc, b1, b2, eps):
+    """bitsandbytes' Adam on one value: float32 math on dequantized moments, requantized after."""
+    quantized = isinstance(mu, Blockwise8bit)
+    g32 = g.astype(jnp.float32)
+    m = mu.dequantize() if quantized else mu
+    v = nu.dequantize() if quantized else nu
+    m = m * b1 + (1.0 - b1) * g32
+    v = v * b2 + ((1.0 - b2) * g32) * g32
+    t = count_inc.astype(jnp.float32)
+    c1 = 1.0 - b1**t
+    c2 = jnp.sqrt(1.0 - b2**t)
+    if quantized:
+        direction = m / (jnp.sqrt(v) / c2 + eps) / c1
+        spec = (mu.batch_ndim, mu.transpose)
+        m = Blockwise8bit.quantize(m, *spec, signed=True, block_size=mu.block_size)
+        v = Blockwise8bit.quantize(v, *spec, signed=False, block_size=nu.block_size)
+    else:
+        direction = (c2 / c1) * (m / (jnp.sqrt(v) + eps * c2))
+    return direction.astype(g.dtype), m, v
+
+
+def adam8bit(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    *,
+    min_8bit_size: int = MIN_8BIT_SIZE,
+    mag_bits: int = 8,
+    block_size: int = BLOCK_SIZE,
+) -> optax.GradientTransformation:
+    """Adam with 8-bit blockwise moments, on leaves and the chain's nodes (bitsandbytes' 8-bit
+    ``AdamW`` update, ``m_hat / (sqrt(v_hat) + eps)``, without weight decay or learning rate).
+
+    A unit (each matrix of a projected low-rank value or of the block magnitudes, in PyTorch
+    orientation; a plain leaf as a whole) with fewer than ``min_8bit_size`` entries keeps float32
+    moments, as bitsandbytes does. ``mag_bits=32`` keeps the block magnitudes' moments in
+    float32 (the paper's Q-GaLore precision ablation).
+    """
+    _check(b1, b2, eps)
+    if mag_bits not in (8, 32):
+        raise ValueError(f"mag_bits must be 8 or 32, got {mag_bits!r}")
+    if not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+        raise ValueError(f"min_8bit_size must be a non-negative integer, got {min_8bit_size!r}")
+
+    def init_moments(x, kind) -> tuple[Any, Any]:
+        batch_ndim, transpose = (0, False) if kind == PLAIN or x.ndim < 2 else (x.ndim - 2, True)
+        unit = math.prod(x.shape[batch_ndim:])
+        if unit < min_8bit_size or (kind == MAG and mag_bits == 32):
+            return jnp.zeros(x.shape, jnp.float32), jnp.zeros(x.shape, jnp.float32)
+        spec = (x.shape, batch_ndim, transpose)
+        return (
+            Blockwise8bit.zeros(*spec, signed=True, block_size=block_size),
+            Blockwise8bit.zeros(*spec, signed=False, block_size=block_size),
+        )
+
+    def step(g, mu, nu, count_inc, kind):
+        del kind
+        return _moment_step(g, mu, nu, count_inc, b1, b2, eps)
+
+    return node_adam(init_moments, step)
