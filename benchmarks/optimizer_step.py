@@ -107,6 +107,13 @@ def optimizers(r_base: int, block: int) -> dict[str, optax.GradientTransformatio
         "galore_vanilla": mj.moara_adamw(
             0.01, r_base=r_base, decompose=False, rank_allocation=False, update_proj_gap=GAP
         ),
+        # The cross-method hosts (Full MoARa on each; eigh refresh as the paper configs).
+        "fira_full_eigh": mj.moara_adamw(
+            0.01, r_base=r_base, block_size=block, update_proj_gap=GAP, svd="eigh", host="fira"
+        ),
+        "q_galore_full_eigh": mj.moara_adamw(
+            0.01, r_base=r_base, block_size=block, update_proj_gap=GAP, svd="eigh", host="q_galore"
+        ),
         "optax_contrib_galore": optax.partition(
             {
                 True: optax.contrib.galore(0.01, rank=r_base, update_proj_gap=GAP, scale=0.25),

@@ -102,7 +102,8 @@ def inner_adam(
     mu_dtype = dtype_arg("mu_dtype", mu_dtype)
     mag_dtype = dtype_arg("mag_dtype", mag_dtype)
 
-    def zeros(x, kind):
+    def zeros(x, kind, path):
+        del path
         dtype = mag_dtype if kind == MAG else (mu_dtype or x.dtype)
         return jnp.zeros(x.shape, dtype), jnp.zeros(x.shape, dtype)
 
@@ -119,28 +120,29 @@ PLAIN, DIRECTION, MAG = "plain", "direction", "magnitude"
 
 
 def node_adam(
-    init_moments: Callable[[jax.Array, str], tuple[Any, Any]],
+    init_moments: Callable[[jax.Array, str, Any], tuple[Any, Any]],
     step: Callable[..., tuple[jax.Array, Any, Any]],
 ) -> optax.GradientTransformation:
     """An Adam over leaves and the chain's nodes, with its moment storage and step supplied.
 
-    ``init_moments(x, kind)`` makes the two stored moments ``(mu, nu)`` (arrays, or pytrees such
-    as quantized ones) for a value like ``x``; ``step(g, mu, nu, count_inc, kind)`` returns
-    ``(direction, mu, nu)``. ``kind`` is :data:`PLAIN`, :data:`DIRECTION` (a ``LowRank`` value) or :data:`MAG`
-    (the block magnitudes of a ``Decomposed``). The state is :class:`InnerAdamState`, so
-    ``state_bytes`` sorts the moments by component whatever their storage.
+    ``init_moments(x, kind, path)`` makes the two stored moments ``(mu, nu)`` (arrays, or pytrees
+    such as quantized ones) for a value like ``x`` at parameter ``path`` (a JAX key path);
+    ``step(g, mu, nu, count_inc, kind)`` returns ``(direction, mu, nu)``. ``kind`` is
+    :data:`PLAIN`, :data:`DIRECTION` (a ``LowRank`` value) or :data:`MAG` (the block magnitudes
+    of a ``Decomposed``). The state is :class:`InnerAdamState`, so ``state_bytes`` sorts the
+    moments by component whatever their storage.
     """
 
     def init_fn(params):
-        leaves, treedef = jax.tree.flatten(params, is_leaf=is_node)
+        with_paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_node)
         groups = {k: [] for k in ("mu", "nu", "dir_mu", "dir_nu", "mag_mu", "mag_nu")}
-        for u in leaves:
+        for path, u in with_paths:
             mag = u.mag if isinstance(u, Decomposed) else None
             core = u.direction if isinstance(u, Decomposed) else u
             low = core.value if isinstance(core, LowRank) else None
             plain = core if low is None else None
             for prefix, x, kind in (("mag_", mag, MAG), ("dir_", low, DIRECTION), ("", plain, PLAIN)):
-                mu, nu = (None, None) if x is None else init_moments(x, kind)
+                mu, nu = (None, None) if x is None else init_moments(x, kind, path)
                 groups[prefix + "mu"].append(mu)
                 groups[prefix + "nu"].append(nu)
         trees = {k: treedef.unflatten(v) for k, v in groups.items()}

@@ -187,12 +187,23 @@ def host_stages(
 ) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
     """A host's ``(projection, Adam)`` stages, the two between ``decompose`` (if any) and
     ``recompose``: GaLore's :func:`project` and :func:`inner_adam`; Fira's ``project`` keeping its
-    source and :func:`fira_adam`; Q-GaLore's :func:`q_galore_project` and :func:`adam8bit`."""
+    source and :func:`fira_adam`; Q-GaLore's :func:`q_galore_project` and :func:`adam8bit`.
+
+    Q-GaLore's moments are 8-bit or float32 (``QGaLore.min_8bit_size``, ``mag_bits``), so it
+    takes no ``mu_dtype``; its INT8 weights and 8-bit AdamW of non-target parameters are not
+    stages of the chain (they act on the learning-rate-scaled update and the other parameters):
+    :func:`moara_adamw` adds them, by hand use :func:`quantize_weights` and :func:`adam8bit`.
+    """
     host = resolve_host(host)
     where = dict(svd=svd, seed=seed, canonical_signs=canonical_signs, name=name)
     if isinstance(host, QGaLore):
         if proj_type != "std":
             raise ValueError(f"the q_galore host projects with proj_type='std' only, got {proj_type!r}")
+        if mu_dtype is not None:
+            raise ValueError(
+                f"mu_dtype={mu_dtype!r}: the q_galore host keeps 8-bit or float32 moments "
+                "(QGaLore.min_8bit_size, mag_bits)"
+            )
         projection = q_galore_project(
             rank,
             update_proj_gap,
@@ -214,6 +225,26 @@ def host_stages(
     else:
         adam = inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
     return projection, adam
+
+
+_STAGE_ARGS = (
+    "update_proj_gap",
+    "scale",
+    "b1",
+    "b2",
+    "eps",
+    "mu_dtype",
+    "proj_type",
+    "svd",
+    "seed",
+    "canonical_signs",
+    "name",
+)
+
+
+def _stage_args(arguments: dict) -> dict:
+    """The :func:`host_stages` keyword arguments among a scale-by function's ``locals()``."""
+    return {k: arguments[k] for k in _STAGE_ARGS}
 
 
 def scale_by_moara(
@@ -248,22 +279,7 @@ def scale_by_moara(
       MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507.
     """
     _check_block_size(block_size)
-    projection, adam = host_stages(
-        host,
-        rank,
-        update_proj_gap=update_proj_gap,
-        scale=scale,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        mu_dtype=mu_dtype,
-        mag_dtype=mag_dtype,
-        proj_type=proj_type,
-        svd=svd,
-        seed=seed,
-        canonical_signs=canonical_signs,
-        name=name,
-    )
+    projection, adam = host_stages(host, rank, mag_dtype=mag_dtype, **_stage_args(locals()))
     return stage_chain(
         decompose(block_size, decompose_eps, keep_source=True),
         projection,
@@ -290,21 +306,7 @@ def scale_by_galore(
 ) -> optax.GradientTransformation:
     """GaLore-Adam's direction for every leaf (galore-torch ``GaLoreAdamW``, without the lr), or
     another ``host``'s without decomposition (:func:`host_stages`)."""
-    projection, adam = host_stages(
-        host,
-        rank,
-        update_proj_gap=update_proj_gap,
-        scale=scale,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        mu_dtype=mu_dtype,
-        proj_type=proj_type,
-        svd=svd,
-        seed=seed,
-        canonical_signs=canonical_signs,
-        name=name,
-    )
+    projection, adam = host_stages(host, rank, **_stage_args(locals()))
     return stage_chain(projection, adam, recompose(scale))
 
 
@@ -316,5 +318,7 @@ def scale_by_fira(
 ) -> optax.GradientTransformation:
     """Fira's direction for every leaf (the reference ``fira.FiraAdamW``, without the lr):
     ``project(keep_source=True) -> fira_adam -> recompose``; ``scale`` is Fira's ``alpha``.
-    Other keyword arguments are :func:`scale_by_galore`'s."""
+    Other keyword arguments are :func:`scale_by_galore`'s, but ``host`` (it is Fira)."""
+    if "host" in kwargs:
+        raise ValueError("scale_by_fira takes no host (it is Fira); use scale_by_galore(host=...)")
     return scale_by_galore(rank, host=Fira(growth_limit), **kwargs)

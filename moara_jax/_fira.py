@@ -29,7 +29,7 @@ import optax
 
 from moara_jax._adam import InnerAdamState, inner_adam
 from moara_jax._nodes import Decomposed, LowRank, is_node
-from moara_jax._projection import project_back
+from moara_jax._projection import _matrix_of, project_back
 
 # Fira's constants: the norm-growth limit and the stabiliser of its two norm ratios.
 DEFAULT_GROWTH_LIMIT = 1.01
@@ -43,16 +43,12 @@ class FiraState(NamedTuple):
     residual_norm: Any  # per projected leaf, float32 of its batch shape: ||S|| of the last step.
 
 
-def _core(u: Any) -> Any:
-    return u.direction if isinstance(u, Decomposed) else u
-
-
 def _with_core(u: Any, core: Any) -> Any:
     return u.replace(direction=core) if isinstance(u, Decomposed) else core
 
 
 def _residual_norm_init(path, u) -> jax.Array | None:
-    core = _core(u)
+    core = _matrix_of(u)
     if not isinstance(core, LowRank):
         return None
     if core.source is None:
@@ -111,7 +107,7 @@ def fira_adam(
         prevs = treedef.flatten_up_to(state.residual_norm)
         new_out, new_norms = [], []
         for u, o, prev in zip(leaves, results, prevs, strict=True):
-            low_in, low_out = _core(u), _core(o)
+            low_in, low_out = _matrix_of(u), _matrix_of(o)
             if not isinstance(low_in, LowRank):
                 new_out.append(o)
                 new_norms.append(prev)

@@ -9,16 +9,20 @@ way (decomposition first, each module type's rank for its projection).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from moara_jax._decomposition import _is_int
+
+
+def _real(value) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True)
 class GaLore:
     """GaLore (Zhao et al., https://arxiv.org/abs/2403.03507): SVD basis every ``T`` steps, Adam
     in the subspace (galore-torch's ``GaLoreAdamW``). The default host."""
-
-    name = "galore"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +32,9 @@ class Fira:
     per step (``fira.FiraAdamW``; :func:`moara_jax.fira_adam`)."""
 
     growth_limit: float = 1.01
-    name = "fira"
 
     def __post_init__(self):
-        if not (isinstance(self.growth_limit, (int, float)) and self.growth_limit > 0):
+        if not (_real(self.growth_limit) and self.growth_limit > 0):
             raise ValueError(f"growth_limit must be positive, got {self.growth_limit!r}")
 
 
@@ -63,7 +66,6 @@ class QGaLore:
     weight_bits: int | None = 8
     weight_group_size: int = 256
     stochastic_round: bool = True
-    name = "q_galore"
 
     def __post_init__(self):
         for field in ("basis_bits", "weight_bits"):
@@ -77,8 +79,12 @@ class QGaLore:
             raise ValueError(f"min_8bit_size must be a non-negative integer, got {self.min_8bit_size!r}")
         if self.mag_bits not in (8, 32):
             raise ValueError(f"mag_bits must be 8 or 32, got {self.mag_bits!r}")
-        if not (isinstance(self.gamma, (int, float)) and self.gamma >= 1):
-            raise ValueError(f"gamma must be >= 1, got {self.gamma!r}")
+        if not (_real(self.gamma) and 1 <= self.gamma < 2**20):
+            raise ValueError(f"gamma must be a number in [1, 2^20), got {self.gamma!r}")
+        if not _real(self.cos_threshold):
+            raise ValueError(f"cos_threshold must be a finite number, got {self.cos_threshold!r}")
+        if not isinstance(self.stochastic_round, bool):
+            raise ValueError(f"stochastic_round must be True or False, got {self.stochastic_round!r}")
 
 
 Host = GaLore | Fira | QGaLore

@@ -16,6 +16,7 @@ Both follow the reference package ``q_galore_torch`` (its ``GaLoreProjector`` an
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,7 +37,7 @@ from moara_jax._projection import (
     rank_warning,
     refresh_bases,
 )
-from moara_jax._quant import group_dequantize, group_quantize
+from moara_jax._quant import group_dequantize, group_quantize, unit_flat, unit_restore
 
 
 @jax.tree_util.register_pytree_node_class
@@ -44,26 +45,16 @@ class QuantizedBasis:
     """A projection basis ``(..., d, r)`` stored as ``bits``-bit group codes (uint8), with a
     float32 scale and zero point per group of ``group_size`` entries of each matrix in PyTorch
     orientation (``basis^T`` for a projected fan_in side, ``basis`` for fan_out). ``shape``,
-    ``side``, ``bits``, ``group_size`` and ``dtype`` are static."""
+    ``side``, ``bits``, ``group_size`` and ``dtype`` (the float basis's) are static."""
 
     def __init__(self, codes, scales, zeros, shape, side, bits, group_size, dtype):
         self.codes, self.scales, self.zeros = codes, scales, zeros
-        self.shape, self.side, self.bits, self.group_size, self.dtype = (
-            tuple(shape),
-            side,
-            bits,
-            group_size,
-            dtype,
-        )
+        self.shape, self.side, self.bits = tuple(shape), side, bits
+        self.group_size, self.dtype = group_size, jnp.dtype(dtype).name
 
     def tree_flatten(self):
-        return (self.codes, self.scales, self.zeros), (
-            self.shape,
-            self.side,
-            self.bits,
-            self.group_size,
-            self.dtype,
-        )
+        aux = (self.shape, self.side, self.bits, self.group_size, self.dtype)
+        return (self.codes, self.scales, self.zeros), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -71,17 +62,13 @@ class QuantizedBasis:
 
     @classmethod
     def quantize(cls, basis: jax.Array, side: str, bits: int, group_size: int) -> QuantizedBasis:
-        torch_layout = jnp.swapaxes(basis, -1, -2) if side == "in" else basis
-        flat = torch_layout.reshape(basis.shape[:-2] + (-1,))
+        flat = unit_flat(basis, basis.ndim - 2, transpose=side == "in")
         codes, scales, zeros = group_quantize(flat, group_size, bits)
-        return cls(codes, scales, zeros, basis.shape, side, bits, group_size, jnp.dtype(basis.dtype).name)
+        return cls(codes, scales, zeros, basis.shape, side, bits, group_size, basis.dtype)
 
     def dequantize(self) -> jax.Array:
         flat = group_dequantize(self.codes, self.scales, self.zeros).astype(self.dtype)
-        if self.side == "in":
-            t = self.shape[:-2] + (self.shape[-1], self.shape[-2])
-            return jnp.swapaxes(flat.reshape(t), -1, -2)
-        return flat.reshape(self.shape)
+        return unit_restore(flat, self.shape, transpose=self.side == "in")
 
     def __repr__(self) -> str:
         return f"QuantizedBasis(shape={self.shape}, bits={self.bits})"
@@ -177,51 +164,59 @@ def q_galore_project(
         fields = [treedef.unflatten([p[i] for p in per]) for i in range(5)]
         return QGaLoreProjectState(jnp.zeros([], jnp.int32), *fields)
 
+    def refreshed(basis_new, due, fields):
+        """One leaf's state after a refresh of its due matrices (``due``: bool, batch shape)."""
+        basis, gap, cos, refreshes, top = fields
+        basis_new = basis_new.astype(basis.dtype)  # the stored basis's, whatever the gradient's
+        first = basis_new[..., :, 0].astype(jnp.float32)
+        # |cos|: a singular vector's sign is arbitrary (the reference's signed cosine makes the
+        # schedule depend on the SVD backend's sign convention).
+        similarity = jnp.abs(_cosine(top, first))
+        pushed = jnp.concatenate([cos[..., 1:], similarity[..., None]], axis=-1)
+        cos_new = jnp.where((refreshes > 0)[..., None], pushed, cos)
+        full = refreshes >= queue_size  # queue_size cosines recorded
+        grow = full & (jnp.mean(cos_new, axis=-1) >= cos_threshold)
+        gap_new = jnp.where(grow, (gap.astype(jnp.float32) * gamma).astype(jnp.int32), gap)
+
+        def pick(a, b):  # the due matrices take the new value
+            return jnp.where(due.reshape(due.shape + (1,) * (a.ndim - due.ndim)), a, b)
+
+        stored = store(basis_new, basis.side) if isinstance(basis, QuantizedBasis) else basis_new
+        return (
+            jax.tree.map(pick, stored, basis),
+            pick(gap_new, gap),
+            pick(cos_new, cos),
+            pick(refreshes + 1, refreshes),
+            pick(first, top),
+        )
+
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
         # Per leaf: (basis, gap, cosines, refreshes, top).
         old = list(zip(*(treedef.flatten_up_to(f) for f in state[1:]), strict=True)) if leaves else []
         due = [state.count % fields[1] == 0 for fields in old]
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+        fields = list(old)
+        # One cond per shape: a group's SVDs (one batched call) run only when one of its
+        # matrices is due, so matrices whose intervals grew skip them.
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i, u in enumerate(leaves):
+            groups[tuple(_matrix_of(u).shape[-2:])].append(i)
+        for gi, idx in enumerate(groups.values()):
 
-        def refresh():
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
-            sources = [_refresh_matrix(u) for u in leaves]
-            ranks = [fields[0].shape[-1] for fields in old]  # a QuantizedBasis keeps the float shape
-            new = refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
-            return [
-                _refreshed(n, u, d, fields) for n, u, d, fields in zip(new, leaves, due, old, strict=True)
-            ]
+            def refresh(idx=idx, gi=gi):
+                sources = [_refresh_matrix(leaves[i]) for i in idx]
+                ranks = [old[i][0].shape[-1] for i in idx]  # a QuantizedBasis keeps the float shape
+                new = refresh_bases(sources, ranks, svd, jax.random.fold_in(key, gi), 8, 2, canonical_signs)
+                return [refreshed(n, due[i], old[i]) for n, i in zip(new, idx, strict=True)]
 
-        def _refreshed(basis_new, u, d, fields):
-            basis, gap, cos, refreshes, top = fields
-            m = _matrix_of(u)
-            basis_new = basis_new.astype(m.dtype)
-            first = basis_new[..., :, 0].astype(jnp.float32)
-            had_past = refreshes > 0
-            pushed = jnp.concatenate([cos[..., 1:], _cosine(top, first)[..., None]], axis=-1)
-            cos_new = jnp.where(had_past[..., None], pushed, cos)
-            full = had_past & (refreshes >= queue_size)  # queue_size cosines recorded
-            grow = full & (jnp.mean(cos_new, axis=-1) >= cos_threshold)
-            gap_new = jnp.where(grow, (gap.astype(jnp.float32) * gamma).astype(jnp.int32), gap)
+            def keep(idx=idx):
+                return [old[i] for i in idx]
 
-            def pick(a, b):  # the due matrices take the new value
-                return jnp.where(d.reshape(d.shape + (1,) * (a.ndim - d.ndim)), a, b)
-
-            stored = jax.tree.map(pick, store(basis_new, projection_side(m.shape)), basis)
-            return (
-                stored,
-                pick(gap_new, gap),
-                pick(cos_new, cos),
-                pick(refreshes + 1, refreshes),
-                pick(first, top),
-            )
-
-        if leaves:
-            any_due = jnp.any(jnp.stack([jnp.any(d) for d in due]))
-            fields = jax.lax.cond(any_due, refresh, lambda: old)
-        else:
-            fields = []
+            any_due = jnp.any(jnp.stack([jnp.any(due[i]) for i in idx]))
+            for i, f in zip(idx, jax.lax.cond(any_due, refresh, keep), strict=True):
+                fields[i] = f
         out = []
         for u, (basis, *_) in zip(leaves, fields, strict=True):
             m = _matrix_of(u)

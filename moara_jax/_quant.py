@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from moara_jax._adam import MAG, PLAIN, _check, node_adam
+from moara_jax._labels import path_names
 
 BLOCK_SIZE = 256
 MIN_8BIT_SIZE = 4096
@@ -66,13 +67,16 @@ def dynamic_map(signed: bool = True) -> np.ndarray:
     return out
 
 
-def _unit_flat(x: jax.Array, batch_ndim: int, transpose: bool) -> jax.Array:
+def unit_flat(x: jax.Array, batch_ndim: int, transpose: bool) -> jax.Array:
+    """``x`` as ``(*batch, n)`` units: the axes after ``batch_ndim`` flattened (row-major), after
+    swapping the last two when ``transpose`` (a Flax kernel read as PyTorch's weight)."""
     if transpose:
         x = jnp.swapaxes(x, -1, -2)
     return x.reshape(x.shape[:batch_ndim] + (-1,))
 
 
-def _unit_restore(flat: jax.Array, shape: tuple[int, ...], transpose: bool) -> jax.Array:
+def unit_restore(flat: jax.Array, shape: tuple[int, ...], transpose: bool) -> jax.Array:
+    """Inverse of :func:`unit_flat` for an array of ``shape``."""
     if transpose:
         t = shape[:-2] + (shape[-1], shape[-2])
         return jnp.swapaxes(flat.reshape(t), -1, -2)
@@ -117,13 +121,13 @@ class Blockwise8bit:
 
     @classmethod
     def quantize(cls, x, batch_ndim, transpose, signed, block_size=BLOCK_SIZE) -> Blockwise8bit:
-        flat = _unit_flat(x.astype(jnp.float32), batch_ndim, transpose)
+        flat = unit_flat(x.astype(jnp.float32), batch_ndim, transpose)
         codes, absmax = blockwise_quantize(flat, dynamic_map(signed), block_size)
         return cls(codes, absmax, x.shape, batch_ndim, transpose, signed, block_size)
 
     def dequantize(self) -> jax.Array:
         flat = blockwise_dequantize(self.codes, self.absmax, dynamic_map(self.signed), self.block_size)
-        return _unit_restore(flat, self.shape, self.transpose)
+        return unit_restore(flat, self.shape, self.transpose)
 
     def __repr__(self) -> str:
         return f"Blockwise8bit(shape={self.shape}, signed={self.signed})"
@@ -149,8 +153,7 @@ def blockwise_quantize(flat: jax.Array, code: np.ndarray, block_size: int = BLOC
     # A zero block scales to zeros (bitsandbytes' 1e-38 floor on the maximum would be flushed to
     # zero, and give NaN, where the backend flushes subnormals).
     inverse = jnp.where(amax_full > 0, 1.0 / jnp.where(amax_full > 0, amax_full, 1.0), 0.0)
-    scaled = [jnp.clip(full * inverse[..., None], -1.0, 1.0)]
-    scaled = [scaled[0].reshape(flat.shape[:-1] + (-1,))]
+    scaled = [jnp.clip(full * inverse[..., None], -1.0, 1.0).reshape(flat.shape[:-1] + (-1,))]
     absmax = [amax_full]
     if rest.shape[-1]:
         amax_rest = jnp.max(jnp.abs(rest), axis=-1, keepdims=True)
@@ -230,6 +233,24 @@ def _moment_step(g, mu, nu, count_inc, b1, b2, eps):
     return direction.astype(g.dtype), m, v
 
 
+def moment_units(x: Any, kind: str, path: Any) -> tuple[int, bool]:
+    """``(batch_ndim, transpose)`` of the units an 8-bit moment of ``x`` is quantized in: what
+    PyTorch would hold as one tensor. A projected value or block magnitudes: each matrix, in
+    PyTorch orientation. A plain leaf, by its Flax name: a ``kernel`` is each matrix, transposed
+    (PyTorch's weight); a ``scale`` or ``bias`` each vector (one per layer when layers are
+    stacked); anything else (an ``embedding``) the whole leaf."""
+    if x.ndim < 2:
+        return 0, False
+    if kind != PLAIN:
+        return x.ndim - 2, True
+    name = path_names(path)[-1] if path else ""
+    if name == "kernel":
+        return x.ndim - 2, True
+    if name in ("scale", "bias"):
+        return x.ndim - 1, False
+    return 0, False
+
+
 def adam8bit(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -242,10 +263,9 @@ def adam8bit(
     """Adam with 8-bit blockwise moments, on leaves and the chain's nodes (bitsandbytes' 8-bit
     ``AdamW`` update, ``m_hat / (sqrt(v_hat) + eps)``, without weight decay or learning rate).
 
-    A unit (each matrix of a projected low-rank value or of the block magnitudes, in PyTorch
-    orientation; a plain leaf as a whole) with fewer than ``min_8bit_size`` entries keeps float32
-    moments, as bitsandbytes does. ``mag_bits=32`` keeps the block magnitudes' moments in
-    float32 (the paper's Q-GaLore precision ablation).
+    A unit (:func:`moment_units`: what PyTorch would hold as one tensor) with fewer than
+    ``min_8bit_size`` entries keeps float32 moments, as bitsandbytes does. ``mag_bits=32``
+    keeps the block magnitudes' moments in float32 (the paper's Q-GaLore precision ablation).
     """
     _check(b1, b2, eps)
     if mag_bits not in (8, 32):
@@ -253,8 +273,8 @@ def adam8bit(
     if not isinstance(min_8bit_size, int) or min_8bit_size < 0:
         raise ValueError(f"min_8bit_size must be a non-negative integer, got {min_8bit_size!r}")
 
-    def init_moments(x, kind) -> tuple[Any, Any]:
-        batch_ndim, transpose = (0, False) if kind == PLAIN or x.ndim < 2 else (x.ndim - 2, True)
+    def init_moments(x, kind, path) -> tuple[Any, Any]:
+        batch_ndim, transpose = moment_units(x, kind, path)
         unit = math.prod(x.shape[batch_ndim:])
         if unit < min_8bit_size or (kind == MAG and mag_bits == 32):
             return jnp.zeros(x.shape, jnp.float32), jnp.zeros(x.shape, jnp.float32)

@@ -99,12 +99,27 @@ def _bnb_adam8bit_run(values, grads_seq, weight_decay=0.0):
     return out, opt, params
 
 
+def _flax_tree(torch_values):
+    """PyTorch-named arrays -> the Flax tree of the adam8bit test: ``head`` is a Dense kernel
+    (PyTorch's weight transposed), ``norms.i`` are the layers of one stacked scale."""
+    return {
+        "big": {"scale": jnp.asarray(torch_values["big"])},
+        "small": {"scale": jnp.asarray(torch_values["small"])},
+        "embed": {"embedding": jnp.asarray(torch_values["embed"])},
+        "head": {"kernel": jnp.asarray(torch_values["head"].T)},
+        "norms": {"scale": jnp.stack([jnp.asarray(torch_values[f"norms.{i}"]) for i in range(3)])},
+    }
+
+
 @pytest.mark.usefixtures("cpu_reference")
 def test_adam8bit_matches_bitsandbytes_adamw8bit():
-    """8-bit moments for units of >= 4096 entries (whole blocks, a partial last block), float32
-    for smaller ones; the same codes as bitsandbytes after every step; decay before the step."""
+    """Units as PyTorch holds them: a vector (5000 entries: 8-bit, a partial last block; 100:
+    float32), an embedding (64 x 64: 8-bit), a Dense kernel (8-bit over PyTorch's weight, its
+    transpose) and a stacked scale (three layers of 2048 entries: float32 each, as three PyTorch
+    vectors). The same codes as bitsandbytes after every step; weight decay before the step."""
     rng = np.random.default_rng(1)
-    shapes = {"big": (5000,), "square": (64, 64), "small": (100,)}
+    shapes = {"big": (5000,), "small": (100,), "embed": (64, 64), "head": (96, 64)}
+    shapes.update({f"norms.{i}": (2048,) for i in range(3)})
     values = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     seq = [
         {n: ((1 + t) * rng.standard_normal(s)).astype(np.float32) for n, s in shapes.items()}
@@ -112,25 +127,22 @@ def test_adam8bit_matches_bitsandbytes_adamw8bit():
     ]
     ref, opt, torch_params = _bnb_adam8bit_run(values, seq, weight_decay=0.1)
     tx = optax.chain(mj.adam8bit(0.9, 0.999, 1e-6), optax.add_decayed_weights(0.1), optax.scale(-LR))
-    got, state = _jax_run(
-        tx,
-        {n: jnp.asarray(v) for n, v in values.items()},
-        [{n: jnp.asarray(g) for n, g in s.items()} for s in seq],
-    )
+    got, state = _jax_run(tx, _flax_tree(values), [_flax_tree(g) for g in seq])
     for t in range(len(seq)):
-        for n in shapes:
-            assert_matches_reference(got[t][n], ref[t][n], f"step {t} {n}")
+        want = _flax_tree(ref[t])
+        for path, a in jax.tree_util.tree_flatten_with_path(got[t])[0]:
+            b = dict(jax.tree_util.tree_flatten_with_path(want)[0])[path]
+            assert_matches_reference(a, b, f"step {t} {jax.tree_util.keystr(path)}")
     adam = state[0]
-    for n in ("big", "square"):
-        assert isinstance(adam.mu[n], mj.Blockwise8bit)
-        torch_state = opt.state[torch_params[n]]
-        np.testing.assert_array_equal(
-            np.asarray(adam.mu[n].codes).reshape(-1), torch_state["state1"].numpy().reshape(-1)
-        )
-        np.testing.assert_array_equal(
-            np.asarray(adam.nu[n].codes).reshape(-1), torch_state["state2"].numpy().reshape(-1)
-        )
-    assert adam.mu["small"].dtype == jnp.float32
+    for name, leaf in (("big", "scale"), ("embed", "embedding"), ("head", "kernel")):
+        torch_state = opt.state[torch_params[name]]
+        for ours, theirs in ((adam.mu[name][leaf], "state1"), (adam.nu[name][leaf], "state2")):
+            assert isinstance(ours, mj.Blockwise8bit)
+            np.testing.assert_array_equal(
+                np.asarray(ours.codes).reshape(-1), torch_state[theirs].numpy().reshape(-1)
+            )
+    assert adam.mu["small"]["scale"].dtype == jnp.float32
+    assert adam.mu["norms"]["scale"].dtype == jnp.float32  # 3 x 2048, each layer under 4096
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -422,6 +434,93 @@ def test_projection_bases_are_dequantized_for_the_alignment_diagnostic():
     assert 0.3 < alignment["q"] <= 1.0
 
 
+@pytest.mark.parametrize("bits", [4, None], ids=["int4", "float_basis"])
+@pytest.mark.parametrize("param_dtype,grad_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_gradients_of_another_dtype_than_the_parameters(bits, param_dtype, grad_dtype):
+    """The basis keeps the dtype it was initialised with across refreshes, whatever the
+    gradients' dtype (updates come out in the parameters' dtype)."""
+    params = {"q_proj": {"kernel": jnp.zeros((64, 64), param_dtype)}}
+    tx = mj.moara_adamw(
+        LR, r_base=8, block_size=16, update_proj_gap=2, host=mj.QGaLore(basis_bits=bits, basis_group_size=64)
+    )
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    rng = np.random.default_rng(7)
+    for _ in range(3):  # crosses a refresh
+        grads = {"q_proj": {"kernel": jnp.asarray(rng.standard_normal((64, 64)), grad_dtype)}}
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert params["q_proj"]["kernel"].dtype == param_dtype
+    assert np.isfinite(np.asarray(params["q_proj"]["kernel"], np.float32)).all()
+
+
+def test_stacked_layers_refresh_on_their_own_intervals_like_separate_matrices():
+    """A (2, fan_in, fan_out) leaf whose layers' intervals drift apart (layer 0's gradient is
+    stable and its interval grows; layer 1's is new noise every step and its interval stays) gives
+    each layer what a separate matrix would get."""
+    rng = np.random.default_rng(8)
+    shape, steps = (64, 64), 14
+    stable = 10 * (np.linalg.qr(rng.standard_normal(shape))[0] * 0.8 ** np.arange(64))
+    grads = [
+        np.stack([stable + 0.01 * rng.standard_normal(shape), rng.standard_normal(shape)]).astype(np.float32)
+        for _ in range(steps)
+    ]
+    host = mj.QGaLore(basis_group_size=64, queue_size=2, weight_bits=None)
+    tx = mj.scale_by_galore(8, update_proj_gap=2, host=host, canonical_signs=True)
+    stacked, single = {"w": jnp.zeros((2,) + shape)}, {"w": jnp.zeros(shape)}
+    s_stacked, s_single = tx.init(stacked), [tx.init(single) for _ in range(2)]
+    for g in grads:
+        u_stacked, s_stacked = tx.update({"w": jnp.asarray(g)}, s_stacked, stacked)
+        for i in range(2):
+            u_i, s_single[i] = tx.update({"w": jnp.asarray(g[i])}, s_single[i], single)
+            np.testing.assert_allclose(u_stacked["w"][i], u_i["w"], rtol=1e-5, atol=1e-6)
+    (proj,) = _states(s_stacked, mj.QGaLoreProjectState)
+    gaps = np.asarray(proj.gap["w"])
+    assert gaps[0] > 2 and gaps[1] == 2, gaps  # the intervals drifted apart
+    assert list(gaps) == [int(_states(s, mj.QGaLoreProjectState)[0].gap["w"]) for s in s_single]
+
+
+def test_int8_weights_land_on_their_grid_with_a_new_rounding_each_step():
+    """Through moara_adamw: the target kernel lands on the INT8 grid of its groups (scale and zero
+    point from min and max of ``p + u``, ``u`` the step without the grid) at one of the two grid
+    values around ``p + u``; the non-target vector gets ``p + u``; the rounding draws anew each
+    step."""
+    from moara_jax._quant import group_quantize, unit_flat
+
+    rng = np.random.default_rng(10)
+    params = {
+        "q_proj": {"kernel": jnp.asarray(0.1 * rng.standard_normal((64, 64)), jnp.float32)},
+        "norm": {"scale": jnp.ones(64)},
+    }
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+
+    def step(weight_bits):
+        host = mj.QGaLore(basis_group_size=64, weight_group_size=64, weight_bits=weight_bits)
+        tx = mj.moara_adamw(LR, r_base=8, block_size=16, host=host)
+        updates, state = tx.update(grads, tx.init(params), params)
+        return optax.apply_updates(params, updates), state
+
+    on_grid, state = step(8)
+    free, _ = step(None)
+    np.testing.assert_allclose(on_grid["norm"]["scale"], free["norm"]["scale"], rtol=1e-6)
+    exact = unit_flat(free["q_proj"]["kernel"], 0, transpose=True).reshape(-1, 64)
+    _, scales, zeros = group_quantize(exact.reshape(-1), 64, 8)
+    got = unit_flat(on_grid["q_proj"]["kernel"], 0, transpose=True).reshape(-1, 64)
+    codes = got / scales + zeros  # (groups, 64) over (groups, 1)
+    np.testing.assert_allclose(codes, np.round(codes), atol=2e-3)  # on the grid ...
+    assert np.all(np.abs(got - exact) <= scales * 1.001)  # ... next to p + u
+    assert np.any(np.abs(got - exact) > 0.5 * scales)  # stochastic: not always the nearest
+    (weights_state,) = _states(state, mj.QuantizeWeightsState)
+    assert int(weights_state.count) == 1
+
+    q = mj.quantize_weights(64, 8)
+    p = {"kernel": params["q_proj"]["kernel"]}
+    u = {"kernel": jnp.full((64, 64), 3e-4)}
+    first, s = q.update(u, q.init(p), p)
+    second, _ = q.update(u, s, p)
+    assert not np.array_equal(first["kernel"], second["kernel"])  # another key each step
+
+
 def test_q_galore_errors_name_the_argument():
     with pytest.raises(ValueError, match="mag_bits"):
         mj.QGaLore(mag_bits=16)
@@ -429,6 +528,16 @@ def test_q_galore_errors_name_the_argument():
         mj.QGaLore(basis_bits=9)
     with pytest.raises(ValueError, match="gamma"):
         mj.QGaLore(gamma=0.5)
+    with pytest.raises(ValueError, match="gamma"):
+        mj.QGaLore(gamma=float("inf"))
+    with pytest.raises(ValueError, match="cos_threshold"):
+        mj.QGaLore(cos_threshold="high")
+    with pytest.raises(ValueError, match="stochastic_round"):
+        mj.QGaLore(stochastic_round="no")
+    with pytest.raises(ValueError, match="mu_dtype"):
+        mj.scale_by_galore(8, host="q_galore", mu_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="host"):
+        mj.scale_by_fira(8, host="galore")
     tx = mj.moara_adamw(LR, r_base=8, decompose=False, host="q_galore")
     with pytest.raises(ValueError, match="group_size=256"):
         tx.init({"q_proj": {"kernel": jnp.zeros((48, 48))}})  # a 48 x 4 basis: 192 entries

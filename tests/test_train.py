@@ -201,6 +201,10 @@ def test_compare_report(tmp_path):
             "optimizer.host_options: growth_limit must be positive",
         ),
         (
+            ["optimizer.host=q_galore", "optimizer.host_options={basis_group_size: 7}"],
+            "optimizer: q_galore_project: the basis of",
+        ),
+        (
             ["optimizer.host=fira", "optimizer.host_options={gamma: 2}"],
             "unknown option(s) ['gamma'] for host fira (known: ['growth_limit'])",
         ),

@@ -91,14 +91,14 @@ def train_and_evaluate(
     lr = schedule(cfg)
     if profiling_mode and cfg.optimizer.name == "adamw":
         raise UserError("mode profile needs optimizer.name galore or moara (it profiles projections)")
+    abstract_params = models.abstract_params(model_cfg)
     try:
         tx = make_optimizer(cfg.optimizer, lr, t.grad_clip, force_uniform_galore=profiling_mode)
+        # Shape checks that need the model (e.g. Q-GaLore's group sizes) run at init.
+        abstract_opt = jax.eval_shape(tx.init, abstract_params)
     except ValueError as e:
         raise UserError(f"optimizer: {e}") from None
-
-    abstract_params = models.abstract_params(model_cfg)
     p_shard = param_shardings(models.logical_axes(model_cfg), abstract_params, mesh)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
     o_shard = state_shardings(abstract_opt, mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     s_shard = TrainState(replicated, p_shard, o_shard)
