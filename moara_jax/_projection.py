@@ -262,6 +262,24 @@ def _path_str(path) -> str:
     return jax.tree_util.keystr(path) if path else "<leaf>"
 
 
+def basis_shape(stage: str, path, u: Any, requested: int, module: str | None) -> tuple[jax.Array, int, int]:
+    """``(matrix, d, r)`` of a leaf a projection stage receives: the matrix it projects, its
+    projected side's size and the rank used (``requested`` clipped, with a warning naming the
+    module). A ``ValueError`` naming ``stage`` and the parameter for a non-matrix or a bad rank."""
+    m = _matrix_of(u)
+    if m.ndim < 2:
+        raise ValueError(
+            f"{stage}: parameter {_path_str(path)} has shape {m.shape}; only matrices "
+            "(..., fan_in, fan_out) can be projected (label it as a non-target)"
+        )
+    if not _is_int(requested):
+        raise ValueError(f"rank must be a positive integer, got {requested!r}")
+    r = effective_rank(m.shape, requested)
+    rank_warning(path, m.shape, requested, r, module)
+    d = m.shape[-2] if projection_side(m.shape) == "in" else m.shape[-1]
+    return m, d, r
+
+
 def rank_warning(path, shape: tuple[int, ...], requested: int, rank: int, module: str | None) -> None:
     """Warns, naming the module and both numbers, when the requested rank was clipped."""
     if rank < requested:
@@ -322,17 +340,7 @@ def project(
 
     def init_fn(params):
         def make(path, u):
-            m = _matrix_of(u)
-            if m.ndim < 2:
-                raise ValueError(
-                    f"project: parameter {_path_str(path)} has shape {m.shape}; only matrices "
-                    "(..., fan_in, fan_out) can be projected (label it as a non-target)"
-                )
-            requested = rank_fn(path)
-            _check_args(requested, update_proj_gap, proj_type, svd)
-            r = effective_rank(m.shape, requested)
-            rank_warning(path, m.shape, requested, r, name_fn(path))
-            d = m.shape[-2] if projection_side(m.shape) == "in" else m.shape[-1]
+            m, d, r = basis_shape("project", path, u, rank_fn(path), name_fn(path))
             return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
 
         basis = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)

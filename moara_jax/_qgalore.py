@@ -31,10 +31,9 @@ from moara_jax._projection import (
     _matrix_of,
     _path_str,
     _refresh_matrix,
-    effective_rank,
+    basis_shape,
     project_value,
     projection_side,
-    rank_warning,
     refresh_bases,
 )
 from moara_jax._quant import group_dequantize, group_quantize, unit_flat, unit_restore
@@ -132,18 +131,8 @@ def q_galore_project(
 
     def init_fn(params):
         def make(path, u):
-            m = _matrix_of(u)
-            if m.ndim < 2:
-                raise ValueError(
-                    f"q_galore_project: parameter {_path_str(path)} has shape {m.shape}; only "
-                    "matrices (..., fan_in, fan_out) can be projected (label it as a non-target)"
-                )
-            requested = rank_fn(path)
-            _check_args(requested, update_proj_gap, "std", svd)
-            r = effective_rank(m.shape, requested)
-            rank_warning(path, m.shape, requested, r, name_fn(path))
+            m, d, r = basis_shape("q_galore_project", path, u, rank_fn(path), name_fn(path))
             side = projection_side(m.shape)
-            d = m.shape[-2] if side == "in" else m.shape[-1]
             if bits is not None and (d * r) % group_size:
                 raise ValueError(
                     f"q_galore_project: the basis of {_path_str(path)} has {d} x {r} = {d * r} "

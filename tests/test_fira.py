@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import ReferenceMoara, assert_matches_reference
-from test_galore_oracle import _jax_run, _llama_torch_shapes, _to_flax
+from test_galore_oracle import _jax_run, _llama_torch_shapes, _to_flax, assert_llama_tree_run_matches
 
 import moara_jax as mj
 
@@ -119,7 +119,6 @@ def test_moara_adamw_fira_vanilla_equals_fira_adamw_on_llama_tree(weight_decay, 
     steps, rank, gap = 5, 8, 2
     seq = _grads(np.random.default_rng(2), {n: s for n, (s, _) in torch_shapes.items()}, steps)
     ref = _fira_run(torch_shapes, seq, rank, gap, 0.25, weight_decay)
-    params = _to_flax({n: np.zeros(s, np.float32) for n, (s, _) in torch_shapes.items()})
     tx = mj.moara_adamw(
         LR,
         r_base=rank,
@@ -130,12 +129,7 @@ def test_moara_adamw_fira_vanilla_equals_fira_adamw_on_llama_tree(weight_decay, 
         canonical_signs=True,
         weight_decay=weight_decay,
     )
-    got, _ = _jax_run(tx, params, [_to_flax(g) for g in seq])
-    for t in range(steps):
-        want = _to_flax(ref[t])
-        assert jax.tree.structure(got[t]) == jax.tree.structure(want)
-        for a, b in zip(jax.tree.leaves(got[t]), jax.tree.leaves(want), strict=True):
-            assert_matches_reference(a, b, f"step {t}")
+    assert_llama_tree_run_matches(tx, torch_shapes, seq, ref)
 
 
 @pytest.mark.parametrize(

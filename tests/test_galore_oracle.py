@@ -181,7 +181,6 @@ def test_moara_adamw_vanilla_equals_galore_adamw_on_llama_tree(weight_decay, mon
     steps, rank, gap = 5, 8, 2
     seq = _grads(rng, {n: s for n, (s, _) in torch_shapes.items()}, steps)
     ref = _torch_run(torch_shapes, seq, rank, gap, 0.25, weight_decay)
-    params = _to_flax({n: np.zeros(s, np.float32) for n, (s, _) in torch_shapes.items()})
     tx = mj.moara_adamw(
         LR,
         r_base=rank,
@@ -191,8 +190,15 @@ def test_moara_adamw_vanilla_equals_galore_adamw_on_llama_tree(weight_decay, mon
         canonical_signs=True,
         weight_decay=weight_decay,
     )
+    assert_llama_tree_run_matches(tx, torch_shapes, seq, ref)
+
+
+def assert_llama_tree_run_matches(tx, torch_shapes, seq, ref):
+    """``tx`` from zero Flax parameters over the PyTorch-named gradients ``seq`` gives the
+    reference's weights ``ref`` (PyTorch-named, per step)."""
+    params = _to_flax({n: np.zeros(s, np.float32) for n, (s, _) in torch_shapes.items()})
     got, _ = _jax_run(tx, params, [_to_flax(g) for g in seq])
-    for t in range(steps):
+    for t in range(len(seq)):
         want = _to_flax(ref[t])
         assert jax.tree.structure(got[t]) == jax.tree.structure(want)
         for a, b in zip(jax.tree.leaves(got[t]), jax.tree.leaves(want), strict=True):
