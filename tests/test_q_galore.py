@@ -469,10 +469,11 @@ def test_stacked_layers_refresh_on_their_own_intervals_like_separate_matrices():
     tx = mj.scale_by_galore(8, update_proj_gap=2, host=host, canonical_signs=True)
     stacked, single = {"w": jnp.zeros((2,) + shape)}, {"w": jnp.zeros(shape)}
     s_stacked, s_single = tx.init(stacked), [tx.init(single) for _ in range(2)]
+    update = jax.jit(tx.update)
     for g in grads:
-        u_stacked, s_stacked = tx.update({"w": jnp.asarray(g)}, s_stacked, stacked)
+        u_stacked, s_stacked = update({"w": jnp.asarray(g)}, s_stacked, stacked)
         for i in range(2):
-            u_i, s_single[i] = tx.update({"w": jnp.asarray(g[i])}, s_single[i], single)
+            u_i, s_single[i] = update({"w": jnp.asarray(g[i])}, s_single[i], single)
             np.testing.assert_allclose(u_stacked["w"][i], u_i["w"], rtol=1e-5, atol=1e-6)
     (proj,) = _states(s_stacked, mj.QGaLoreProjectState)
     gaps = np.asarray(proj.gap["w"])

@@ -373,6 +373,16 @@ def test_paper_host_configs_build_the_host(host, condition, mib):
         assert round(moments, 2) == mib
     else:
         assert 0.4 * mib < moments < 0.55 * mib, moments
+    if host == "q_galore" and condition == "galore":
+        # By hand: two 8-bit moments of n entries take 2 (n + 4 ceil(n / 256)) bytes. Per layer,
+        # q k v o project 256 x 1024 values, up/gate 2736 x 256, down 256 x 2736; embedding and
+        # lm_head 32000 x 1024; each 1024-entry norm (two a layer, one final) float32 moments.
+        def eight_bit(n):
+            return 2 * (n + 4 * -(-n // 256))
+
+        layer = 4 * eight_bit(256 * 1024) + 3 * eight_bit(2736 * 256)
+        expected = 24 * layer + 2 * eight_bit(32000 * 1024) + (2 * 24 + 1) * 2 * 4 * 1024
+        assert mj.state_bytes(state)["moments"] == expected
 
 
 @pytest.mark.parametrize("host", ["fira", "q_galore"])

@@ -31,7 +31,8 @@ def describe(cfg, vocab_size: int = 32000) -> str:
         ):
             rows[r["path"]] = r
     lines = [
-        f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}",
+        f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}"
+        + ("" if opt.name == "adamw" or opt.host == "galore" else f" on {opt.host}"),
         f"{'parameter':64s} {'shape':>22s} {'label':>6s} {'rank':>11s}",
     ]
     for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
