@@ -117,3 +117,35 @@ class ReferenceMoara:
             dv = rep(d_mag, self.block, self.n) * dv
         self.t += 1
         return -self.lr * dv
+
+
+def torch_history(opt, weights, grads_seq):
+    """Steps the PyTorch optimizer ``opt`` over ``grads_seq`` (name -> array, per step) for the
+    parameters ``weights`` (name -> ``torch.nn.Parameter``); the weights after each step."""
+    import torch
+
+    history = []
+    for grads in grads_seq:
+        for name, w in weights.items():
+            w.grad = torch.from_numpy(grads[name].copy())
+        opt.step()
+        history.append({n: w.detach().numpy().copy() for n, w in weights.items()})
+    return history
+
+
+def assert_stacked_equals_loop(tx, grads, update=None, rtol=1e-5, atol=1e-7):
+    """A stacked ``(L, ...)`` leaf behaves as ``L`` separate ones: ``tx`` on ``grads`` (arrays of
+    shape ``(L, ...)``, one per step) against ``L`` states of its own. Returns the stacked state
+    and the per-matrix states."""
+    import jax.numpy as jnp
+
+    shape = grads[0].shape
+    stacked, single = {"w": jnp.zeros(shape)}, {"w": jnp.zeros(shape[1:])}
+    s_stacked, s_single = tx.init(stacked), [tx.init(single) for _ in range(shape[0])]
+    update = update or tx.update
+    for g in grads:
+        u_stacked, s_stacked = update({"w": jnp.asarray(g)}, s_stacked, stacked)
+        for i in range(shape[0]):
+            u_i, s_single[i] = update({"w": jnp.asarray(g[i])}, s_single[i], single)
+            np.testing.assert_allclose(u_stacked["w"][i], u_i["w"], rtol=rtol, atol=atol)
+    return s_stacked, s_single

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import ReferenceMoara, assert_matches_reference
+from helpers import ReferenceMoara, assert_matches_reference, assert_stacked_equals_loop, torch_history
 from test_galore_oracle import _jax_run, _llama_torch_shapes, _to_flax, assert_llama_tree_run_matches
 
 import moara_jax as mj
@@ -63,13 +63,7 @@ def _fira_run(shapes_groups, grads_seq, rank, gap, alpha, weight_decay=0.0):
     opt = fira.FiraAdamW(
         groups, lr=LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay, no_deprecation_warning=True
     )
-    history = []
-    for grads in grads_seq:
-        for name, w in weights.items():
-            w.grad = torch.from_numpy(grads[name].copy())
-        opt.step()
-        history.append({n: w.detach().numpy().copy() for n, w in weights.items()})
-    return history
+    return torch_history(opt, weights, grads_seq)
 
 
 def _run_single(tx, torch_shape, seq):
@@ -160,14 +154,7 @@ def test_stacked_fira_leaf_equals_loop_over_matrices():
     L, shape = 3, (24, 40)
     grads = [SCALES[t] * rng.standard_normal((L,) + shape).astype(np.float32) for t in range(5)]
     grads = [g * np.array([1.0, 5.0, 0.2])[:, None, None] for g in grads]  # a different norm per layer
-    tx = mj.scale_by_fira(5, update_proj_gap=2)
-    stacked, single = {"w": jnp.zeros((L,) + shape)}, {"w": jnp.zeros(shape)}
-    s_stacked, s_single = tx.init(stacked), [tx.init(single) for _ in range(L)]
-    for g in grads:
-        u_stacked, s_stacked = tx.update({"w": jnp.asarray(g)}, s_stacked, stacked)
-        for i in range(L):
-            u_i, s_single[i] = tx.update({"w": jnp.asarray(g[i])}, s_single[i], single)
-            np.testing.assert_allclose(u_stacked["w"][i], u_i["w"], rtol=1e-5, atol=1e-7)
+    assert_stacked_equals_loop(mj.scale_by_fira(5, update_proj_gap=2), grads)
 
 
 def test_fira_rank_allocation_gives_the_allocated_ranks():

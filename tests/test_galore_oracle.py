@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_matches_reference
+from helpers import assert_matches_reference, torch_history
 
 import moara_jax as mj
 
@@ -36,13 +36,7 @@ def _torch_run(shapes_groups, grads_seq, rank, gap, scale, weight_decay=0.0):
             }
         )
     opt = galore_torch.GaLoreAdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay)
-    history = []
-    for grads in grads_seq:
-        for name, w in weights.items():
-            w.grad = torch.from_numpy(grads[name].copy())
-        opt.step()
-        history.append({n: w.detach().numpy().copy() for n, w in weights.items()})
-    return history
+    return torch_history(opt, weights, grads_seq)
 
 
 def _jax_run(tx, params, grads_seq):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import ReferenceMoara, assert_matches_reference
+from helpers import ReferenceMoara, assert_matches_reference, assert_stacked_equals_loop
 
 import moara_jax as mj
 
@@ -55,16 +55,7 @@ def test_stacked_leaf_equals_loop_over_matrices():
     rng = np.random.default_rng(2)
     L, shape = 3, (24, 40)
     grads = [rng.standard_normal((L,) + shape).astype(np.float32) for _ in range(4)]
-    tx = mj.scale_by_moara(5, 8, update_proj_gap=2)
-    stacked = {"w": jnp.zeros((L,) + shape)}
-    single = {"w": jnp.zeros(shape)}
-    s_stacked = tx.init(stacked)
-    s_single = [tx.init(single) for _ in range(L)]
-    for g in grads:
-        u_stacked, s_stacked = tx.update({"w": jnp.asarray(g)}, s_stacked, stacked)
-        for i in range(L):
-            u_i, s_single[i] = tx.update({"w": jnp.asarray(g[i])}, s_single[i], single)
-            np.testing.assert_allclose(u_stacked["w"][i], u_i["w"], rtol=1e-5, atol=1e-7)
+    assert_stacked_equals_loop(mj.scale_by_moara(5, 8, update_proj_gap=2), grads)
 
 
 def test_flax_layout_equals_transposed_paper_math():

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import ReferenceMoara, assert_matches_reference
+from helpers import ReferenceMoara, assert_matches_reference, assert_stacked_equals_loop, torch_history
 from test_galore_oracle import _jax_run
 
 import moara_jax as mj
@@ -90,13 +90,7 @@ def _bnb_adam8bit_run(values, grads_seq, weight_decay=0.0):
     opt = bnb.optim.AdamW8bit(
         list(params.values()), lr=LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay
     )
-    out = []
-    for grads in grads_seq:
-        for n, p in params.items():
-            p.grad = torch.from_numpy(grads[n].copy())
-        opt.step()
-        out.append({n: p.detach().numpy().copy() for n, p in params.items()})
-    return out, opt, params
+    return torch_history(opt, params, grads_seq), opt, params
 
 
 def _flax_tree(torch_values):
@@ -243,13 +237,7 @@ def _q_galore_run(
             groups, lr=LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=weight_decay
         )
     )
-    history = []
-    for grads in grads_seq:
-        for n, w in weights.items():
-            w.grad = torch.from_numpy(grads[n].copy())
-        opt.step()
-        history.append({n: w.detach().numpy().copy() for n, w in weights.items()})
-    return init, history, opt, weights
+    return init, torch_history(opt, weights, grads_seq), opt, weights
 
 
 def _stable_grads(rng, shapes, steps, drift=0.02):
@@ -467,14 +455,7 @@ def test_stacked_layers_refresh_on_their_own_intervals_like_separate_matrices():
     ]
     host = mj.QGaLore(basis_group_size=64, queue_size=2, weight_bits=None)
     tx = mj.scale_by_galore(8, update_proj_gap=2, host=host, canonical_signs=True)
-    stacked, single = {"w": jnp.zeros((2,) + shape)}, {"w": jnp.zeros(shape)}
-    s_stacked, s_single = tx.init(stacked), [tx.init(single) for _ in range(2)]
-    update = jax.jit(tx.update)
-    for g in grads:
-        u_stacked, s_stacked = update({"w": jnp.asarray(g)}, s_stacked, stacked)
-        for i in range(2):
-            u_i, s_single[i] = update({"w": jnp.asarray(g[i])}, s_single[i], single)
-            np.testing.assert_allclose(u_stacked["w"][i], u_i["w"], rtol=1e-5, atol=1e-6)
+    s_stacked, s_single = assert_stacked_equals_loop(tx, grads, update=jax.jit(tx.update), atol=1e-6)
     (proj,) = _states(s_stacked, mj.QGaLoreProjectState)
     gaps = np.asarray(proj.gap["w"])
     assert gaps[0] > 2 and gaps[1] == 2, gaps  # the intervals drifted apart
