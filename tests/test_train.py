@@ -112,8 +112,11 @@ def test_resume_after_sigterm_equals_uninterrupted(tmp_path):
     np.testing.assert_allclose([resumed[s] for s in full], [full[s] for s in full], rtol=1e-6)
 
 
-def test_sharded_2x2x2_mesh_gives_one_device_losses(tmp_path):
-    sets = [*FAST, "train.steps=6", "checkpoint.every=0"]
+@pytest.mark.parametrize("host", ["galore", "q_galore"])
+def test_sharded_2x2x2_mesh_gives_one_device_losses(host, tmp_path):
+    """The default (MoARa on GaLore) and the host with the most state (Q-GaLore: 8-bit moments,
+    quantized bases, refresh schedules, the weight grid's random stream)."""
+    sets = [*FAST, "train.steps=6", "checkpoint.every=0", f"optimizer.host={host}"]
     run_cli(tmp_path / "one", *sets)
     run_cli(
         tmp_path / "eight",
