@@ -33,7 +33,7 @@ from moara_jax._chain import (
 )
 from moara_jax._decomposition import alignment, block_decompose, block_recompose, num_blocks
 from moara_jax._fira import FiraState, fira_adam
-from moara_jax._hosts import HOSTS, Fira, GaLore, QGaLore, resolve_host
+from moara_jax._hosts import HOSTS, OSD, Fira, GaLore, QGaLore, resolve_host
 from moara_jax._labels import (
     LLAMA_MODULE_TYPES,
     MLA_MODULE_TYPES,
@@ -43,6 +43,7 @@ from moara_jax._labels import (
 )
 from moara_jax._nodes import Decomposed, LowRank
 from moara_jax._optimizer import MOARA_ADAMW_STATIC_ARGS, moara_adamw
+from moara_jax._osd import OSDProjectState, osd_project, pca_loss
 from moara_jax._projection import ProjectState, project, projection_side
 from moara_jax._qgalore import (
     QGaLoreProjectState,
@@ -72,6 +73,8 @@ __all__ = [
     "LowRank",
     "MLA_DONORS",
     "MOARA_ADAMW_STATIC_ARGS",
+    "OSD",
+    "OSDProjectState",
     "MLA_MODULE_TYPES",
     "MODULE_TYPES",
     "ProjectState",
@@ -94,6 +97,8 @@ __all__ = [
     "module_alignment",
     "module_label",
     "num_blocks",
+    "osd_project",
+    "pca_loss",
     "project",
     "projection_bases",
     "projection_side",

@@ -12,10 +12,13 @@ import jax
 import numpy as np
 
 from moara_jax._adam import InnerAdamState
+from moara_jax._osd import OSDProjectState
 from moara_jax._projection import ProjectState
 from moara_jax._qgalore import QGaLoreProjectState
 
-COMPONENTS = ("direction_moments", "magnitude_moments", "projection_bases", "adam_moments")
+COMPONENTS = ("direction_moments", "magnitude_moments", "projection_bases", "adam_moments", "basis_moments")
+# Projection states: their ``basis`` counts as projection_bases.
+_PROJECT_STATES = (ProjectState, QGaLoreProjectState, OSDProjectState)
 _INNER_FIELDS = {
     "mu": "adam_moments",
     "nu": "adam_moments",
@@ -33,7 +36,7 @@ def _nbytes(tree: Any) -> int:
 
 
 def _is_state(x: Any) -> bool:
-    return isinstance(x, (InnerAdamState, ProjectState, QGaLoreProjectState))
+    return isinstance(x, (InnerAdamState, *_PROJECT_STATES))
 
 
 def state_bytes(opt_state: Any) -> dict[str, int]:
@@ -42,7 +45,8 @@ def state_bytes(opt_state: Any) -> dict[str, int]:
     Returns a dict with ``direction_moments`` (Adam moments of projected low-rank values),
     ``magnitude_moments`` (Adam moments of block magnitudes), ``projection_bases`` (GaLore's ``P``;
     Q-GaLore's quantized codes, scales and zero points),
-    ``adam_moments`` (moments of non-target parameters, or of any unprojected leaf), ``other``
+    ``adam_moments`` (moments of non-target parameters, or of any unprojected leaf),
+    ``basis_moments`` (the AdamW moments of OSD's bases), ``other``
     (counters and the states of other transforms), ``moments`` (the three moment groups: the
     paper's "Opt. state", which does not count bases) and ``total`` (everything).
 
@@ -61,14 +65,17 @@ def state_bytes(opt_state: Any) -> dict[str, int]:
             for field, component in _INNER_FIELDS.items():
                 out[component] += _nbytes(getattr(node, field))
             rest += _nbytes(node.count)
-        elif isinstance(node, (ProjectState, QGaLoreProjectState)):
-            # A quantized basis counts its codes, scales and zero points; Q-GaLore's refresh
-            # schedule (intervals, cosines, first vectors) goes to ``other``.
+        elif isinstance(node, _PROJECT_STATES):
+            # A quantized basis counts its codes, scales and zero points; OSD's basis has AdamW
+            # moments of its own; Q-GaLore's refresh schedule (intervals, cosines, first vectors)
+            # goes to ``other``.
             out["projection_bases"] += _nbytes(node.basis)
-            rest += _nbytes(node) - _nbytes(node.basis)
+            moments = (node.basis_mu, node.basis_nu) if isinstance(node, OSDProjectState) else ()
+            out["basis_moments"] += _nbytes(moments)
+            rest += _nbytes(node) - _nbytes(node.basis) - _nbytes(moments)
         else:
             rest += _nbytes(node)
     out["other"] = rest
     out["moments"] = out["direction_moments"] + out["magnitude_moments"] + out["adam_moments"]
-    out["total"] = out["moments"] + out["projection_bases"] + rest
+    out["total"] = out["moments"] + out["projection_bases"] + out["basis_moments"] + rest
     return out

@@ -11,6 +11,7 @@ import optax
 
 from moara_jax._decomposition import FAN_IN_AXIS, alignment, decompose_along, recompose_along
 from moara_jax._labels import OTHER, module_label
+from moara_jax._osd import OSDProjectState
 from moara_jax._projection import ProjectState, project_back, project_value, projection_side
 from moara_jax._qgalore import QGaLoreProjectState, QuantizedBasis, dequantized
 
@@ -33,7 +34,7 @@ def projection_bases(opt_state: Any) -> dict[str, jax.Array]:
     (``jax.tree_util.keystr``); stacked leaves keep their leading axes, quantized bases
     (Q-GaLore) are dequantized."""
     found: dict[str, jax.Array] = {}
-    states = (ProjectState, QGaLoreProjectState)
+    states = (ProjectState, QGaLoreProjectState, OSDProjectState)
     nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, states))
     for node in nodes:
         if not isinstance(node, states):

@@ -22,8 +22,9 @@ from moara_jax._decomposition import (
     recompose_along,
 )
 from moara_jax._fira import DEFAULT_GROWTH_LIMIT, fira_adam
-from moara_jax._hosts import Fira, Host, QGaLore, resolve_host
+from moara_jax._hosts import OSD, Fira, Host, QGaLore, resolve_host
 from moara_jax._nodes import Decomposed, LowRank, is_node
+from moara_jax._osd import osd_project
 from moara_jax._projection import project, project_back
 from moara_jax._qgalore import q_galore_project
 from moara_jax._quant import adam8bit
@@ -187,7 +188,9 @@ def host_stages(
 ) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
     """A host's ``(projection, Adam)`` stages, the two between ``decompose`` (if any) and
     ``recompose``: GaLore's :func:`project` and :func:`inner_adam`; Fira's ``project`` keeping its
-    source and :func:`fira_adam`; Q-GaLore's :func:`q_galore_project` and :func:`adam8bit`.
+    source and :func:`fira_adam`; Q-GaLore's :func:`q_galore_project` and :func:`adam8bit`;
+    OSD's :func:`osd_project` (``update_proj_gap`` unused: its basis moves every step) and
+    :func:`inner_adam`.
 
     Q-GaLore's moments are 8-bit or float32 (``QGaLore.min_8bit_size``, ``mag_bits``), so it
     takes no ``mu_dtype``; its INT8 weights and 8-bit AdamW of non-target parameters are not
@@ -216,6 +219,23 @@ def host_stages(
         )
         adam = adam8bit(b1, b2, eps, min_8bit_size=host.min_8bit_size, mag_bits=host.mag_bits)
         return projection, adam
+    if isinstance(host, OSD):
+        if proj_type != "std":
+            raise ValueError(f"the osd host projects with proj_type='std' only, got {proj_type!r}")
+        if host.basis_lr is None:
+            raise ValueError(
+                "the osd host needs OSD(basis_lr=...) here (moara_adamw derives it from its learning rate)"
+            )
+        projection = osd_project(
+            rank,
+            host.basis_lr,
+            b1=host.b1,
+            b2=host.b2,
+            eps=host.eps,
+            weight_decay=host.weight_decay,
+            **where,
+        )
+        return projection, inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
     fira = isinstance(host, Fira)
     projection = project(rank, update_proj_gap, proj_type, keep_source=fira, **where)
     if fira:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from moara_jax._decomposition import _is_int
 
@@ -87,13 +88,49 @@ class QGaLore:
             raise ValueError(f"stochastic_round must be True or False, got {self.stochastic_round!r}")
 
 
-Host = GaLore | Fira | QGaLore
-HOSTS = {"galore": GaLore, "fira": Fira, "q_galore": QGaLore}
+@dataclasses.dataclass(frozen=True)
+class OSD:
+    """Online Subspace Descent (Liang et al., https://arxiv.org/abs/2408.12857), its official
+    implementation's default (``continuous``): an SVD basis at step 0, then one AdamW step a
+    step on the online-PCA loss of the normalised gradient (:func:`moara_jax.osd_project`).
+
+    Attributes:
+      basis_lr: the basis's step size, a number or a schedule; ``None`` (the reference's):
+        ``lr_t / (peak_lr * update_proj_gap)``, the model's learning rate ``lr_t``.
+      peak_lr: the learning rate that schedule is divided by; with a constant learning rate
+        ``None`` takes it, with a schedule it must be given (the trainer passes ``train.lr``).
+      b1, b2, eps, weight_decay: the basis's AdamW (PyTorch's defaults).
+    """
+
+    basis_lr: Any = None
+    peak_lr: float | None = None
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    def __post_init__(self):
+        if self.peak_lr is not None and not (_real(self.peak_lr) and self.peak_lr > 0):
+            raise ValueError(f"peak_lr must be a positive number, got {self.peak_lr!r}")
+        if self.basis_lr is not None and not (
+            callable(self.basis_lr) or (_real(self.basis_lr) and self.basis_lr >= 0)
+        ):
+            raise ValueError(f"basis_lr must be a non-negative number or a schedule, got {self.basis_lr!r}")
+        for field in ("b1", "b2"):
+            if not (_real(getattr(self, field)) and 0 <= getattr(self, field) < 1):
+                raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)!r}")
+        for field in ("eps", "weight_decay"):
+            if not (_real(getattr(self, field)) and getattr(self, field) >= 0):
+                raise ValueError(f"{field} must be a non-negative number, got {getattr(self, field)!r}")
+
+
+Host = GaLore | Fira | QGaLore | OSD
+HOSTS = {"galore": GaLore, "fira": Fira, "q_galore": QGaLore, "osd": OSD}
 
 
 def resolve_host(host: str | Host) -> Host:
     """A host's settings from its name (with defaults) or as given; ``ValueError`` otherwise."""
-    if isinstance(host, (GaLore, Fira, QGaLore)):
+    if isinstance(host, (GaLore, Fira, QGaLore, OSD)):
         return host
     if isinstance(host, str) and host in HOSTS:
         return HOSTS[host]()

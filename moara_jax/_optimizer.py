@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -12,7 +13,7 @@ from moara_jax._adam import decay_after_step, dtype_arg, inner_adam
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
 from moara_jax._chain import scale_by_galore, scale_by_moara
 from moara_jax._decomposition import _check_block_size
-from moara_jax._hosts import Host, QGaLore, resolve_host
+from moara_jax._hosts import OSD, Host, QGaLore, resolve_host
 from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
 from moara_jax._qgalore import quantize_weights
 from moara_jax._quant import adam8bit
@@ -120,7 +121,7 @@ def moara_adamw(
     """
     dtype_arg("mu_dtype", mu_dtype)
     dtype_arg("mag_dtype", mag_dtype)
-    host = resolve_host(host)
+    host = _with_basis_lr(resolve_host(host), learning_rate, update_proj_gap)
     if decompose:
         if block_size is None:
             raise ValueError("block_size is required when decompose=True")
@@ -202,3 +203,23 @@ def moara_adamw(
             )
             stages.append(optax.masked(weights, targets))
     return optax.chain(*stages)
+
+
+def _with_basis_lr(host: Host, learning_rate: optax.ScalarOrSchedule, update_proj_gap: int) -> Host:
+    """OSD's basis step size as the reference sets it, ``lr_t / (peak_lr * T)``, unless given."""
+    if not isinstance(host, OSD) or host.basis_lr is not None:
+        return host
+    peak = host.peak_lr
+    if peak is None:
+        if callable(learning_rate):
+            raise ValueError(
+                "host OSD with a learning-rate schedule needs OSD(peak_lr=...) (its basis steps "
+                "lr_t / (peak_lr * update_proj_gap)) or OSD(basis_lr=...)"
+            )
+        peak = learning_rate
+
+    def basis_lr(count):
+        lr = learning_rate(count) if callable(learning_rate) else learning_rate
+        return lr / (peak * update_proj_gap)
+
+    return dataclasses.replace(host, basis_lr=basis_lr)

@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("host", ["galore", "fira", "q_galore"])
+@pytest.mark.parametrize("host", ["galore", "fira", "q_galore", "osd"])
 def test_sharded_optimizer_matches_single_device(host):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(

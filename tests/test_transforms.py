@@ -33,6 +33,10 @@ VARIANTS = {
         lr, r_base=4, decompose=False, rank_allocation=False, update_proj_gap=5, host=Q_GALORE
     ),
     "q_galore_full": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, host=Q_GALORE),
+    "osd": lambda lr: mj.moara_adamw(
+        lr, r_base=4, decompose=False, rank_allocation=False, update_proj_gap=5, host="osd"
+    ),
+    "osd_full": lambda lr: mj.moara_adamw(lr, r_base=4, block_size=8, update_proj_gap=5, host="osd"),
     "adamw": lambda lr: mj.adamw(lr),
     # The stages composed by hand, partitioned by ndim as in optax's Muon.
     "chain": lambda lr: optax.partition(
@@ -103,7 +107,7 @@ def test_converges_on_matrix_targets_under_jit_without_retracing(name):
     assert np.isfinite(last) and last < 0.5 * first, (first, last)
 
 
-@pytest.mark.parametrize("name", ["full", "galore", "fira_full", "q_galore_full", "adamw"])
+@pytest.mark.parametrize("name", ["full", "galore", "fira_full", "q_galore_full", "osd_full", "adamw"])
 def test_bf16_params_keep_dtypes(name):
     tx = VARIANTS[name](0.01)
     params = _params(jnp.bfloat16)
@@ -173,7 +177,7 @@ def test_multisteps_and_inject_hyperparams():
     assert jax.tree.leaves(u_inj2)[0].shape == jax.tree.leaves(u_plain)[0].shape
 
 
-@pytest.mark.parametrize("name", ["full", "fira_full", "q_galore_full"])
+@pytest.mark.parametrize("name", ["full", "fira_full", "q_galore_full", "osd_full"])
 def test_state_is_arrays_and_survives_orbax_round_trip(name, tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     tx = VARIANTS[name](0.01)

@@ -35,8 +35,8 @@ class OptimizerSection:
     update_proj_gap: int = 200
     scale: float = 0.25
     svd: str = "exact"  # exact | eigh | randomized
-    host: str = "galore"  # galore | fira | q_galore: the low-rank method the target modules run
-    host_options: dict = field(default_factory=dict)  # the host's settings (moara_jax.Fira, QGaLore)
+    host: str = "galore"  # galore | fira | q_galore | osd: the low-rank method the target modules run
+    host_options: dict = field(default_factory=dict)  # the host's settings (moara_jax.Fira, QGaLore, OSD)
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-6
@@ -301,9 +301,10 @@ def validate(cfg: RunConfig) -> None:
         need(bool(p.donors) and not unknown, f"profile.donors must be module types {list(MODULE_TYPES)}")
 
 
-def host_settings(o: OptimizerSection):
-    """The host's settings object (``moara_jax.GaLore/Fira/QGaLore``) from ``optimizer.host`` and
-    ``optimizer.host_options``; a ``UserError`` naming an unknown or out-of-range option."""
+def host_settings(o: OptimizerSection, peak_lr: float | None = None):
+    """The host's settings object (``moara_jax.GaLore/Fira/QGaLore/OSD``) from ``optimizer.host``
+    and ``optimizer.host_options`` (OSD's ``peak_lr`` defaults to ``peak_lr``, the schedule's
+    peak); a ``UserError`` naming an unknown or out-of-range option."""
     cls = HOSTS[o.host]
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(o.host_options) - set(known))
@@ -312,8 +313,11 @@ def host_settings(o: OptimizerSection):
         raise UserError(
             f"optimizer.host_options: unknown option(s) {unknown} for host {o.host} (known: {known_text})"
         )
+    options = dict(o.host_options)
+    if o.host == "osd" and peak_lr is not None:
+        options.setdefault("peak_lr", peak_lr)
     try:
-        return cls(**o.host_options)
+        return cls(**options)
     except ValueError as e:
         raise UserError(f"optimizer.host_options: {e}") from None
 

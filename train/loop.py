@@ -93,7 +93,7 @@ def train_and_evaluate(
         raise UserError("mode profile needs optimizer.name galore or moara (it profiles projections)")
     abstract_params = models.abstract_params(model_cfg)
     try:
-        tx = make_optimizer(cfg.optimizer, lr, t.grad_clip, force_uniform_galore=profiling_mode)
+        tx = make_optimizer(cfg.optimizer, lr, t.grad_clip, force_uniform_galore=profiling_mode, peak_lr=t.lr)
         # Shape checks that need the model (e.g. Q-GaLore's group sizes) run at init.
         abstract_opt = jax.eval_shape(tx.init, abstract_params)
     except ValueError as e:

@@ -47,7 +47,12 @@ def read_allocation(path: str) -> dict[str, int]:
 
 
 def make_optimizer(
-    opt: OptimizerSection, lr: optax.ScalarOrSchedule, grad_clip: float, *, force_uniform_galore: bool = False
+    opt: OptimizerSection,
+    lr: optax.ScalarOrSchedule,
+    grad_clip: float,
+    *,
+    force_uniform_galore: bool = False,
+    peak_lr: float | None = None,
 ) -> optax.GradientTransformation:
     """AdamW, or GaLore/MoARa on the configured host (GaLore, Fira or Q-GaLore), per the config."""
     if opt.name == "adamw":
@@ -74,7 +79,7 @@ def make_optimizer(
             eps=opt.eps,
             weight_decay=opt.weight_decay,
             svd=opt.svd,
-            host=host_settings(opt),
+            host=host_settings(opt, peak_lr),
         )
     if grad_clip > 0:
         tx = optax.chain(optax.clip_by_global_norm(grad_clip), tx)

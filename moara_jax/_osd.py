@@ -1,0 +1,138 @@
+"""Online Subspace Descent's projection (Liang et al., https://arxiv.org/abs/2408.12857).
+
+Instead of a new SVD every ``T`` steps, the basis takes an SVD once (step 0) and then follows the
+gradient's principal subspace online: after each step's projection and back-projection, one
+AdamW step (PyTorch's ``torch.optim.AdamW``: decoupled weight decay 0.01, ``eps`` 1e-8) on the
+online-PCA loss of the normalised gradient ``X = G / ||G||``,
+``L(P) = ||X - P P^T X||^2`` (in the paper's orientation, on the projected side), with step
+size ``basis_lr(t)`` (the reference: ``lr_t / (lr_peak T)``, the model's learning-rate schedule
+over ``T``). This is the official implementation's default ``continuous`` projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moara_jax._nodes import Decomposed, LowRank, is_node
+from moara_jax._projection import (
+    _check_args,
+    _matrix_of,
+    _refresh_matrix,
+    basis_shape,
+    project_value,
+    projection_side,
+    refresh_bases,
+)
+
+
+class OSDProjectState(NamedTuple):
+    """State of :func:`osd_project`."""
+
+    count: jax.Array  # shape=(), dtype=jnp.int32: steps taken.
+    basis: Any  # per leaf (..., d, r) in the leaf's dtype.
+    basis_mu: Any  # AdamW first moments of the basis (its dtype).
+    basis_nu: Any  # AdamW second moments of the basis.
+
+
+def pca_loss(basis: jax.Array, g: jax.Array, side: str) -> jax.Array:
+    """``sum ||X - P P^T X||^2`` over the matrices of ``g`` (Flax layout), ``X = g / ||g||`` per
+    matrix (a zero matrix contributes 0), ``P`` the basis of the projected side."""
+    g = g.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(jnp.square(g), axis=(-2, -1), keepdims=True))
+    x = g / jnp.where(norm > 0, norm, 1.0)
+    b = basis.astype(jnp.float32)
+    if side == "in":  # the fan_in side: P P^T X on the rows
+        recon = b @ (jnp.swapaxes(b, -1, -2) @ x)
+    else:
+        recon = (x @ b) @ jnp.swapaxes(b, -1, -2)
+    return jnp.sum(jnp.square(recon - x))
+
+
+def _adamw(p, g, mu, nu, step, lr, b1, b2, eps, weight_decay):
+    """One ``torch.optim.AdamW`` step (float32 math, results in the operands' dtypes)."""
+    p32, g32 = p.astype(jnp.float32), g.astype(jnp.float32)
+    p32 = p32 * (1.0 - lr * weight_decay)
+    m = mu.astype(jnp.float32) + (1.0 - b1) * (g32 - mu.astype(jnp.float32))
+    v = nu.astype(jnp.float32) * b2 + ((1.0 - b2) * g32) * g32
+    t = step.astype(jnp.float32)
+    denom = jnp.sqrt(v) / jnp.sqrt(1.0 - b2**t) + eps
+    p32 = p32 - (lr / (1.0 - b1**t)) * (m / denom)
+    return p32.astype(p.dtype), m.astype(mu.dtype), v.astype(nu.dtype)
+
+
+def osd_project(
+    rank: int | Callable[[Any], int],
+    basis_lr: float | Callable[[jax.Array], jax.Array],
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    svd: str = "exact",
+    seed: int = 0,
+    canonical_signs: bool = False,
+    name: str | Callable[[Any], str] | None = None,
+) -> optax.GradientTransformation:
+    """Projects every leaf (or a ``Decomposed`` direction) like :func:`project`, with OSD's basis:
+    an SVD at step 0, then one AdamW step a step on the online-PCA loss of the matrix it projects.
+
+    Args:
+      rank: projection rank, or a function of the parameter's key path.
+      basis_lr: the basis's AdamW step size, a number or a schedule of the step count (the
+        reference's: the model's learning-rate schedule over ``peak lr * T``).
+      b1, b2, eps, weight_decay: the basis's AdamW (PyTorch's defaults).
+      svd, seed, canonical_signs, name: as :func:`project` (for the step-0 basis).
+    """
+    _check_args(rank if not callable(rank) else 1, 1, "std", svd)
+    rank_fn = rank if callable(rank) else (lambda path: rank)
+    name_fn = name if callable(name) else (lambda path: name)
+    lr_fn = basis_lr if callable(basis_lr) else (lambda count: basis_lr)
+
+    def init_fn(params):
+        def make(path, u):
+            m, d, r = basis_shape("osd_project", path, u, rank_fn(path), name_fn(path))
+            return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
+
+        basis = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
+        zeros = jax.tree.map(jnp.zeros_like, basis)
+        return OSDProjectState(jnp.zeros([], jnp.int32), basis, zeros, jax.tree.map(jnp.zeros_like, basis))
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
+        old, mus, nus = (treedef.flatten_up_to(f) for f in state[1:])
+        mats = [_matrix_of(u) for u in leaves]
+
+        def first():
+            key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+            sources = [_refresh_matrix(u) for u in leaves]
+            new = refresh_bases(sources, [b.shape[-1] for b in old], svd, key, 8, 2, canonical_signs)
+            return [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
+
+        bases = jax.lax.cond(state.count == 0, first, lambda: list(old)) if leaves else []
+        out, new_bases, new_mus, new_nus = [], [], [], []
+        lr = jnp.asarray(lr_fn(state.count), jnp.float32)
+        for u, m, b, mu, nu in zip(leaves, mats, bases, mus, nus, strict=True):
+            side = projection_side(m.shape)
+            low = LowRank(project_value(m, b, side), b, side)
+            out.append(u.replace(direction=low, source=None) if isinstance(u, Decomposed) else low)
+            # The basis steps after this step's projection (none at step 0, where it was made).
+            grad = jax.grad(pca_loss)(b, m, side)
+            stepped = _adamw(b, grad, mu, nu, state.count, lr, b1, b2, eps, weight_decay)
+            keep = state.count == 0
+            b_new, mu_new, nu_new = (jnp.where(keep, x, y) for x, y in zip((b, mu, nu), stepped, strict=True))
+            new_bases.append(b_new)
+            new_mus.append(mu_new)
+            new_nus.append(nu_new)
+        new_state = OSDProjectState(
+            optax.safe_increment(state.count),
+            *(treedef.unflatten(x) for x in (new_bases, new_mus, new_nus)),
+        )
+        return jax.tree.unflatten(treedef, out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
