@@ -104,7 +104,7 @@ def moara_adamw(
         ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
       canonical_signs: make each basis vector's largest entry positive (backend-independent).
       label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``.
-      host: the low-rank method: ``'galore'``, ``'fira'``, ``'q_galore'`` or a settings object
+      host: the low-rank method: ``'galore'``, ``'fira'``, ``'q_galore'``, ``'osd'`` or a settings object
         (:mod:`moara_jax._hosts`). Under Q-GaLore the non-target AdamW is bitsandbytes' 8-bit one,
         with its weight decay before the step.
 
@@ -211,10 +211,13 @@ def _with_basis_lr(host: Host, learning_rate: optax.ScalarOrSchedule, update_pro
         return host
     peak = host.peak_lr
     if peak is None:
-        if callable(learning_rate):
+        # Only a Python number is its own peak (an injected or scheduled rate changes).
+        number = isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool)
+        if not (number and learning_rate > 0):
             raise ValueError(
-                "host OSD with a learning-rate schedule needs OSD(peak_lr=...) (its basis steps "
-                "lr_t / (peak_lr * update_proj_gap)) or OSD(basis_lr=...)"
+                f"host OSD with learning_rate={learning_rate!r} (a schedule, an injected array or "
+                "not positive) needs OSD(peak_lr=...) (its basis steps lr_t / (peak_lr * "
+                "update_proj_gap)) or OSD(basis_lr=...)"
             )
         peak = learning_rate
 

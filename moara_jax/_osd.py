@@ -7,6 +7,10 @@ online-PCA loss of the normalised gradient ``X = G / ||G||``,
 ``L(P) = ||X - P P^T X||^2`` (in the paper's orientation, on the projected side), with step
 size ``basis_lr(t)`` (the reference: ``lr_t / (lr_peak T)``, the model's learning-rate schedule
 over ``T``). This is the official implementation's default ``continuous`` projection.
+
+Two deliberate differences: a zero gradient contributes a zero loss (the reference divides by
+its zero norm and turns the basis into NaN), and the AdamW math runs in float32 with the basis
+and its moments stored in the leaf's dtype (the reference computes in bf16 for bf16 weights).
 """
 
 from __future__ import annotations
@@ -123,7 +127,8 @@ def osd_project(
             out.append(u.replace(direction=low, source=None) if isinstance(u, Decomposed) else low)
             # The basis steps after this step's projection (none at step 0, where it was made).
             grad = jax.grad(pca_loss)(b, m, side)
-            stepped = _adamw(b, grad, mu, nu, state.count, lr, b1, b2, eps, weight_decay)
+            # (At step 0 the result is discarded; step 1 keeps the bias correction finite.)
+            stepped = _adamw(b, grad, mu, nu, jnp.maximum(state.count, 1), lr, b1, b2, eps, weight_decay)
             keep = state.count == 0
             b_new, mu_new, nu_new = (jnp.where(keep, x, y) for x, y in zip((b, mu, nu), stepped, strict=True))
             new_bases.append(b_new)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_matches_reference, canonical
+from helpers import assert_matches_reference, assert_stacked_equals_loop, canonical
 from test_galore_oracle import _jax_run
 
 import moara_jax as mj
@@ -117,9 +117,26 @@ def test_osd_basis_descends_the_online_pca_loss():
     )
 
 
+def test_stacked_osd_leaf_equals_loop_over_matrices():
+    """Normalisation and basis steps are per matrix (layers with gradients of different norms)."""
+    rng = np.random.default_rng(3)
+    grads = [
+        (rng.standard_normal((3, 24, 40)) * np.array([1.0, 15.0, 0.1])[:, None, None]).astype(np.float32)
+        for _ in range(5)
+    ]
+    tx = mj.osd_project(5, 0.1)
+    chain = mj.stage_chain(tx, mj.inner_adam(), mj.recompose())
+    assert_stacked_equals_loop(chain, grads, atol=1e-6)
+
+
 def test_osd_needs_a_peak_with_a_schedule_and_accounts_its_basis_moments():
     with pytest.raises(ValueError, match="peak_lr"):
         mj.moara_adamw(_schedule, r_base=4, block_size=8, host="osd")
+    injected = optax.inject_hyperparams(mj.moara_adamw, static_args=mj.MOARA_ADAMW_STATIC_ARGS)
+    with pytest.raises(ValueError, match="peak_lr"):  # an injected rate is not its own peak
+        injected(learning_rate=0.01, r_base=4, block_size=8, host="osd").init(
+            {"q_proj": {"kernel": jnp.zeros((8, 8))}}
+        )
     with pytest.raises(ValueError, match="basis_lr"):
         mj.scale_by_galore(4, host="osd")
     with pytest.raises(ValueError, match="weight_decay"):
