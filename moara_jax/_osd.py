@@ -104,7 +104,7 @@ def osd_project(
 
         basis = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
         zeros = jax.tree.map(jnp.zeros_like, basis)
-        return OSDProjectState(jnp.zeros([], jnp.int32), basis, zeros, jax.tree.map(jnp.zeros_like, basis))
+        return OSDProjectState(jnp.zeros([], jnp.int32), basis, zeros, zeros)  # immutable: shared
 
     def update_fn(updates, state, params=None):
         del params
