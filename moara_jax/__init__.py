@@ -6,7 +6,15 @@ The chain for one target matrix is ``decompose -> project -> inner_adam -> recom
 """
 
 from moara_jax._accounting import state_bytes
-from moara_jax._adam import DecayAfterStepState, InnerAdamState, adamw, decay_after_step, inner_adam
+from moara_jax._adam import (
+    DecayAfterStepState,
+    InnerAdamState,
+    adamw,
+    decay_after_step,
+    inner_adam,
+    pytorch_adam,
+    torch_adam_direction,
+)
 from moara_jax._alignment import (
     matrix_alignment,
     module_alignment,
@@ -33,7 +41,7 @@ from moara_jax._chain import (
 )
 from moara_jax._decomposition import alignment, block_decompose, block_recompose, num_blocks
 from moara_jax._fira import FiraState, fira_adam
-from moara_jax._hosts import HOSTS, OSD, Fira, GaLore, QGaLore, resolve_host
+from moara_jax._hosts import HOSTS, OSD, Fira, GaLore, LDAdam, QGaLore, SubTrackPP, resolve_host
 from moara_jax._labels import (
     LLAMA_MODULE_TYPES,
     MLA_MODULE_TYPES,
@@ -41,6 +49,7 @@ from moara_jax._labels import (
     label_tree,
     module_label,
 )
+from moara_jax._ldadam import LDAdamState, ldadam, ldadam_side
 from moara_jax._nodes import Decomposed, LowRank
 from moara_jax._optimizer import MOARA_ADAMW_STATIC_ARGS, moara_adamw
 from moara_jax._osd import OSDProjectState, osd_project, pca_loss
@@ -53,6 +62,7 @@ from moara_jax._qgalore import (
     quantize_weights,
 )
 from moara_jax._quant import Blockwise8bit, adam8bit, dynamic_map
+from moara_jax._subtrack import SubTrackProjectState, geodesic_step, subtrack_project, transport_moments
 
 __all__ = [
     "DEFAULT_DONORS",
@@ -68,7 +78,11 @@ __all__ = [
     "QGaLoreProjectState",
     "QuantizeWeightsState",
     "QuantizedBasis",
+    "SubTrackPP",
+    "SubTrackProjectState",
     "InnerAdamState",
+    "LDAdam",
+    "LDAdamState",
     "LLAMA_MODULE_TYPES",
     "LowRank",
     "MLA_DONORS",
@@ -89,9 +103,12 @@ __all__ = [
     "default_donors",
     "dynamic_map",
     "fira_adam",
+    "geodesic_step",
     "host_stages",
     "inner_adam",
     "label_tree",
+    "ldadam",
+    "ldadam_side",
     "matrix_alignment",
     "moara_adamw",
     "module_alignment",
@@ -102,6 +119,7 @@ __all__ = [
     "project",
     "projection_bases",
     "projection_side",
+    "pytorch_adam",
     "q_galore_project",
     "quantize_weights",
     "rank_table",
@@ -114,6 +132,9 @@ __all__ = [
     "scale_by_moara",
     "stage_chain",
     "state_bytes",
+    "subtrack_project",
+    "torch_adam_direction",
+    "transport_moments",
 ]
 
 __version__ = "0.1.0"

@@ -12,20 +12,42 @@ import jax
 import numpy as np
 
 from moara_jax._adam import InnerAdamState
+from moara_jax._ldadam import LDAdamState
 from moara_jax._osd import OSDProjectState
 from moara_jax._projection import ProjectState
 from moara_jax._qgalore import QGaLoreProjectState
+from moara_jax._subtrack import SubTrackProjectState
 
-COMPONENTS = ("direction_moments", "magnitude_moments", "projection_bases", "adam_moments", "basis_moments")
-# Projection states: their ``basis`` counts as projection_bases.
-_PROJECT_STATES = (ProjectState, QGaLoreProjectState, OSDProjectState)
-_INNER_FIELDS = {
+COMPONENTS = (
+    "direction_moments",
+    "magnitude_moments",
+    "projection_bases",
+    "adam_moments",
+    "basis_moments",
+    "error_feedback",
+)
+# The states whose fields are sorted by component (by field name); anything else is ``other``.
+_STATES = (
+    InnerAdamState,
+    ProjectState,
+    QGaLoreProjectState,
+    OSDProjectState,
+    LDAdamState,
+    SubTrackProjectState,
+)
+_FIELDS = {
     "mu": "adam_moments",
     "nu": "adam_moments",
     "dir_mu": "direction_moments",
     "dir_nu": "direction_moments",
     "mag_mu": "magnitude_moments",
     "mag_nu": "magnitude_moments",
+    # A quantized basis counts its codes, scales and zero points.
+    "basis": "projection_bases",
+    "initial_basis": "projection_bases",
+    "basis_mu": "basis_moments",
+    "basis_nu": "basis_moments",
+    "error": "error_feedback",
 }
 
 
@@ -36,7 +58,7 @@ def _nbytes(tree: Any) -> int:
 
 
 def _is_state(x: Any) -> bool:
-    return isinstance(x, (InnerAdamState, *_PROJECT_STATES))
+    return isinstance(x, _STATES)
 
 
 def state_bytes(opt_state: Any) -> dict[str, int]:
@@ -44,11 +66,12 @@ def state_bytes(opt_state: Any) -> dict[str, int]:
 
     Returns a dict with ``direction_moments`` (Adam moments of projected low-rank values),
     ``magnitude_moments`` (Adam moments of block magnitudes), ``projection_bases`` (GaLore's ``P``;
-    Q-GaLore's quantized codes, scales and zero points),
+    Q-GaLore's quantized codes, scales and zero points; SubTrack++'s initial basis too),
     ``adam_moments`` (moments of non-target parameters, or of any unprojected leaf),
-    ``basis_moments`` (the AdamW moments of OSD's bases), ``other``
-    (counters and the states of other transforms), ``moments`` (the three moment groups: the
-    paper's "Opt. state", which does not count bases) and ``total`` (everything).
+    ``basis_moments`` (the AdamW moments of OSD's bases), ``error_feedback`` (LDAdam's
+    buffers of what the projection dropped), ``other`` (counters, Q-GaLore's refresh schedule and
+    the states of other transforms), ``moments`` (the three moment groups: the paper's "Opt.
+    state", which does not count bases) and ``total`` (everything).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -61,21 +84,18 @@ def state_bytes(opt_state: Any) -> dict[str, int]:
     out = dict.fromkeys(COMPONENTS, 0)
     rest = 0
     for node in jax.tree.leaves(opt_state, is_leaf=_is_state):
-        if isinstance(node, InnerAdamState):
-            for field, component in _INNER_FIELDS.items():
-                out[component] += _nbytes(getattr(node, field))
-            rest += _nbytes(node.count)
-        elif isinstance(node, _PROJECT_STATES):
-            # A quantized basis counts its codes, scales and zero points; OSD's basis has AdamW
-            # moments of its own; Q-GaLore's refresh schedule (intervals, cosines, first vectors)
-            # goes to ``other``.
-            out["projection_bases"] += _nbytes(node.basis)
-            moments = (node.basis_mu, node.basis_nu) if isinstance(node, OSDProjectState) else ()
-            out["basis_moments"] += _nbytes(moments)
-            rest += _nbytes(node) - _nbytes(node.basis) - _nbytes(moments)
+        if isinstance(node, _STATES):
+            for field in node._fields:
+                value = _nbytes(getattr(node, field))
+                if field in _FIELDS:
+                    out[_FIELDS[field]] += value
+                else:
+                    rest += value
         else:
             rest += _nbytes(node)
     out["other"] = rest
     out["moments"] = out["direction_moments"] + out["magnitude_moments"] + out["adam_moments"]
-    out["total"] = out["moments"] + out["projection_bases"] + out["basis_moments"] + rest
+    out["total"] = (
+        out["moments"] + out["projection_bases"] + out["basis_moments"] + out["error_feedback"] + rest
+    )
     return out

@@ -1,9 +1,10 @@
 """``inner_adam``: Adam in galore-torch's formulation, on plain leaves and on stage nodes.
 
-Every Adam in the project computes ``step_size * mu / (sqrt(nu) + eps)`` with
+The Adams of GaLore and its hosts compute ``step_size * mu / (sqrt(nu) + eps)`` with
 ``step_size = sqrt(1 - b2**t) / (1 - b1**t)``, i.e. ``m_hat / (sqrt(v_hat) + eps / sqrt(1 - b2**t))``:
-galore-torch's ``GaLoreAdamW`` (and HF's ``AdamW``) step. ``optax.scale_by_adam`` adds ``eps`` to
-``sqrt(v_hat)`` instead, which differs in the first steps.
+galore-torch's ``GaLoreAdamW`` (and HF's ``AdamW``) step. ``optax.scale_by_adam`` and PyTorch's
+``torch.optim.AdamW`` add ``eps`` to ``sqrt(v_hat)`` instead, which differs in the first steps;
+the hosts whose references use that (LDAdam, OSD's basis) take :func:`torch_adam_direction`.
 
 On a :class:`LowRank` leaf the moments are the *direction* moments (low-rank shaped); on a
 :class:`Decomposed` leaf the block magnitudes get their own Adam, fed ``M`` itself as if it were a
@@ -177,6 +178,44 @@ def node_adam(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def torch_adam_direction(g, mu, nu, count_inc, b1, b2, eps):
+    """One Adam step in PyTorch ``AdamW``'s formula, ``(m / c1) / (sqrt(v / c2) + eps)``: returns
+    ``(direction, new_mu, new_nu)`` with float32 math, moments in their dtypes and the direction
+    in ``g``'s."""
+    g32 = g.astype(jnp.float32)
+    mu32 = b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32
+    nu32 = b2 * nu.astype(jnp.float32) + (1.0 - b2) * jnp.square(g32)
+    return _torch_adam_from(mu32, nu32, count_inc, b1, b2, eps, g.dtype, mu.dtype, nu.dtype)
+
+
+def _torch_adam_from(mu32, nu32, count_inc, b1, b2, eps, dtype, mu_dtype, nu_dtype):
+    t = count_inc.astype(jnp.float32)
+    direction = (mu32 / (1.0 - b1**t)) / (jnp.sqrt(nu32 / (1.0 - b2**t)) + eps)
+    return direction.astype(dtype), mu32.astype(mu_dtype), nu32.astype(nu_dtype)
+
+
+def pytorch_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6, mu_dtype: Any = None
+) -> optax.GradientTransformation:
+    """Adam in PyTorch ``AdamW``'s formula (:func:`torch_adam_direction`) on every leaf, with no
+    learning rate and no weight decay: the LDAdam host's non-target parameters, which its reference
+    steps with that formula. The state is :class:`InnerAdamState` (moments in ``mu_dtype``, or the
+    leaf's; magnitudes' in float32)."""
+    _check(b1, b2, eps)
+    mu_dtype = dtype_arg("mu_dtype", mu_dtype)
+
+    def zeros(x, kind, path):
+        del path
+        dtype = jnp.float32 if kind == MAG else (mu_dtype or x.dtype)
+        return jnp.zeros(x.shape, dtype), jnp.zeros(x.shape, dtype)
+
+    def step(g, mu, nu, count_inc, kind):
+        del kind
+        return torch_adam_direction(g, mu, nu, count_inc, b1, b2, eps)
+
+    return node_adam(zeros, step)
 
 
 class DecayAfterStepState(NamedTuple):

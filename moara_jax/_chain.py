@@ -22,12 +22,14 @@ from moara_jax._decomposition import (
     recompose_along,
 )
 from moara_jax._fira import DEFAULT_GROWTH_LIMIT, fira_adam
-from moara_jax._hosts import OSD, Fira, Host, QGaLore, resolve_host
+from moara_jax._hosts import OSD, Fira, Host, LDAdam, QGaLore, SubTrackPP, resolve_host
+from moara_jax._ldadam import ldadam
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._osd import osd_project
 from moara_jax._projection import project, project_back
 from moara_jax._qgalore import q_galore_project
 from moara_jax._quant import adam8bit
+from moara_jax._subtrack import subtrack_project, transport_moments
 
 
 def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -185,12 +187,14 @@ def host_stages(
     seed: int = 0,
     canonical_signs: bool = False,
     name: str | Callable[[Any], str] | None = None,
-) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
-    """A host's ``(projection, Adam)`` stages, the two between ``decompose`` (if any) and
-    ``recompose``: GaLore's :func:`project` and :func:`inner_adam`; Fira's ``project`` keeping its
-    source and :func:`fira_adam`; Q-GaLore's :func:`q_galore_project` and :func:`adam8bit`;
-    OSD's :func:`osd_project` (``update_proj_gap`` unused: its basis moves every step) and
-    :func:`inner_adam`.
+) -> tuple[optax.GradientTransformation, ...]:
+    """A host's stages between ``decompose`` (if any) and ``recompose``: GaLore's :func:`project`
+    and :func:`inner_adam`; Fira's ``project`` keeping its source and :func:`fira_adam`;
+    Q-GaLore's :func:`q_galore_project` and :func:`adam8bit`; OSD's :func:`osd_project`
+    (``update_proj_gap`` unused: its basis moves every step) and :func:`inner_adam`; LDAdam's
+    single :func:`ldadam` (projection and Adam in one: each needs the other; ``update_proj_gap``
+    unused); SubTrack++'s :func:`subtrack_project` and :func:`fira_adam` inside
+    :func:`transport_moments`.
 
     Q-GaLore's moments are 8-bit or float32 (``QGaLore.min_8bit_size``, ``mag_bits``), so it
     takes no ``mu_dtype``; its INT8 weights and 8-bit AdamW of non-target parameters are not
@@ -219,6 +223,21 @@ def host_stages(
         )
         adam = adam8bit(b1, b2, eps, min_8bit_size=host.min_8bit_size, mag_bits=host.mag_bits)
         return projection, adam
+    if isinstance(host, LDAdam):
+        if proj_type != "std":
+            raise ValueError(f"the ldadam host projects with proj_type='std' only, got {proj_type!r}")
+        stage = ldadam(
+            rank,
+            rho=host.rho,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            error_feedback=host.error_feedback,
+            mu_dtype=mu_dtype,
+            mag_dtype=mag_dtype,
+            **where,
+        )
+        return (stage,)
     if isinstance(host, OSD):
         if proj_type != "std":
             raise ValueError(f"the osd host projects with proj_type='std' only, got {proj_type!r}")
@@ -236,6 +255,16 @@ def host_stages(
             **where,
         )
         return projection, inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
+    if isinstance(host, SubTrackPP):
+        if proj_type != "std":
+            raise ValueError(f"the subtrack_pp host projects with proj_type='std' only, got {proj_type!r}")
+        projection = subtrack_project(
+            rank, update_proj_gap, step_size=host.step_size, track_all=host.track_all, **where
+        )
+        adam = fira_adam(
+            b1, b2, eps, scale=scale, growth_limit=host.growth_limit, mu_dtype=mu_dtype, mag_dtype=mag_dtype
+        )
+        return projection, transport_moments(adam, update_proj_gap, b2)
     fira = isinstance(host, Fira)
     projection = project(rank, update_proj_gap, proj_type, keep_source=fira, **where)
     if fira:
@@ -299,11 +328,10 @@ def scale_by_moara(
       MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507.
     """
     _check_block_size(block_size)
-    projection, adam = host_stages(host, rank, mag_dtype=mag_dtype, **_stage_args(locals()))
+    stages = host_stages(host, rank, mag_dtype=mag_dtype, **_stage_args(locals()))
     return stage_chain(
         decompose(block_size, decompose_eps, keep_source=True),
-        projection,
-        adam,
+        *stages,
         recompose(scale, block_size),
     )
 
@@ -326,8 +354,7 @@ def scale_by_galore(
 ) -> optax.GradientTransformation:
     """GaLore-Adam's direction for every leaf (galore-torch ``GaLoreAdamW``, without the lr), or
     another ``host``'s without decomposition (:func:`host_stages`)."""
-    projection, adam = host_stages(host, rank, **_stage_args(locals()))
-    return stage_chain(projection, adam, recompose(scale))
+    return stage_chain(*host_stages(host, rank, **_stage_args(locals())), recompose(scale))
 
 
 def scale_by_fira(

@@ -124,13 +124,73 @@ class OSD:
                 raise ValueError(f"{field} must be a non-negative number, got {getattr(self, field)!r}")
 
 
-Host = GaLore | Fira | QGaLore | OSD
-HOSTS = {"galore": GaLore, "fira": Fira, "q_galore": QGaLore, "osd": OSD}
+@dataclasses.dataclass(frozen=True)
+class LDAdam:
+    """LDAdam (Robert et al., https://arxiv.org/abs/2410.16103), its official ``LDAdamW``: the
+    basis moves every step (one warm-started power-iteration step on the gradient mixed with
+    the back-projected first moment), the moments move with it, and what projection and
+    transport drop is fed back into the next step (:func:`moara_jax.ldadam`). Its Adam, for
+    the target matrices and every other parameter, is PyTorch ``AdamW``'s (``eps`` outside the
+    root, weight decay before the step); the reference applies no ``scale`` (``scale=1``) and
+    defaults to ``b1, b2, eps = 0.908, 0.99, 1e-8``.
+
+    Attributes:
+      rho: weight of the back-projected first moment in the matrix the basis follows.
+      error_feedback: carry the dropped part of each step into the next.
+    """
+
+    rho: float = 0.908
+    error_feedback: bool = True
+
+    def __post_init__(self):
+        if not (_real(self.rho) and 0 <= self.rho < 1):
+            raise ValueError(f"rho must be a number in [0, 1), got {self.rho!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubTrackPP:
+    """SubTrack++ (Rajabi et al., https://arxiv.org/abs/2502.01586), as its official code runs
+    it: an SVD basis at step 0, then every ``T`` steps one Grassmann geodesic step toward the
+    gradient's subspace, Adam moments moved into the current basis (from the initial one) every
+    ``T`` steps, and Fira's recovery scaling of the dropped gradient
+    (:func:`moara_jax.subtrack_project`, :func:`moara_jax.transport_moments`, :func:`moara_jax.fira_adam`).
+
+    Attributes:
+      step_size: the geodesic's ``eta`` (the reference's Llama scripts: 10).
+      growth_limit: the recovery term's norm-growth limit per step (Fira's ``gamma``).
+      track_all: also move the bases of the fan_in side; the reference code leaves them at the
+        step-0 SVD (its tangent there is zero up to rounding), which ``False`` reproduces.
+    """
+
+    step_size: float = 10.0
+    growth_limit: float = 1.01
+    track_all: bool = False
+
+    def __post_init__(self):
+        if not (_real(self.step_size) and self.step_size >= 0):
+            raise ValueError(f"step_size must be a non-negative number, got {self.step_size!r}")
+        if not (_real(self.growth_limit) and self.growth_limit > 0):
+            raise ValueError(f"growth_limit must be positive, got {self.growth_limit!r}")
+        if not isinstance(self.track_all, bool):
+            raise ValueError(f"track_all must be True or False, got {self.track_all!r}")
+
+
+Host = GaLore | Fira | QGaLore | OSD | LDAdam | SubTrackPP
+HOSTS = {
+    "galore": GaLore,
+    "fira": Fira,
+    "q_galore": QGaLore,
+    "osd": OSD,
+    "ldadam": LDAdam,
+    "subtrack_pp": SubTrackPP,
+}
 
 
 def resolve_host(host: str | Host) -> Host:
     """A host's settings from its name (with defaults) or as given; ``ValueError`` otherwise."""
-    if isinstance(host, (GaLore, Fira, QGaLore, OSD)):
+    if isinstance(host, tuple(HOSTS.values())):
         return host
     if isinstance(host, str) and host in HOSTS:
         return HOSTS[host]()

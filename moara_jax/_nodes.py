@@ -85,22 +85,34 @@ class LowRank:
     Two optional full-shape fields serve hosts that update outside the subspace (Fira):
     ``source`` is the matrix that was projected (set by ``project(keep_source=True)``), and
     ``residual`` is a full-rank term that ``recompose`` adds to the back-projected value.
+    ``prev_basis`` (SubTrack++) is the basis whose coordinates the Adam moments are moved from
+    when they are transported into ``basis``.
     """
 
-    def __init__(self, value: Any, basis: Any, side: str, *, source: Any = None, residual: Any = None):
+    def __init__(
+        self,
+        value: Any,
+        basis: Any,
+        side: str,
+        *,
+        source: Any = None,
+        residual: Any = None,
+        prev_basis: Any = None,
+    ):
         self.value = value
         self.basis = basis
         self.side = side
         self.source = source
         self.residual = residual
+        self.prev_basis = prev_basis
 
     def tree_flatten(self):
-        return (self.value, self.basis, self.source, self.residual), self.side
+        return (self.value, self.basis, self.source, self.residual, self.prev_basis), self.side
 
     @classmethod
     def tree_unflatten(cls, side, children):
-        value, basis, source, residual = children
-        return cls(value, basis, side, source=source, residual=residual)
+        value, basis, source, residual, prev_basis = children
+        return cls(value, basis, side, source=source, residual=residual, prev_basis=prev_basis)
 
     def __repr__(self) -> str:
         shape = getattr(self.value, "shape", None)

@@ -9,11 +9,11 @@ from typing import Any
 import jax
 import optax
 
-from moara_jax._adam import decay_after_step, dtype_arg, inner_adam
+from moara_jax._adam import decay_after_step, dtype_arg, inner_adam, pytorch_adam
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
 from moara_jax._chain import scale_by_galore, scale_by_moara
 from moara_jax._decomposition import _check_block_size
-from moara_jax._hosts import OSD, Host, QGaLore, resolve_host
+from moara_jax._hosts import OSD, Host, LDAdam, QGaLore, resolve_host
 from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
 from moara_jax._qgalore import quantize_weights
 from moara_jax._quant import adam8bit
@@ -74,10 +74,11 @@ def moara_adamw(
     The paper's four conditions: vanilla GaLore (``decompose=False, rank_allocation=False``),
     +Rank (``decompose=False``), +Decomp (``rank_allocation=False``), Full (defaults).
     ``host`` runs the same four conditions on another low-rank method (the paper's cross-method
-    study): ``'fira'`` (``fira.FiraAdamW`` with both flags off) or ``'q_galore'``
+    study): ``'fira'`` (``fira.FiraAdamW`` with both flags off), ``'q_galore'``
     (q-galore-torch's ``QGaLoreAdamW8bit``: INT4 bases with layer-adaptive refresh, 8-bit
-    Adam for every parameter, INT8 target weights), or their settings objects (:class:`Fira`,
-    :class:`QGaLore`).
+    Adam for every parameter, INT8 target weights), ``'osd'`` (Online Subspace Descent) or
+    ``'ldadam'`` (``LDAdamW``: a basis moving every step, transported moments, error feedback),
+    or their settings objects (:class:`Fira`, :class:`QGaLore`, :class:`OSD`, :class:`LDAdam`).
 
     To change ``learning_rate``, ``b1``, ``b2``, ``eps``, ``scale`` or ``weight_decay`` during
     training, wrap it in ``optax.inject_hyperparams(moara_adamw,
@@ -104,9 +105,10 @@ def moara_adamw(
         ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
       canonical_signs: make each basis vector's largest entry positive (backend-independent).
       label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``.
-      host: the low-rank method: ``'galore'``, ``'fira'``, ``'q_galore'``, ``'osd'`` or a settings object
-        (:mod:`moara_jax._hosts`). Under Q-GaLore the non-target AdamW is bitsandbytes' 8-bit one,
-        with its weight decay before the step.
+      host: the low-rank method: ``'galore'``, ``'fira'``, ``'q_galore'``, ``'osd'``, ``'ldadam'``
+        or a settings object (:mod:`moara_jax._hosts`). Under Q-GaLore the non-target AdamW is
+        bitsandbytes' 8-bit one, with its weight decay before the step; under LDAdam every Adam is
+        PyTorch's ``AdamW`` formula and all weight decay comes before the step.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -158,6 +160,7 @@ def moara_adamw(
             raise ValueError(f"ranks: unknown module types {unknown}; known: {list(MODULE_TYPES)}")
 
     q_galore = isinstance(host, QGaLore)
+    ld = isinstance(host, LDAdam)
 
     def build(tree) -> optax.GradientTransformation:
         labels, module_ranks = tree_ranks(tree, label_fn, **allocation)
@@ -175,6 +178,8 @@ def moara_adamw(
             other = adam8bit(b1, b2, eps, min_8bit_size=host.min_8bit_size)
             if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
                 other = optax.chain(other, optax.add_decayed_weights(weight_decay))
+        elif ld:  # LDAdamW's full-rank path: PyTorch's AdamW
+            other = pytorch_adam(b1, b2, eps, mu_dtype=mu_dtype)
         else:
             other = inner_adam(b1, b2, eps, mu_dtype=mu_dtype)
         return optax.partition({TARGET: target, OTHER: other}, groups)
@@ -185,10 +190,12 @@ def moara_adamw(
     def update_fn(updates, state, params=None):
         return build(updates).update(updates, state, params)
 
-    stages = [
-        optax.GradientTransformation(init_fn, update_fn),
-        optax.scale_by_learning_rate(learning_rate),
-    ]
+    stages = [optax.GradientTransformation(init_fn, update_fn)]
+    if ld:  # LDAdamW: decoupled decay of every parameter before the step
+        if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+            stages.append(optax.add_decayed_weights(weight_decay))
+        return optax.chain(*stages, optax.scale_by_learning_rate(learning_rate))
+    stages.append(optax.scale_by_learning_rate(learning_rate))
     if not q_galore:
         stages.append(decay_after_step(learning_rate, weight_decay))
     else:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from moara_jax._adam import torch_adam_direction
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
     _check_args,
@@ -60,13 +61,9 @@ def pca_loss(basis: jax.Array, g: jax.Array, side: str) -> jax.Array:
 def _adamw(p, g, mu, nu, step, lr, b1, b2, eps, weight_decay):
     """One ``torch.optim.AdamW`` step (float32 math, results in the operands' dtypes)."""
     p32, g32 = p.astype(jnp.float32), g.astype(jnp.float32)
-    p32 = p32 * (1.0 - lr * weight_decay)
-    m = mu.astype(jnp.float32) + (1.0 - b1) * (g32 - mu.astype(jnp.float32))
-    v = nu.astype(jnp.float32) * b2 + ((1.0 - b2) * g32) * g32
-    t = step.astype(jnp.float32)
-    denom = jnp.sqrt(v) / jnp.sqrt(1.0 - b2**t) + eps
-    p32 = p32 - (lr / (1.0 - b1**t)) * (m / denom)
-    return p32.astype(p.dtype), m.astype(mu.dtype), v.astype(nu.dtype)
+    direction, m, v = torch_adam_direction(g32, mu, nu, step, b1, b2, eps)
+    p32 = p32 * (1.0 - lr * weight_decay) - lr * direction
+    return p32.astype(p.dtype), m, v
 
 
 def osd_project(

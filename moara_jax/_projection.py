@@ -258,6 +258,12 @@ def project_back(low: jax.Array, basis: jax.Array, side: str) -> jax.Array:
     return jnp.matmul(low, jnp.swapaxes(basis, -1, -2), preferred_element_type=acc)
 
 
+def transport(c: jax.Array, x: jax.Array, side: str) -> jax.Array:
+    """Low-rank coordinates ``x`` (as :func:`project_value` makes them) in an old basis ``P``,
+    moved into a new basis ``Q`` by ``c = Q^T P`` (``r x r``): ``c x`` (side 'in') or ``x c^T``."""
+    return c @ x if side == "in" else x @ jnp.swapaxes(c, -1, -2)
+
+
 def _path_str(path) -> str:
     return jax.tree_util.keystr(path) if path else "<leaf>"
 

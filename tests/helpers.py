@@ -149,3 +149,36 @@ def assert_stacked_equals_loop(tx, grads, update=None, rtol=1e-5, atol=1e-7):
             u_i, s_single[i] = update({"w": jnp.asarray(g[i])}, s_single[i], single)
             np.testing.assert_allclose(u_stacked["w"][i], u_i["w"], rtol=rtol, atol=atol)
     return s_stacked, s_single
+
+
+def find_state(state, cls):
+    """The one ``cls`` node (a transform's state) inside an optimizer state."""
+    import jax
+
+    (node,) = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls)) if isinstance(x, cls)]
+    return node
+
+
+def host_run(host, state_cls, steps=4, seed=0, **kwargs):
+    """Full MoARa (``r_base=8``, ``block_size=8``) on ``host`` over a square q_proj and a tall
+    down_proj for ``steps`` jitted steps of random gradients; asserts the parameters stay finite
+    and returns the ``state_cls`` node after each step."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import moara_jax as mj
+
+    rng = np.random.default_rng(seed)
+    params = {"q_proj": {"kernel": jnp.zeros((32, 32))}, "down_proj": {"kernel": jnp.zeros((64, 32))}}
+    tx = mj.moara_adamw(0.01, r_base=8, block_size=8, host=host, **kwargs)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    nodes = []
+    for _ in range(steps):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+        nodes.append(find_state(state, state_cls))
+    return nodes

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_matches_reference, assert_stacked_equals_loop, canonical
+from helpers import assert_matches_reference, assert_stacked_equals_loop, canonical, find_state, host_run
 from test_galore_oracle import _jax_run
 
 import moara_jax as mj
@@ -84,12 +84,7 @@ def test_osd_host_matches_the_pytorch_rendering(torch_shape):
     got, state = _jax_run(tx, {"w": jnp.zeros(torch_shape[::-1])}, [{"w": jnp.asarray(g.T)} for g in seq])
     for t in range(len(seq)):
         assert_matches_reference(np.asarray(got[t]["w"]).T, ref[t], f"step {t}")
-    (proj,) = [
-        x
-        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mj.OSDProjectState))
-        if isinstance(x, mj.OSDProjectState)
-    ]
-    basis = np.asarray(proj.basis["w"])
+    basis = np.asarray(find_state(state, mj.OSDProjectState).basis["w"])
     assert not np.allclose(basis.T @ basis, np.eye(rank), atol=1e-6)  # it moved off the SVD basis
 
 
@@ -153,21 +148,5 @@ def test_osd_needs_a_peak_with_a_schedule_and_accounts_its_basis_moments():
 def test_moara_on_osd_runs_decomposition_on_the_moving_basis():
     """Full MoARa on OSD: finite, and the basis moves after step 0 (the magnitudes' Adam and
     the direction's projection are the chain's, checked for GaLore)."""
-    rng = np.random.default_rng(2)
-    params = {"q_proj": {"kernel": jnp.zeros((32, 32))}, "down_proj": {"kernel": jnp.zeros((64, 32))}}
-    tx = mj.moara_adamw(0.01, r_base=8, block_size=8, host="osd")
-    state = tx.init(params)
-    update = jax.jit(tx.update)
-    bases = []
-    for _ in range(4):
-        grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
-        updates, state = update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
-        (proj,) = [
-            x
-            for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mj.OSDProjectState))
-            if isinstance(x, mj.OSDProjectState)
-        ]
-        bases.append(np.asarray(proj.basis["q_proj"]["kernel"]))
+    bases = [np.asarray(n.basis["q_proj"]["kernel"]) for n in host_run("osd", mj.OSDProjectState, seed=2)]
     assert not np.allclose(bases[1], bases[2]) and not np.allclose(bases[2], bases[3])

@@ -199,7 +199,7 @@ def test_compare_report(tmp_path):
         (["mode=profile", "profile.steps=6", "profile.every=10"], "profile.every (10) must be <="),
         (
             ["optimizer.host=apollo"],
-            "optimizer.host must be one of galore, fira, q_galore, osd, got 'apollo'",
+            "optimizer.host must be one of galore, fira, q_galore, osd, ldadam, subtrack_pp, got 'apollo'",
         ),
         (["optimizer.name=adamw", "optimizer.host=fira"], "optimizer.host fira needs optimizer.name galore"),
         (
@@ -350,7 +350,7 @@ def test_paper_configs_reproduce_paper_optimizer_state(condition, mib):
 
 
 @pytest.mark.parametrize("condition,mib", [("galore", 538.57), ("full", 650.88)])
-@pytest.mark.parametrize("host", ["fira", "q_galore", "osd"])
+@pytest.mark.parametrize("host", ["fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
 def test_paper_host_configs_build_the_host(host, condition, mib):
     """configs/paper/hosts/X.yaml layered over a model and a condition: the trainer builds that
     host. Fira keeps GaLore's moments (the paper's MiB); Q-GaLore's 8-bit moments take about half
@@ -372,13 +372,22 @@ def test_paper_host_configs_build_the_host(host, condition, mib):
     assert cfg.optimizer.host == host
     tx = make_optimizer(cfg.optimizer, 0.01, cfg.train.grad_clip)
     state = jax.eval_shape(tx.init, models.abstract_params(model_config(cfg, 32000)))
-    marker = {"fira": mj.FiraState, "q_galore": mj.QGaLoreProjectState, "osd": mj.OSDProjectState}[host]
+    marker = {
+        "fira": mj.FiraState,
+        "q_galore": mj.QGaLoreProjectState,
+        "osd": mj.OSDProjectState,
+        "ldadam": mj.LDAdamState,
+        "subtrack_pp": mj.SubTrackProjectState,
+    }[host]
     assert any(isinstance(x, marker) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, marker)))
     moments = mj.state_bytes(state)["moments"] / 2**20
-    if host in ("fira", "osd"):  # OSD's extra state is the bases' moments, not counted here
+    if host != "q_galore":  # the extra state of OSD, LDAdam and SubTrack++ is not moments
         assert round(moments, 2) == mib
     else:
         assert 0.4 * mib < moments < 0.55 * mib, moments
+    if host == "ldadam":  # one bf16 error buffer per target matrix (the block direction's)
+        layer = 4 * 1024 * 1024 + 3 * 1024 * 2736
+        assert mj.state_bytes(state)["error_feedback"] == 24 * layer * 2
     if host == "q_galore" and condition == "galore":
         # By hand: two 8-bit moments of n entries take 2 (n + 4 ceil(n / 256)) bytes. Per layer,
         # q k v o project 256 x 1024 values, up/gate 2736 x 256, down 256 x 2736; embedding and
@@ -391,7 +400,7 @@ def test_paper_host_configs_build_the_host(host, condition, mib):
         assert mj.state_bytes(state)["moments"] == expected
 
 
-@pytest.mark.parametrize("host", ["fira", "q_galore", "osd"])
+@pytest.mark.parametrize("host", ["fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
 def test_cli_trains_on_another_host(host, tmp_path):
     run_cli(tmp_path / host, *FAST, "train.steps=30", "train.eval_every=10", f"optimizer.host={host}")
     steps = [r["loss"] for r in read_metrics(tmp_path / host / "metrics.jsonl") if "loss" in r]

@@ -35,8 +35,10 @@ class OptimizerSection:
     update_proj_gap: int = 200
     scale: float = 0.25
     svd: str = "exact"  # exact | eigh | randomized
-    host: str = "galore"  # galore | fira | q_galore | osd: the low-rank method the target modules run
-    host_options: dict = field(default_factory=dict)  # the host's settings (moara_jax.Fira, QGaLore, OSD)
+    # The low-rank method the target modules run (galore | fira | q_galore | osd | ldadam |
+    # subtrack_pp) and its settings (the fields of moara_jax.Fira, QGaLore, OSD, LDAdam, SubTrackPP).
+    host: str = "galore"
+    host_options: dict = field(default_factory=dict)
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-6
@@ -302,9 +304,10 @@ def validate(cfg: RunConfig) -> None:
 
 
 def host_settings(o: OptimizerSection, peak_lr: float | None = None):
-    """The host's settings object (``moara_jax.GaLore/Fira/QGaLore/OSD``) from ``optimizer.host``
-    and ``optimizer.host_options`` (OSD's ``peak_lr`` defaults to ``peak_lr``, the schedule's
-    peak); a ``UserError`` naming an unknown or out-of-range option."""
+    """The host's settings object (``moara_jax.GaLore``, ``Fira``, ``QGaLore``, ``OSD``, ``LDAdam``,
+    ``SubTrackPP``) from ``optimizer.host`` and ``optimizer.host_options`` (OSD's ``peak_lr``
+    defaults to ``peak_lr``, the schedule's peak); a ``UserError`` naming an unknown or
+    out-of-range option."""
     cls = HOSTS[o.host]
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(o.host_options) - set(known))

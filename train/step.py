@@ -54,7 +54,8 @@ def make_optimizer(
     force_uniform_galore: bool = False,
     peak_lr: float | None = None,
 ) -> optax.GradientTransformation:
-    """AdamW, or GaLore/MoARa on the configured host (GaLore, Fira, Q-GaLore or OSD), per the config."""
+    """AdamW, or GaLore/MoARa on the configured host (GaLore, Fira, Q-GaLore, OSD, LDAdam or
+    SubTrack++), per the config."""
     if opt.name == "adamw":
         tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay)
     else:
