@@ -114,6 +114,14 @@ def optimizers(r_base: int, block: int) -> dict[str, optax.GradientTransformatio
         "q_galore_full_eigh": mj.moara_adamw(
             0.01, r_base=r_base, block_size=block, update_proj_gap=GAP, svd="eigh", host="q_galore"
         ),
+        # OSD's and LDAdam's bases move every step ("refresh" is then a plain step at a multiple of
+        # the gap); SubTrack++'s refresh is its geodesic step.
+        **{
+            f"{host}_full_eigh": mj.moara_adamw(
+                0.01, r_base=r_base, block_size=block, update_proj_gap=GAP, svd="eigh", host=host
+            )
+            for host in ("osd", "ldadam", "subtrack_pp")
+        },
         "optax_contrib_galore": optax.partition(
             {
                 True: optax.contrib.galore(0.01, rank=r_base, update_proj_gap=GAP, scale=0.25),
