@@ -22,6 +22,10 @@ basis on the fan_in side (PyTorch ``'right'``: square and tall weights, in Llama
 step-0 SVD (here exactly; ``SubTrackPP(track_all=True)`` tracks them with the same geodesic);
 (2) the moments are always moved from the *initial* basis; (3) that happens one step before the
 basis moves; (4) the ``(1 - b2)`` factor shrinks ``v`` a thousandfold each time.
+
+One deliberate difference: the tracking and the moments' transport compute in float32, with
+bases and moments stored in their dtypes (the reference computes in bf16 for bf16 weights,
+where the transport's ``v - m^2`` can cancel to exactly zero).
 """
 
 from __future__ import annotations
