@@ -11,16 +11,29 @@ import optax
 
 from moara_jax._decomposition import FAN_IN_AXIS, alignment, decompose_along, recompose_along
 from moara_jax._labels import OTHER, module_label
+from moara_jax._ldadam import LDAdamState, ldadam_side
 from moara_jax._osd import OSDProjectState
 from moara_jax._projection import ProjectState, project_back, project_value, projection_side
 from moara_jax._qgalore import QGaLoreProjectState, QuantizedBasis, dequantized
+from moara_jax._subtrack import SubTrackProjectState
+
+# The states that hold projection bases, with the rule that picks each basis's side.
+_BASIS_STATES = {
+    ProjectState: projection_side,
+    QGaLoreProjectState: projection_side,
+    OSDProjectState: projection_side,
+    SubTrackProjectState: projection_side,
+    LDAdamState: ldadam_side,  # a square matrix projects its fan_out side
+}
 
 
-def reconstruct(g: jax.Array, basis: jax.Array, block_size: int | None = None) -> jax.Array:
+def reconstruct(
+    g: jax.Array, basis: jax.Array, block_size: int | None = None, side: str | None = None
+) -> jax.Array:
     """``G_recon`` of a Flax-layout gradient: ``Rep_B(M) * (P P^T V)``, or ``P P^T G`` without
-    ``block_size``; float32."""
+    ``block_size``; float32. ``side`` is the projected side (default: GaLore's rule)."""
     g = g.astype(jnp.float32)
-    side = projection_side(g.shape)
+    side = side or projection_side(g.shape)
     basis = basis.astype(jnp.float32)
     if block_size is None:
         return project_back(project_value(g, basis, side), basis, side)
@@ -29,12 +42,10 @@ def reconstruct(g: jax.Array, basis: jax.Array, block_size: int | None = None) -
     return recompose_along(mag, v_proj, block_size, FAN_IN_AXIS)
 
 
-def projection_bases(opt_state: Any) -> dict[str, jax.Array]:
-    """Every projection basis ``P`` in an optimizer state, keyed by its parameter's path string
-    (``jax.tree_util.keystr``); stacked leaves keep their leading axes, quantized bases
-    (Q-GaLore) are dequantized."""
-    found: dict[str, jax.Array] = {}
-    states = (ProjectState, QGaLoreProjectState, OSDProjectState)
+def _bases_and_sides(opt_state: Any) -> dict[str, tuple[jax.Array, Any]]:
+    """``{path: (basis, side rule)}`` of every projection basis in an optimizer state."""
+    found: dict[str, tuple[jax.Array, Any]] = {}
+    states = tuple(_BASIS_STATES)
     nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, states))
     for node in nodes:
         if not isinstance(node, states):
@@ -44,20 +55,28 @@ def projection_bases(opt_state: Any) -> dict[str, jax.Array]:
         )[0]
         for path, b in leaves:
             if not isinstance(b, optax.MaskedNode):
-                found[jax.tree_util.keystr(path)] = dequantized(b)
+                found[jax.tree_util.keystr(path)] = (dequantized(b), _BASIS_STATES[type(node)])
     return found
+
+
+def projection_bases(opt_state: Any) -> dict[str, jax.Array]:
+    """Every projection basis ``P`` in an optimizer state, keyed by its parameter's path string
+    (``jax.tree_util.keystr``); stacked leaves keep their leading axes, quantized bases
+    (Q-GaLore) are dequantized."""
+    return {key: basis for key, (basis, _) in _bases_and_sides(opt_state).items()}
 
 
 def matrix_alignment(grads: Any, opt_state: Any, *, block_size: int | None = None) -> dict[str, jax.Array]:
     """``S(W, t)`` of every projected matrix, keyed by parameter path; stacked leaves
     ``(L, fan_in, fan_out)`` give an array of ``L`` cosines. The bases come from ``opt_state`` (the
     ones used for the last update)."""
-    bases = projection_bases(opt_state)
+    bases = _bases_and_sides(opt_state)
     out = {}
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         key = jax.tree_util.keystr(path)
         if key in bases:
-            out[key] = alignment(g, reconstruct(g, bases[key], block_size))
+            basis, side_of = bases[key]
+            out[key] = alignment(g, reconstruct(g, basis, block_size, side_of(g.shape)))
     return out
 
 

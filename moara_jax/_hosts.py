@@ -130,9 +130,11 @@ class LDAdam:
     basis moves every step (one warm-started power-iteration step on the gradient mixed with
     the back-projected first moment), the moments move with it, and what projection and
     transport drop is fed back into the next step (:func:`moara_jax.ldadam`). Its Adam, for
-    the target matrices and every other parameter, is PyTorch ``AdamW``'s (``eps`` outside the
-    root, weight decay before the step); the reference applies no ``scale`` (``scale=1``) and
-    defaults to ``b1, b2, eps = 0.908, 0.99, 1e-8``.
+    the target matrices and every other parameter, is PyTorch ``AdamW``'s (``eps`` added to the
+    bias-corrected root, weight decay before the step); the reference applies no ``scale``
+    (``scale=1``) and defaults to ``b1, b2, eps = 0.908, 0.99, 1e-8``. Gradient clipping (the
+    trainer's ``train.grad_clip``) clips the fresh gradient; the reference, whose error lives in
+    the gradient buffer, would clip gradient plus error.
 
     Attributes:
       rho: weight of the back-projected first moment in the matrix the basis follows.

@@ -77,10 +77,13 @@ def _swap(x):
 
 
 def _power_step(a: jax.Array, basis: jax.Array, side: str) -> jax.Array:
-    """``orth(A A^T P)`` with ``A`` the matrix with its projected side first."""
+    """``orth(A A^T P)`` with ``A`` the matrix with its projected side first, as
+    ``orth(A orth(A^T P))``: the same span and, both orthonormalisations being QR-like (an upper
+    triangular factor), the same basis up to signs, without squaring ``A``'s condition number
+    (which on accelerators sends CholeskyQR2 to its Householder fallback)."""
     if side == "out":
         a = _swap(a)
-    return _orthonormal(a @ (_swap(a) @ basis))
+    return _orthonormal(a @ _orthonormal(_swap(a) @ basis))
 
 
 def ldadam(

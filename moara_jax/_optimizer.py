@@ -67,9 +67,9 @@ def moara_adamw(
 
     Parameters whose path ``label_fn`` maps to a module type (``q k v o up gate down``, MLA's
     ``q_a q_b kv_a kv_b``) and that are matrices get :func:`scale_by_moara` (``decompose=True``) or
-    :func:`scale_by_galore`, with their module type's rank; every other parameter gets AdamW. All
-    Adams use galore-torch's formulation, so ``decompose=False, rank_allocation=False`` is
-    galore-torch's ``GaLoreAdamW`` with the paper's two parameter groups.
+    :func:`scale_by_galore`, with their module type's rank; every other parameter gets AdamW. On
+    the default host all Adams use galore-torch's formulation, so ``decompose=False,
+    rank_allocation=False`` is galore-torch's ``GaLoreAdamW`` with the paper's two parameter groups.
 
     The paper's four conditions: vanilla GaLore (``decompose=False, rank_allocation=False``),
     +Rank (``decompose=False``), +Decomp (``rank_allocation=False``), Full (defaults).
@@ -77,8 +77,9 @@ def moara_adamw(
     study): ``'fira'`` (``fira.FiraAdamW`` with both flags off), ``'q_galore'``
     (q-galore-torch's ``QGaLoreAdamW8bit``: INT4 bases with layer-adaptive refresh, 8-bit
     Adam for every parameter, INT8 target weights), ``'osd'`` (Online Subspace Descent) or
-    ``'ldadam'`` (``LDAdamW``: a basis moving every step, transported moments, error feedback),
-    or their settings objects (:class:`Fira`, :class:`QGaLore`, :class:`OSD`, :class:`LDAdam`).
+    ``'ldadam'`` (``LDAdamW``: a basis moving every step, transported moments, error feedback)
+    or ``'subtrack_pp'`` (SubTrack++'s Grassmann tracking), or their settings objects
+    (:class:`Fira`, :class:`QGaLore`, :class:`OSD`, :class:`LDAdam`, :class:`SubTrackPP`).
 
     To change ``learning_rate``, ``b1``, ``b2``, ``eps``, ``scale`` or ``weight_decay`` during
     training, wrap it in ``optax.inject_hyperparams(moara_adamw,
@@ -98,17 +99,18 @@ def moara_adamw(
       update_proj_gap, scale: GaLore's refresh interval ``T`` and scale.
       b1, b2, eps: Adam hyperparameters (paper: 0.9, 0.999, 1e-6).
       weight_decay: decoupled weight decay on every parameter, applied after the step as in
-        galore-torch (``p <- (p + step) (1 - lr * wd)``, :func:`decay_after_step`).
+        galore-torch (``p <- (p + step) (1 - lr * wd)``, :func:`decay_after_step`); before it
+        under LDAdam (all parameters) and Q-GaLore (non-targets), as their references do.
       mu_dtype: moment dtype; ``None`` follows the parameter dtype. Magnitude moments use
         ``mag_dtype`` (float32).
       svd: ``'exact'`` (SVD), ``'eigh'`` (Gram eigendecomposition, fast on GPU) or
         ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
       canonical_signs: make each basis vector's largest entry positive (backend-independent).
       label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``.
-      host: the low-rank method: ``'galore'``, ``'fira'``, ``'q_galore'``, ``'osd'``, ``'ldadam'``
-        or a settings object (:mod:`moara_jax._hosts`). Under Q-GaLore the non-target AdamW is
-        bitsandbytes' 8-bit one, with its weight decay before the step; under LDAdam every Adam is
-        PyTorch's ``AdamW`` formula and all weight decay comes before the step.
+      host: the low-rank method: ``'galore'``, ``'fira'``, ``'q_galore'``, ``'osd'``, ``'ldadam'``,
+        ``'subtrack_pp'`` or a settings object (:mod:`moara_jax._hosts`). Under Q-GaLore the
+        non-target AdamW is bitsandbytes' 8-bit one, with its weight decay before the step; under
+        LDAdam every Adam is PyTorch's ``AdamW`` formula and all weight decay comes before the step.
 
     Returns:
       An ``optax.GradientTransformation``.

@@ -58,3 +58,22 @@ def test_alignment_is_scale_free_in_float32():
         np.testing.assert_allclose(mj.alignment(s * g, s * g), 1.0, rtol=1e-5)
         np.testing.assert_allclose(mj.alignment(s * g, -1e-3 * s * g), -1.0, rtol=1e-5)
     assert float(mj.alignment(jnp.zeros((4, 4)), g[:4, :4])) == 0.0
+
+
+def test_alignment_reads_every_host_with_its_projected_side():
+    """The diagnostic (and ``mode=profile``) finds the bases of every host; LDAdam projects a
+    square matrix on its fan_out side, and its alignment is taken on that side."""
+    rng = np.random.default_rng(3)
+    params = {"q_proj": {"kernel": jnp.zeros((16, 16))}, "down_proj": {"kernel": jnp.zeros((40, 16))}}
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+    for name in mj.HOSTS:
+        host = mj.QGaLore(basis_group_size=16, weight_bits=None) if name == "q_galore" else name
+        tx = mj.moara_adamw(0.01, r_base=4, decompose=False, rank_allocation=False, host=host)
+        _, state = tx.update(grads, tx.init(params), params)
+        got = mj.module_alignment(grads, state)
+        assert set(got) == {"q", "down"}, name
+        g = np.asarray(grads["q_proj"]["kernel"])
+        basis = np.asarray(mj.projection_bases(state)["['q_proj']['kernel']"], np.float64)
+        recon = g @ basis @ basis.T if name == "ldadam" else basis @ basis.T @ g
+        cos = (g * recon).sum() / np.linalg.norm(g) / np.linalg.norm(recon)
+        np.testing.assert_allclose(got["q"], cos, rtol=1e-3, err_msg=name)

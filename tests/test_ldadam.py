@@ -23,13 +23,13 @@ def _schedule(t):
     return 0.01 * jnp.minimum(1.0, (t + 1) / 3)
 
 
-def _ldadam_reference(g_seq, rank, wd=0.0, error_feedback=True):
-    """Weights (PyTorch orientation, from zero) after each LDAdam step on one matrix."""
+def _ldadam_reference(g_seq, rank, wd=0.0, error_feedback=True, eps=EPS, w0=None):
+    """Weights (PyTorch orientation, from ``w0`` or zero) after each LDAdam step on one matrix."""
     m, n = g_seq[0].shape
     left = m <= n  # 'std': compress the smaller side; a square matrix its rows (fan_out)
     proj = (lambda q, x: q.T @ x) if left else (lambda q, x: x @ q.T)
     back = (lambda q, y: q @ y) if left else (lambda q, y: y @ q)
-    w = torch.zeros((m, n))
+    w = torch.zeros((m, n)) if w0 is None else torch.from_numpy(w0.copy())
     err = torch.zeros((m, n))
     q_prev = mom = var = None
     out = []
@@ -58,7 +58,7 @@ def _ldadam_reference(g_seq, rank, wd=0.0, error_feedback=True):
             var = c2 * torch.abs(rotated + moved**2 / c1**2)
         mom = B1 * moved + (1 - B1) * low
         var = B2 * var + (1 - B2) * low**2
-        d = (mom / (1 - B1**t)) / (torch.sqrt(var / (1 - B2**t)) + EPS)
+        d = (mom / (1 - B1**t)) / (torch.sqrt(var / (1 - B2**t)) + eps)
         lr = float(_schedule(i))
         w = w * (1 - lr * wd) - lr * back(q, d)
         q_prev = q
@@ -66,7 +66,7 @@ def _ldadam_reference(g_seq, rank, wd=0.0, error_feedback=True):
     return out
 
 
-def _ldadam_tx(rank, wd=0.0, **host):
+def _ldadam_tx(rank, wd=0.0, eps=EPS, **host):
     return mj.moara_adamw(
         _schedule,
         r_base=rank,
@@ -75,7 +75,7 @@ def _ldadam_tx(rank, wd=0.0, **host):
         scale=1.0,  # the reference has no scale
         b1=B1,
         b2=B2,
-        eps=EPS,
+        eps=eps,
         weight_decay=wd,
         host=mj.LDAdam(**host),
         label_fn=lambda path: "other" if path[-1].key == "norm" else "q",
@@ -83,16 +83,20 @@ def _ldadam_tx(rank, wd=0.0, **host):
 
 
 @pytest.mark.parametrize("torch_shape", [(40, 40), (96, 40), (40, 96)], ids=["square", "tall", "wide"])
-@pytest.mark.parametrize("wd", [0.0, 0.1])
+@pytest.mark.parametrize("wd", [0.0, 0.5])
 def test_ldadam_host_matches_the_pytorch_rendering(torch_shape, wd):
-    seq = [g["w"] for g in _grads(np.random.default_rng(0), {"w": torch_shape}, 8)]
-    ref = _ldadam_reference(seq, 8, wd)
-    params = {"w": jnp.full(torch_shape[::-1], 0.0)}
-    got, state = _jax_run(_ldadam_tx(8, wd), params, [{"w": jnp.asarray(g.T)} for g in seq])
-    for t in range(len(seq)):
-        assert_matches_reference(np.asarray(got[t]["w"]).T, ref[t], f"step {t}")
+    """From random weights, with ``eps`` near ``sqrt(v)`` (so where it enters Adam shows) and a
+    weight decay large enough that decaying before the step or after it differs."""
+    rng = np.random.default_rng(0)
+    seq = [0.01 * g["w"] for g in _grads(rng, {"w": torch_shape}, 8)]
+    w0 = rng.standard_normal(torch_shape).astype(np.float32)
+    ref = _ldadam_reference(seq, 8, wd, eps=1e-3, w0=w0)
+    params = {"w": jnp.asarray(w0.T)}
+    got, state = _jax_run(_ldadam_tx(8, wd, eps=1e-3), params, [{"w": jnp.asarray(g.T)} for g in seq])
+    for t in range(len(seq)):  # the change from w0 (the weights themselves would hide it)
+        assert_matches_reference(np.asarray(got[t]["w"]).T - w0, ref[t] - w0, f"step {t}")
     error = find_state(state, mj.LDAdamState).error["w"]
-    assert float(jnp.linalg.norm(error)) > 0.1  # error feedback is carried
+    assert float(jnp.linalg.norm(error)) > 1e-3  # error feedback is carried
 
 
 def test_ldadam_without_error_feedback_matches_and_keeps_no_buffer():
@@ -108,14 +112,14 @@ def test_ldadam_without_error_feedback_matches_and_keeps_no_buffer():
 def test_ldadam_non_targets_are_torch_adamw():
     """The full-rank path is ``torch.optim.AdamW`` (decay before the step, eps outside the root)."""
     rng = np.random.default_rng(2)
-    seq = [{"norm": rng.standard_normal(16).astype(np.float32)} for _ in range(6)]
+    seq = [{"norm": 0.01 * rng.standard_normal(16).astype(np.float32)} for _ in range(6)]
     init = rng.standard_normal(16).astype(np.float32)
     w = torch.nn.Parameter(torch.from_numpy(init.copy()))
-    opt = torch.optim.AdamW([w], lr=0.01, betas=(B1, B2), eps=EPS, weight_decay=0.1)
+    opt = torch.optim.AdamW([w], lr=0.01, betas=(B1, B2), eps=1e-3, weight_decay=0.5)
     ref = torch_history(opt, {"norm": w}, seq)
     tx = mj.moara_adamw(
-        0.01, r_base=4, decompose=False, rank_allocation=False, b1=B1, b2=B2, eps=EPS,
-        weight_decay=0.1, host="ldadam",
+        0.01, r_base=4, decompose=False, rank_allocation=False, b1=B1, b2=B2, eps=1e-3,
+        weight_decay=0.5, host="ldadam",
     )  # fmt: skip
     got, _ = _jax_run(tx, {"norm": jnp.asarray(init)}, [{"norm": jnp.asarray(g["norm"])} for g in seq])
     for t in range(len(seq)):

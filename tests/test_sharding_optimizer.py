@@ -35,7 +35,8 @@ SCRIPT = textwrap.dedent("""
         shardings = jax.tree.map(state_sharding, jax.eval_shape(tx.init, params))
         state = jax.jit(tx.init, out_shardings=shardings)(params)
         # LDAdam makes its bases and moments anew each step, and XLA's propagation picks their
-        # layout: pin the state's shardings (the trainer does for every host).
+        # layout: pin the state's shardings (the trainer does for every host). For LDAdam this
+        # run then checks the numbers only.
         pin = dict(out_shardings=(None, shardings)) if sys.argv[1] == "ldadam" else {}
         update = jax.jit(tx.update, **pin)
         out = []

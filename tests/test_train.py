@@ -132,6 +132,16 @@ def test_sharded_2x2x2_mesh_gives_one_device_losses(host, tmp_path):
     np.testing.assert_allclose([eight[s] for s in one], [one[s] for s in one], rtol=2e-4)
 
 
+@pytest.mark.parametrize("host", ["ldadam", "subtrack_pp"])
+def test_profile_reads_the_bases_of_other_hosts(host, tmp_path):
+    run_cli(
+        tmp_path / host, *FAST, "mode=profile", "profile.steps=4", "profile.every=2", f"optimizer.host={host}"
+    )
+    alignment = json.loads((tmp_path / host / "alignment.json").read_text())
+    assert set(alignment["s_tau"]) == {"q", "k", "v", "o", "up", "gate", "down"}
+    assert all(0 < s <= 1 for s in alignment["s_tau"].values())
+
+
 def test_profile_writes_allocation_that_training_reads(tmp_path):
     run_cli(tmp_path / "prof", *FAST, "mode=profile", "profile.steps=10", "profile.every=2")
     allocation = json.loads((tmp_path / "prof" / "allocation.json").read_text())
