@@ -28,10 +28,10 @@ from moara_jax._projection import (
     _check_args,
     _matrix_of,
     _refresh_matrix,
-    basis_shape,
     project_value,
     projection_side,
     refresh_bases,
+    zero_bases,
 )
 
 
@@ -95,11 +95,7 @@ def osd_project(
     lr_fn = basis_lr if callable(basis_lr) else (lambda count: basis_lr)
 
     def init_fn(params):
-        def make(path, u):
-            m, d, r = basis_shape("osd_project", path, u, rank_fn(path), name_fn(path))
-            return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
-
-        basis = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
+        basis = zero_bases("osd_project", params, rank_fn, name_fn)
         zeros = jax.tree.map(jnp.zeros_like, basis)
         return OSDProjectState(jnp.zeros([], jnp.int32), basis, zeros, zeros)  # immutable: shared
 

@@ -286,6 +286,17 @@ def basis_shape(stage: str, path, u: Any, requested: int, module: str | None) ->
     return m, d, r
 
 
+def zero_bases(stage: str, params: Any, rank_fn: Callable, name_fn: Callable) -> Any:
+    """Zero bases ``(..., d, r)`` in each leaf's dtype for a projection stage's state (ranks
+    checked and clipped, with :func:`basis_shape`)."""
+
+    def make(path, u):
+        m, d, r = basis_shape(stage, path, u, rank_fn(path), name_fn(path))
+        return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
+
+    return jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
+
+
 def rank_warning(path, shape: tuple[int, ...], requested: int, rank: int, module: str | None) -> None:
     """Warns, naming the module and both numbers, when the requested rank was clipped."""
     if rank < requested:
@@ -345,11 +356,7 @@ def project(
     name_fn = name if callable(name) else (lambda path: name)
 
     def init_fn(params):
-        def make(path, u):
-            m, d, r = basis_shape("project", path, u, rank_fn(path), name_fn(path))
-            return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
-
-        basis = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
+        basis = zero_bases("project", params, rank_fn, name_fn)
         return ProjectState(count=jnp.zeros([], jnp.int32), basis=basis)
 
     def update_fn(updates, state, params=None):

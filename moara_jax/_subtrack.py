@@ -45,11 +45,11 @@ from moara_jax._projection import (
     _matrix_of,
     _refresh_matrix,
     _svd,
-    basis_shape,
     project_value,
     projection_side,
     refresh_bases,
     transport,
+    zero_bases,
 )
 
 
@@ -115,11 +115,7 @@ def subtrack_project(
     name_fn = name if callable(name) else (lambda path: name)
 
     def init_fn(params):
-        def make(path, u):
-            m, d, r = basis_shape("subtrack_project", path, u, rank_fn(path), name_fn(path))
-            return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
-
-        basis = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
+        basis = zero_bases("subtrack_project", params, rank_fn, name_fn)
         return SubTrackProjectState(jnp.zeros([], jnp.int32), basis, jax.tree.map(jnp.zeros_like, basis))
 
     def update_fn(updates, state, params=None):
