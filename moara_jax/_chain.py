@@ -22,7 +22,7 @@ from moara_jax._decomposition import (
     recompose_along,
 )
 from moara_jax._fira import DEFAULT_GROWTH_LIMIT, fira_adam
-from moara_jax._hosts import OSD, Fira, Host, LDAdam, QGaLore, SubTrackPP, resolve_host
+from moara_jax._hosts import HOSTS, OSD, Fira, GaLore, Host, LDAdam, QGaLore, SubTrackPP, resolve_host
 from moara_jax._ldadam import ldadam
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._osd import osd_project
@@ -203,9 +203,16 @@ def host_stages(
     """
     host = resolve_host(host)
     where = dict(svd=svd, seed=seed, canonical_signs=canonical_signs, name=name)
+    if proj_type != "std" and not isinstance(host, (GaLore, Fira)):
+        host_name = next(k for k, v in HOSTS.items() if isinstance(host, v))
+        raise ValueError(f"the {host_name} host projects with proj_type='std' only, got {proj_type!r}")
+
+    def fira(growth_limit):
+        return fira_adam(
+            b1, b2, eps, scale=scale, growth_limit=growth_limit, mu_dtype=mu_dtype, mag_dtype=mag_dtype
+        )
+
     if isinstance(host, QGaLore):
-        if proj_type != "std":
-            raise ValueError(f"the q_galore host projects with proj_type='std' only, got {proj_type!r}")
         if mu_dtype is not None:
             raise ValueError(
                 f"mu_dtype={mu_dtype!r}: the q_galore host keeps 8-bit or float32 moments "
@@ -224,8 +231,6 @@ def host_stages(
         adam = adam8bit(b1, b2, eps, min_8bit_size=host.min_8bit_size, mag_bits=host.mag_bits)
         return projection, adam
     if isinstance(host, LDAdam):
-        if proj_type != "std":
-            raise ValueError(f"the ldadam host projects with proj_type='std' only, got {proj_type!r}")
         stage = ldadam(
             rank,
             rho=host.rho,
@@ -239,8 +244,6 @@ def host_stages(
         )
         return (stage,)
     if isinstance(host, OSD):
-        if proj_type != "std":
-            raise ValueError(f"the osd host projects with proj_type='std' only, got {proj_type!r}")
         if host.basis_lr is None:
             raise ValueError(
                 "the osd host needs OSD(basis_lr=...) here (moara_adamw derives it from its learning rate)"
@@ -256,24 +259,14 @@ def host_stages(
         )
         return projection, inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
     if isinstance(host, SubTrackPP):
-        if proj_type != "std":
-            raise ValueError(f"the subtrack_pp host projects with proj_type='std' only, got {proj_type!r}")
         projection = subtrack_project(
             rank, update_proj_gap, step_size=host.step_size, track_all=host.track_all, **where
         )
-        adam = fira_adam(
-            b1, b2, eps, scale=scale, growth_limit=host.growth_limit, mu_dtype=mu_dtype, mag_dtype=mag_dtype
-        )
-        return projection, transport_moments(adam, update_proj_gap, b2)
-    fira = isinstance(host, Fira)
-    projection = project(rank, update_proj_gap, proj_type, keep_source=fira, **where)
-    if fira:
-        adam = fira_adam(
-            b1, b2, eps, scale=scale, growth_limit=host.growth_limit, mu_dtype=mu_dtype, mag_dtype=mag_dtype
-        )
-    else:
-        adam = inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
-    return projection, adam
+        return projection, transport_moments(fira(host.growth_limit), update_proj_gap, b2)
+    if isinstance(host, Fira):
+        return project(rank, update_proj_gap, proj_type, keep_source=True, **where), fira(host.growth_limit)
+    projection = project(rank, update_proj_gap, proj_type, **where)
+    return projection, inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
 
 
 _STAGE_ARGS = (

@@ -46,6 +46,7 @@ from moara_jax._projection import (
     _check_args,
     _matrix_of,
     _orthonormal,
+    _swap,
     basis_shape,
     project_back,
     project_value,
@@ -70,10 +71,6 @@ def ldadam_side(shape: tuple[int, ...]) -> str:
     """LDAdam's ``'std'`` rule in Flax layout: ``'in'`` (project fan_in) when fan_out > fan_in,
     else ``'out'`` (a square matrix projects its fan_out side)."""
     return "in" if shape[-1] > shape[-2] else "out"
-
-
-def _swap(x):
-    return jnp.swapaxes(x, -1, -2)
 
 
 def _power_step(a: jax.Array, basis: jax.Array, side: str) -> jax.Array:
@@ -192,8 +189,8 @@ def ldadam(
             mu32, nu32 = mu.astype(jnp.float32), nu.astype(jnp.float32)
             mu_t = transport(c, mu32, side)
             centred = nu32 / c2 - jnp.square(mu32) / jnp.square(c1)
+            # (At the first step the moments are zero and so is this.)
             nu_t = c2 * jnp.abs(transport(jnp.square(c), centred, side) + jnp.square(mu_t) / jnp.square(c1))
-            nu_t = jnp.where(first, 0.0, nu_t)
             if e is not None:
                 k = b1 / (1.0 - b1)
                 e = (g - project_back(low + k * mu_t, q, side) + k * m_back).astype(e.dtype)

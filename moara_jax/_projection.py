@@ -34,6 +34,11 @@ class ProjectState(NamedTuple):
     basis: Any  # per leaf (..., d, r) in the leaf's dtype, d the projected side.
 
 
+def _swap(x: jax.Array) -> jax.Array:
+    """The matrix transpose of the last two axes."""
+    return jnp.swapaxes(x, -1, -2)
+
+
 def projection_side(shape: tuple[int, ...]) -> str:
     """``'in'`` to project the fan_in axis (-2), ``'out'`` for the fan_out axis (-1).
 

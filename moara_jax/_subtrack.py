@@ -45,6 +45,7 @@ from moara_jax._projection import (
     _matrix_of,
     _refresh_matrix,
     _svd,
+    _swap,
     project_value,
     projection_side,
     refresh_bases,
@@ -59,10 +60,6 @@ class SubTrackProjectState(NamedTuple):
     count: jax.Array  # shape=(), dtype=jnp.int32: steps taken.
     basis: Any  # per leaf (..., d, r) in the leaf's dtype.
     initial_basis: Any  # the step-0 basis, which the moments are transported from.
-
-
-def _swap(x):
-    return jnp.swapaxes(x, -1, -2)
 
 
 def geodesic_step(basis: jax.Array, a: jax.Array, step_size: float) -> jax.Array:
@@ -126,23 +123,24 @@ def subtrack_project(
         sides = [projection_side(m.shape) for m in mats]
         tracked = [track_all or side == "out" for side in sides]
 
+        # Each branch gives (bases, initial bases); step 0's SVD basis is both.
         def first():
             key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
             sources = [_refresh_matrix(u) for u in leaves]
             new = refresh_bases(sources, [b.shape[-1] for b in old], svd, key, 8, 2, canonical_signs)
-            return [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
+            new = [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
+            return new, new
 
         def track():
             out = []
             for m, b, side, moves in zip(mats, old, sides, tracked, strict=True):
                 a = m if side == "in" else _swap(m)  # the projected side first
                 out.append(geodesic_step(b, a, step_size).astype(b.dtype) if moves else b)
-            return out
+            return out, list(initial)
 
         if leaves:
             branch = jnp.where(state.count == 0, 0, jnp.where(state.count % update_proj_gap == 0, 1, 2))
-            bases = jax.lax.switch(branch, [first, track, lambda: list(old)])
-            initial = [jnp.where(state.count == 0, b, i) for b, i in zip(bases, initial, strict=True)]
+            bases, initial = jax.lax.switch(branch, [first, track, lambda: (list(old), list(initial))])
         else:
             bases = []
         out = []
