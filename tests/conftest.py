@@ -1,5 +1,23 @@
-"""Shared test set-up: float32 matmuls at full precision, so oracle comparisons are meaningful."""
+"""Shared test set-up: float32 matmuls at full precision, so oracle comparisons are meaningful;
+token stores cached under the session's temporary directory, never the user's cache."""
+
+import os
 
 import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _token_store_cache(tmp_path_factory):
+    # The parent of the base temp dir is shared by the xdist workers of one session, so the
+    # builtin corpus' store is built once (the store's lock serialises concurrent builders).
+    root = tmp_path_factory.getbasetemp().parent / "moara-jax-cache"
+    old = os.environ.get("MOARA_JAX_CACHE")
+    os.environ["MOARA_JAX_CACHE"] = str(root)
+    yield root
+    if old is None:
+        os.environ.pop("MOARA_JAX_CACHE", None)
+    else:
+        os.environ["MOARA_JAX_CACHE"] = old

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from train.config import load_config
-from train.data import ByteTokenizer, Counts, SentencePieceTokenizer, file_documents, pack
+from train.data import Counts, SentencePieceTokenizer, file_documents
 from train.errors import UserError
 from train.metrics import dedupe_by_step, read_metrics
 
@@ -289,16 +289,6 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
         list(file_documents([str(csv)], Counts()))
 
 
-def test_packing_is_eos_separated_windows():
-    windows = pack(["ab", "c"], ByteTokenizer(), 3)
-    assert windows.tolist() == [[97, 98, 256]]  # "ab" EOS | "c" EOS (dropped: partial window)
-    np.testing.assert_array_equal(pack(["abcde"], ByteTokenizer(), 2), [[97, 98], [99, 100], [101, 256]])
-    with pytest.raises(UserError, match=r"the train split has 2 tokens, fewer than one window of 8"):
-        pack(["a"], ByteTokenizer(), 8)
-    with pytest.raises(UserError, match=r"validation split .*validation_fraction, data.validation_paths"):
-        pack(["a"], ByteTokenizer(), 8, split="validation")
-
-
 def test_sentencepiece_tokenizer_path(tmp_path):
     spm = pytest.importorskip("sentencepiece")
     corpus = tmp_path / "corpus.txt"
@@ -418,29 +408,6 @@ def test_cli_trains_on_another_host(host, tmp_path):
     summary = json.loads((tmp_path / host / "summary.json").read_text())
     assert summary["host"] == host and summary["optimizer"] == "moara"
     assert np.isfinite(summary["final_eval_ppl"])
-
-
-def test_tfds_source_reads_train_and_validation_splits(monkeypatch):
-    """The TFDS path against a stand-in module with tfds' ``load``/``as_numpy`` interface."""
-    import types
-
-    from train.config import DataSection
-    from train.data import load_splits
-
-    calls = []
-
-    def load(name, split, download):
-        calls.append((name, split, download))
-        n = 5 if split == "train" else 2
-        return [{"text": f"{split} document {i}".encode()} for i in range(n)]
-
-    fake = types.SimpleNamespace(load=load, as_numpy=lambda ds: iter(ds))
-    monkeypatch.setitem(sys.modules, "tensorflow_datasets", fake)
-    train, val, counts = load_splits(DataSection(source="tfds", tfds_name="c4/en", max_documents=3))
-    assert train == ["train document 0", "train document 1", "train document 2"]
-    assert val == ["validation document 0", "validation document 1"]
-    assert calls == [("c4/en", "train", False), ("c4/en", "validation", False)]
-    assert counts.documents == 5
 
 
 def test_labels_command_prints_the_optimizer_view():

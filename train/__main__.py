@@ -7,7 +7,7 @@ import os
 import pathlib
 import sys
 
-from train.errors import UserError
+from train.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 
 
 def main(argv=None) -> int:
@@ -53,7 +53,16 @@ def main(argv=None) -> int:
         summary = train_and_evaluate(cfg, run_dir, resume=args.resume, quiet=args.quiet)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USER_ERROR
+    except Exception as e:
+        from train.store import Interrupted
+
+        if not isinstance(e, Interrupted):
+            raise
+        print(
+            f"interrupted while building the token store ({e}): run the same command again", file=sys.stderr
+        )
+        return EXIT_PREEMPTED
     if summary["status"] == "nan":
         return 1
     ppl = summary["final_eval_ppl"]

@@ -65,13 +65,18 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    source: str = "builtin"  # builtin | files | tfds
+    source: str = "builtin"  # builtin | files | tfds | store (data.store as it is, no inputs)
     paths: list = field(default_factory=list)
     validation_paths: list = field(default_factory=list)
     tfds_name: str = "c4/en"
     tokenizer: str = "bytes"  # bytes | PATH to a sentencepiece model
     validation_fraction: float = 0.02
     max_documents: int | None = None
+    # The token store: built here when missing (default: a cache entry keyed by the inputs and
+    # the tokenizer, under cache_dir or ~/.cache/moara-jax), reused by every later run.
+    store: str | None = None
+    cache_dir: str | None = None
+    workers: int | None = None  # tokenizing processes (default: all cores)
 
 
 @dataclass(frozen=True)
@@ -252,10 +257,12 @@ def validate(cfg: RunConfig) -> None:
         "train.param_dtype and train.dtype must be float32 or bfloat16",
     )
     need(
-        d.source in ("builtin", "files", "tfds"),
-        f"data.source must be builtin, files or tfds, got {d.source!r}",
+        d.source in ("builtin", "files", "tfds", "store"),
+        f"data.source must be builtin, files, tfds or store, got {d.source!r}",
     )
     need(d.source != "files" or bool(d.paths), "data.source is files but data.paths is empty")
+    need(d.source != "store" or bool(d.store), "data.source is store but data.store is not set")
+    need(d.workers is None or d.workers >= 1, f"data.workers must be >= 1 (or null), got {d.workers}")
     need(0 < d.validation_fraction < 1, "data.validation_fraction must be in (0, 1)")
     need(
         cfg.checkpoint.keep >= 1 and cfg.checkpoint.every >= 0,

@@ -3,7 +3,6 @@ logging, evaluation, checkpoints (SIGTERM-safe), resume, profiling and a summary
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import pathlib
@@ -77,8 +76,8 @@ def train_and_evaluate(
     profiling_mode = cfg.mode == "profile"
     total_steps = min(t.steps, cfg.profile.steps) if profiling_mode else t.steps
 
-    data = build_data(cfg.data, t.seq_len)
-    model_cfg = model_config(cfg, data.tokenizer.vocab_size)
+    data = build_data(cfg.data, t.seq_len, quiet=quiet)
+    model_cfg = model_config(cfg, data.vocab_size)
     mesh = make_mesh(cfg.mesh)
     b_sharding = batch_sharding(mesh, t.batch_size)
     micro = t.batch_size // (t.micro_batch_size or t.batch_size)
@@ -138,10 +137,10 @@ def train_and_evaluate(
         donate_argnums=(0,),
     )
     eval_fn = jax.jit(make_eval_step(model_cfg), in_shardings=(p_shard, b_sharding))
-    val = data.val_batches(t.batch_size, t.eval_batches)
+    val_batches = [_sharded_rows(b, b_sharding) for b in data.val_batches(t.batch_size, t.eval_batches)]
 
     def evaluate(params) -> float:
-        return float(np.mean([float(eval_fn(params, _global_batch(b, b_sharding))) for b in val]))
+        return float(np.mean([float(eval_fn(params, b)) for b in val_batches]))
 
     writer = MetricsWriter(run_dir, total_steps, resume and start > 0, quiet, enabled=main)
     recorder = profiling.AlignmentRecorder(cfg.profile.ema) if profiling_mode else None
@@ -153,7 +152,7 @@ def train_and_evaluate(
     step = start
     with _Stop() as stop:
         while step < total_steps:
-            batch = _global_batch(np.asarray(next(data_iter)), b_sharding)
+            batch = _global_batch(next(data_iter), b_sharding, data.read_train, data.window)
             t0 = time.perf_counter()
             new_state, metrics = step_fn(state, batch)
             loss = float(metrics["loss"])
@@ -226,7 +225,7 @@ def train_and_evaluate(
         "param_count": models.param_count(model_cfg),
         "optimizer_state_bytes": mj.state_bytes(abstract_opt),
         "ranks": _rank_summary(cfg, abstract_params, profiling_mode),
-        "data": dataclasses.asdict(data.counts),
+        "data": data.summary(),
         "devices": len(mesh.devices.flat),
         "mesh": dict(mesh.shape),
     }
@@ -247,6 +246,7 @@ def _is_main_process() -> bool:
 # Settings a resumed run must share with the run it continues (they shape the state or the data
 # order); everything else (steps, learning rate, logging, mesh, ...) may change.
 _FIXED_ON_RESUME = ("mode", "model", "data", "optimizer", "train.batch_size", "train.seq_len", "train.seed")
+_FREE_ON_RESUME = ("optimizer.svd", "data.workers", "data.cache_dir")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -264,7 +264,7 @@ def _check_resumable(saved: dict, new: dict) -> None:
         k
         for k in set(old_flat) | set(new_flat)
         if any(k == f or k.startswith(f + ".") for f in _FIXED_ON_RESUME)
-        and k != "optimizer.svd"
+        and k not in _FREE_ON_RESUME
         and old_flat.get(k) != new_flat.get(k)
     )
     if changed:
@@ -280,10 +280,19 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def _global_batch(batch: np.ndarray, sharding) -> jax.Array:
-    """The global batch as a sharded array; each process transfers only its addressable shards
-    (every process reads the same seeded stream, so this is also correct across hosts)."""
-    return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
+def _global_batch(indices: np.ndarray, sharding, read_rows, window: int) -> jax.Array:
+    """The global batch of window ``indices`` as a sharded array. Each process reads from the
+    store only the rows of its addressable shards (every process draws the same seeded index
+    stream, so this is also correct across hosts)."""
+    indices = np.asarray(indices)
+    return jax.make_array_from_callback(
+        (len(indices), window), sharding, lambda idx: read_rows(indices[idx[0]])[:, idx[1]]
+    )
+
+
+def _sharded_rows(rows: np.ndarray, sharding) -> jax.Array:
+    """A batch already in host memory (the fixed validation batches) as a sharded array."""
+    return jax.make_array_from_callback(rows.shape, sharding, lambda idx: rows[idx])
 
 
 def _rank_summary(cfg: RunConfig, abstract_params, profiling_mode: bool) -> dict | None:

@@ -1,0 +1,441 @@
+"""The token store (``train.store``, ``python -m train.prepare``) and the lazy grain loader over
+it (``train.data``): byte-identical builds whatever the interruption or the worker count, reuse,
+refusals, skipped records, record ranges of TFDS splits, and the rows each device reads."""
+
+import errno
+import gzip
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import types
+
+import numpy as np
+import pytest
+
+from train import store as token_store
+from train.config import DataSection
+from train.data import Data, build_data, open_store
+from train.errors import EXIT_PREEMPTED, UserError
+from train.sources import ByteTokenizer, Counts, file_documents, is_validation
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORDS = "the quick brown fox jumps over a lazy dog while seven tired owls sing of rain".split()
+
+
+def write_corpus(directory: pathlib.Path, files: int = 6, docs: int = 40, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for f in range(files):
+        path = directory / f"part-{f:02d}.jsonl{'.gz' if f % 2 else ''}"
+        lines = [
+            json.dumps({"text": " ".join(rng.choice(WORDS, rng.integers(20, 200)))}) for _ in range(docs)
+        ]
+        data = ("\n".join(lines) + "\n").encode()
+        path.write_bytes(gzip.compress(data, mtime=0) if f % 2 else data)
+        paths.append(str(path))
+    return paths
+
+
+def tree_hashes(directory: pathlib.Path) -> dict:
+    """Every file of a store but its lock, by relative path, with its sha256."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+def prepare_cli(*args, env=None, check=True):
+    proc = subprocess.run(
+        [sys.executable, "-m", "train.prepare", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def files_section(paths, **kw) -> DataSection:
+    return DataSection(source="files", paths=list(paths), **kw)
+
+
+# A prepare that stops in the middle of piece 3 (its first documents read, nothing renamed) and
+# touches a marker file: the test then signals it at a known point of the build.
+STALL = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    import train.sources as s
+    original = s.path_documents
+    def stalling(path, counts, start=0, stop=None):
+        for i, doc in enumerate(original(path, counts, start, stop)):
+            if path.name.startswith("part-03") and i == 30:
+                pathlib.Path(sys.argv[1]).touch()
+                time.sleep(120)
+            yield doc
+    s.path_documents = stalling
+    from train.prepare import main
+    sys.exit(main(sys.argv[2:]))
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_interrupted_prepare_then_rerun_gives_the_identical_store(sig, tmp_path):
+    paths = write_corpus(tmp_path / "corpus", files=6)
+    sets = ["--set", "data.source=files", "--set", f"data.paths=[{tmp_path / 'corpus'}/part-*]"]
+    prepare_cli(*sets, "--out", str(tmp_path / "whole"), "--workers", "2")
+
+    marker = tmp_path / "stalled"
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALL, str(marker), *sets, "--out", str(cut), "--workers", "1", "--quiet"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert marker.exists(), proc.communicate()[1][-2000:]
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    shards = {p.name for p in (cut / "shards").iterdir()}
+    assert not (cut / token_store.MANIFEST).exists()
+    assert {"00000.json", "00001.json", "00002.json"} <= shards and "00003.json" not in shards
+    assert "train-00003.bin" not in shards  # the piece in progress never looks complete
+    if sig == signal.SIGTERM:
+        assert proc.returncode == EXIT_PREEMPTED and "run the same command again" in err
+        assert not [n for n in shards if n.endswith(".tmp")]  # cleaned up on the way out
+    else:
+        assert proc.returncode == -signal.SIGKILL
+        assert "train-00003.bin.tmp" in shards  # what the killed build left
+
+    again = prepare_cli(*sets, "--out", str(cut), "--workers", "2")
+    assert "token store" in again.stdout
+    assert tree_hashes(cut) == tree_hashes(tmp_path / "whole")
+    manifest = json.loads((cut / token_store.MANIFEST).read_text())
+    assert [i["path"] for i in manifest["inputs"]] == [str(pathlib.Path(p).resolve()) for p in paths]
+    assert manifest["inputs"][1]["sha256"] == hashlib.sha256(pathlib.Path(paths[1]).read_bytes()).hexdigest()
+
+
+def test_full_disk_leaves_no_complete_looking_piece_and_a_rerun_finishes(tmp_path, monkeypatch):
+    paths = write_corpus(tmp_path / "corpus", files=4)
+    plan = token_store.plan(files_section(paths))
+    token_store.build(tmp_path / "whole", plan, workers=1, quiet=True)
+
+    original = token_store._ShardWriter.write
+
+    def fill_up(self, ids):
+        if "00002" in self.path.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(self, ids)
+
+    monkeypatch.setattr(token_store._ShardWriter, "write", fill_up)
+    with pytest.raises(
+        UserError, match="no space left on the device of the token store .* run the same command"
+    ):
+        token_store.build(tmp_path / "full", plan, workers=1, quiet=True)
+    left = {p.name for p in (tmp_path / "full" / "shards").iterdir()}
+    assert left - {"validation-00000.bin", "validation-00001.bin"} == {
+        "00000.json",
+        "00001.json",
+        "train-00000.bin",
+        "train-00001.bin",
+    }
+    assert not (tmp_path / "full" / token_store.MANIFEST).exists()
+    monkeypatch.setattr(token_store._ShardWriter, "write", original)
+    token_store.build(tmp_path / "full", plan, workers=1, quiet=True)
+    assert tree_hashes(tmp_path / "full") == tree_hashes(tmp_path / "whole")
+
+
+def test_store_holds_the_documents_eos_separated_with_the_hash_split(tmp_path):
+    paths = write_corpus(tmp_path / "corpus", files=3, docs=50)
+    cfg = files_section(paths, validation_fraction=0.1)
+    opened = open_store(cfg, quiet=True)
+    docs = list(file_documents(paths, Counts()))
+    tok = ByteTokenizer()
+    for split, keep in (("train", False), ("validation", True)):
+        want = [t for d in docs if is_validation(d, 0.1) == keep for t in tok.encode(d) + [tok.eos_id]]
+        stream = opened.splits[split]
+        np.testing.assert_array_equal(stream.read(0, stream.tokens), want)
+    assert opened.manifest["dtype"] == "uint16"
+    assert opened.manifest["splits"]["validation"]["documents"] == sum(is_validation(d, 0.1) for d in docs)
+    # Windows are consecutive seq_len + 1 slices of the split, across shard boundaries.
+    data = Data(opened, 33)
+    flat = opened.splits["train"].read(0, opened.splits["train"].tokens)
+    idx = np.arange(data.n_windows("train"))
+    np.testing.assert_array_equal(data.read_train(idx), flat[: len(idx) * 33].reshape(-1, 33))
+    assert len(opened.splits["train"].shards) == 3
+
+
+def test_a_store_is_reused_not_rebuilt(tmp_path, monkeypatch):
+    paths = write_corpus(tmp_path / "corpus", files=2)
+    cfg = files_section(paths, cache_dir=str(tmp_path / "cache"))
+    first = open_store(cfg, quiet=True)
+    assert first.directory.parent == tmp_path / "cache" / "stores"
+    before = tree_hashes(first.directory)
+    stamps = {p: p.stat().st_mtime_ns for p in first.directory.rglob("*")}
+
+    def refuse(*a, **k):
+        raise AssertionError("the store was rebuilt")
+
+    monkeypatch.setattr(token_store, "build", refuse)
+    second = open_store(cfg, quiet=True)
+    assert second.directory == first.directory and tree_hashes(second.directory) == before
+    assert {p: p.stat().st_mtime_ns for p in first.directory.rglob("*")} == stamps
+    # Another input (a changed file) is another cache entry.
+    pathlib.Path(paths[0]).write_text(json.dumps({"text": "changed"}) + "\n")
+    monkeypatch.undo()
+    assert open_store(cfg, quiet=True).directory != first.directory
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory):
+    spm = pytest.importorskip("sentencepiece")
+    d = tmp_path_factory.mktemp("sp")
+    corpus = d / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))) * 20)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(d / "sp"), vocab_size=40, eos_id=1, pad_id=0, unk_id=2, bos_id=-1
+    )
+    return str(d / "sp.model")
+
+
+def test_a_store_of_another_tokenizer_or_other_inputs_is_refused(tmp_path, sp_model):
+    paths = write_corpus(tmp_path / "corpus", files=2)
+    named = str(tmp_path / "named")
+    open_store(files_section(paths, store=named), quiet=True)
+    with pytest.raises(UserError) as e:
+        open_store(files_section(paths, store=named, tokenizer=sp_model), quiet=True)
+    assert "made with tokenizer bytes (vocab 257), but data.tokenizer is sentencepiece sp.model" in str(
+        e.value
+    )
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match=r"made with tokenizer bytes .* sentencepiece sp.model"):
+        open_store(DataSection(source="store", store=named, tokenizer=sp_model), quiet=True)
+    with pytest.raises(UserError) as e:
+        open_store(files_section(paths[:1], store=named), quiet=True)
+    assert "was made from files [part-00.jsonl, part-01.jsonl.gz]" in str(e.value)
+    assert "asks for files [part-00.jsonl]" in str(e.value)
+    # The store itself, with its own tokenizer, reads without its inputs.
+    assert open_store(DataSection(source="store", store=named), quiet=True).splits["train"].tokens > 0
+    with pytest.raises(UserError, match="is not a complete token store"):
+        open_store(DataSection(source="store", store=str(tmp_path / "nothing")), quiet=True)
+
+
+def test_sentencepiece_store_and_uint32_for_large_vocabularies(tmp_path, sp_model):
+    paths = write_corpus(tmp_path / "corpus", files=2, docs=10)
+    opened = open_store(files_section(paths, tokenizer=sp_model, store=str(tmp_path / "sp")), quiet=True)
+    assert opened.tokenizer["kind"] == "sentencepiece" and opened.tokenizer["vocab_size"] == 40
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    docs = [d for d in file_documents(paths, Counts()) if not is_validation(d, 0.02)]
+    want = [t for d in docs for t in sp.encode(d) + [1]]
+    np.testing.assert_array_equal(opened.splits["train"].read(0, opened.splits["train"].tokens), want)
+    big = token_store.Plan((), "bytes", {"vocab_size": 100_000}, {}, 0.02, None, "k")
+    assert big.dtype == "uint32" and token_store.plan(files_section(paths)).dtype == "uint16"
+
+
+def test_corrupt_records_are_skipped_and_counted_in_the_manifest(tmp_path):
+    good = write_corpus(tmp_path / "corpus", files=1, docs=5)
+    bad = tmp_path / "bad.jsonl.gz"
+    with gzip.open(bad, "wb") as f:
+        f.write(b'{"text": "good one"}\n{broken json\n{"text": ""}\n{"other": 1}\n')
+        f.write(b'{"text": "\xff\xfe bad bytes"}\n\n{"text": "good two"}\n')
+    opened = open_store(files_section([*good, str(bad)], store=str(tmp_path / "s")), quiet=True)
+    m = opened.manifest
+    assert m["skipped"] == {"broken_json": 1, "empty_text": 1, "missing_text": 1, "non_utf8": 1}
+    assert sum(m["splits"][s]["documents"] for s in ("train", "validation")) == 7
+
+
+def test_max_documents_takes_the_first_documents_across_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(token_store, "PIECE_BYTES", 3000)  # a plain file in several byte ranges
+    paths = write_corpus(tmp_path / "corpus", files=3, docs=30)
+    plan = token_store.plan(files_section(paths, max_documents=47))
+    assert len(plan.pieces) > 6 and all(q.role == "mixed" for q in plan.pieces)
+    token_store.build(tmp_path / "two", plan, workers=2, quiet=True)
+    token_store.build(tmp_path / "one", plan, workers=1, quiet=True)
+    assert tree_hashes(tmp_path / "two") == tree_hashes(tmp_path / "one")
+    opened = token_store.TokenStore(tmp_path / "two")
+    docs = list(file_documents(paths, Counts()))[:47]
+    tok = ByteTokenizer()
+    want = [t for d in docs if not is_validation(d, 0.02) for t in tok.encode(d) + [tok.eos_id]]
+    got = opened.splits["train"]
+    np.testing.assert_array_equal(got.read(0, got.tokens), want)
+    assert sum(opened.manifest["splits"][s]["documents"] for s in ("train", "validation")) == 47
+
+
+def test_validation_paths_are_the_validation_split(tmp_path):
+    train = write_corpus(tmp_path / "train", files=2, seed=1)
+    val = write_corpus(tmp_path / "val", files=1, docs=7, seed=2)
+    opened = open_store(files_section(train, validation_paths=val, store=str(tmp_path / "s")), quiet=True)
+    m = opened.manifest
+    assert m["splits"]["validation"]["documents"] == 7 and m["splits"]["train"]["documents"] == 80
+    assert m["source"]["validation"] == "inputs"
+
+
+def fake_tfds(n_train=7, n_val=3, random_access=True):
+    """A stand-in for ``tensorflow_datasets`` with its ``builder().info``, ``data_source`` and
+    sliced-split ``load`` interfaces, recording what is read."""
+    calls = []
+    records = {
+        s: [{"text": f"{s} document {i} ".encode() * 5} for i in range(n)]
+        for s, n in (("train", n_train), ("validation", n_val))
+    }
+
+    class Source:
+        def __init__(self, split):
+            self.split = split
+
+        def __len__(self):
+            return len(records[self.split])
+
+        def __getitem__(self, i):
+            calls.append(("get", self.split, i))
+            return records[self.split][i]
+
+    def data_source(name, split, download):
+        if not random_access:
+            raise NotImplementedError("tfrecord")
+        return Source(split)
+
+    def load(name, split, download):
+        calls.append(("load", split))
+        base, rng = split.split("[")
+        a, b = (int(x) for x in rng.rstrip("]").split(":"))
+        return records[base][a:b]
+
+    splits = {s: types.SimpleNamespace(num_examples=len(r)) for s, r in records.items()}
+    info = types.SimpleNamespace(splits=splits, version="3.1.0")
+    module = types.SimpleNamespace(
+        builder=lambda name: types.SimpleNamespace(info=info),
+        data_source=data_source,
+        load=load,
+        as_numpy=lambda ds: iter(ds),
+    )
+    return module, calls
+
+
+@pytest.mark.parametrize("random_access", [True, False])
+def test_tfds_is_read_by_record_ranges_never_as_a_whole_split(random_access, tmp_path, monkeypatch):
+    module, calls = fake_tfds(random_access=random_access)
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", module)
+    monkeypatch.setattr(token_store, "PIECE_RECORDS", 2)
+    cfg = DataSection(source="tfds", tfds_name="c4/en", max_documents=5, store=str(tmp_path / "s"), workers=1)
+    opened = open_store(cfg, quiet=True)
+    m = opened.manifest
+    assert m["splits"]["train"]["documents"] == 5 and m["splits"]["validation"]["documents"] == 3
+    assert m["source"] == {
+        "kind": "tfds",
+        "name": "c4/en",
+        "version": "3.1.0",
+        "records": [5, 3],
+        "validation": "inputs",
+    }
+    tok = ByteTokenizer()
+    want = [t for i in range(5) for t in tok.encode(f"train document {i} " * 5) + [tok.eos_id]]
+    np.testing.assert_array_equal(opened.splits["train"].read(0, opened.splits["train"].tokens), want)
+    if random_access:
+        assert sorted(c[2] for c in calls if c[1] == "train") == [0, 1, 2, 3, 4]
+    else:
+        assert ("load", "train[0:2]") in calls and ("load", "train[4:5]") in calls
+        assert all(c[0] == "load" and "[" in c[1] for c in calls)
+
+
+def test_loader_shuffles_lazily_reshuffles_each_epoch_and_resumes(tmp_path):
+    paths = write_corpus(tmp_path / "corpus", files=2)
+    data = build_data(files_section(paths, store=str(tmp_path / "s"), validation_fraction=0.2), seq_len=31)
+    n = data.n_windows("train")
+    it = data.train_iterator(batch_size=4, seed=3)
+    first_epoch = np.concatenate([next(it) for _ in range(n // 4)])
+    assert len(set(first_epoch.tolist())) == len(first_epoch) and not np.array_equal(
+        first_epoch, np.sort(first_epoch)
+    )
+    state = it.get_state()
+    ahead = [next(it) for _ in range(3)]
+    again = data.train_iterator(batch_size=4, seed=3)
+    again.set_state(state)
+    np.testing.assert_array_equal(np.stack([next(again) for _ in range(3)]), np.stack(ahead))
+    rows = data.read_train(ahead[0])
+    assert rows.shape == (4, 32) and rows.dtype == np.int32
+    val = data.val_batches(4, 2)
+    assert len(val) == 2 and val[0].shape == (4, 32)
+
+
+SHARDED = textwrap.dedent(
+    """
+    import sys, numpy as np, jax
+    from train.config import DataSection, MeshSection
+    from train.data import build_data
+    from train.loop import _global_batch
+    from train.sharding import batch_sharding, make_mesh
+    data = build_data(DataSection(source="store", store=sys.argv[1]), seq_len=15)
+    mesh = make_mesh(MeshSection(data=2, fsdp=2, tensor=2))
+    sharding = batch_sharding(mesh, 8)
+    read = []
+    def rows(indices):
+        read.append(list(indices))
+        return data.read_train(indices)
+    it = data.train_iterator(8, seed=0)
+    for _ in range(3):
+        idx = next(it)
+        read.clear()
+        batch = _global_batch(idx, sharding, rows, data.window)
+        np.testing.assert_array_equal(np.asarray(batch), data.read_train(idx))
+        # each device's callback read only its own rows: a quarter of the batch (data x fsdp = 4)
+        assert all(r in (idx[k:k + 2].tolist() for k in range(0, 8, 2)) for r in read), read
+        assert sorted({i for r in read for i in r}) == sorted(idx.tolist())
+    print("ok", len(jax.devices()))
+    """
+)
+
+
+def test_8_device_mesh_reads_the_same_global_batches_as_one_device(tmp_path):
+    paths = write_corpus(tmp_path / "corpus", files=2)
+    named = str(tmp_path / "s")
+    open_store(files_section(paths, store=named, validation_fraction=0.2), quiet=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED, named],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 0 and "ok 8" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_damaged_store_is_a_clear_error(tmp_path):
+    paths = write_corpus(tmp_path / "corpus", files=2)
+    named = tmp_path / "s"
+    open_store(files_section(paths, store=str(named)), quiet=True)
+    shard = named / "shards" / "train-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(
+        UserError, match=r"is damaged: shards/train-00001.bin is \d+ bytes, the manifest says"
+    ):
+        open_store(files_section(paths, store=str(named)), quiet=True)
+
+
+def test_a_split_shorter_than_one_window_names_the_numbers(tmp_path):
+    paths = write_corpus(tmp_path / "corpus", files=1, docs=3)
+    cfg = files_section(paths, store=str(tmp_path / "s"), validation_paths=[])
+    with pytest.raises(UserError, match=r"the train split has \d+ tokens, fewer than one window of 100001"):
+        build_data(cfg, seq_len=100_000)
+    tiny_val = write_corpus(tmp_path / "val", files=1, docs=1)
+    cfg = files_section(paths, store=str(tmp_path / "v"), validation_paths=tiny_val)
+    with pytest.raises(UserError, match=r"validation split has \d+ tokens.*data.validation_paths"):
+        build_data(cfg, seq_len=1000)

@@ -1,0 +1,66 @@
+"""``python -m train.prepare``: tokenize a data section's text once, in parallel, into a token
+store that every later run reads (``python -m train`` builds it itself when it is missing; this
+command does it ahead of time, e.g. on a CPU machine before a GPU job).
+
+    python -m train.prepare --config configs/paper/llama2-350m.yaml \\
+        --set data.source=files --set "data.paths=[c4/c4-train.000*-of-01024.json.gz]" \\
+        --set data.tokenizer=spiece.model [--out DIR] [--workers N]
+
+``data.paths`` and ``data.validation_paths`` entries may be globs. Without ``--out`` the store
+goes to ``data.store`` or to the cache entry that ``python -m train`` looks up for the same
+data section. Run the same command again after an interruption: completed shards are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+from train.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", default=[], help="YAML run config(s); its data section")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out", default=None, help="store directory (default: data.store or the cache)")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    args = parser.parse_args(argv)
+    from train import store
+    from train.config import load_config
+    from train.data import store_dir
+
+    try:
+        if args.workers is not None and args.workers < 1:
+            raise UserError(f"--workers must be >= 1, got {args.workers}")
+        cfg = load_config(args.config, args.overrides).data
+        if cfg.source == "store":
+            raise UserError("data.source is store: there is nothing to prepare (give files, tfds or builtin)")
+        plan = store.plan(cfg)
+        directory = store_dir(cfg, plan) if args.out is None else pathlib.Path(args.out)
+        workers = args.workers or cfg.workers or store.default_workers()
+        t0 = time.perf_counter()
+        manifest = store.build(directory, plan, workers, quiet=args.quiet)
+        store.TokenStore(directory).check(plan, plan.tokenizer_identity)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except store.Interrupted as e:
+        print(
+            f"interrupted ({e}): completed shards are kept; run the same command again to continue",
+            file=sys.stderr,
+        )
+        return EXIT_PREEMPTED
+    seconds = time.perf_counter() - t0
+    splits = manifest["splits"]
+    counts = ", ".join(f"{n} {s['documents']:,} documents {s['tokens']:,} tokens" for n, s in splits.items())
+    print(f"token store {directory}: {counts}; skipped {json.dumps(manifest['skipped'])}; {seconds:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

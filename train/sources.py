@@ -1,0 +1,270 @@
+"""Where text comes from and how it becomes token ids: tokenizers (bytes, sentencepiece) and the
+document readers of each source (CPython's bundled docs, local files, TFDS), each able to read
+one piece of its input (a byte range of a JSON-lines file, a record range of a TFDS split) so
+that ``train.store`` can tokenize the pieces in parallel worker processes.
+
+Nothing here imports JAX: the store's worker processes import this module alone.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import pathlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from train.errors import UserError
+
+# ---------------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes: ids 0-255, EOS 256. Needs no download."""
+
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def identity(self) -> dict:
+        return {"kind": "bytes", "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece model file (e.g. T5's ``spiece.model``: 32000 pieces, EOS 1)."""
+
+    def __init__(self, path: str):
+        try:
+            import sentencepiece as spm
+        except ImportError:
+            raise UserError(
+                "data.tokenizer names a sentencepiece model but sentencepiece is not "
+                "installed: pip install 'moara-jax[sentencepiece]'"
+            ) from None
+        if not pathlib.Path(path).is_file():
+            raise UserError(f"data.tokenizer: sentencepiece model not found: {path}")
+        self.path = pathlib.Path(path)
+        self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self._sp.get_piece_size()
+        self.eos_id = self._sp.eos_id()
+        if self.eos_id < 0:
+            raise UserError(f"data.tokenizer: {path} defines no EOS piece")
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, np.int64) for ids in self._sp.encode(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode(list(ids))
+
+    def identity(self) -> dict:
+        return {
+            "kind": "sentencepiece",
+            "name": self.path.name,
+            "sha256": file_sha256(self.path),
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+        }
+
+
+def make_tokenizer(spec: str):
+    """``bytes`` or the path of a sentencepiece model."""
+    return ByteTokenizer() if spec == "bytes" else SentencePieceTokenizer(spec)
+
+
+def describe_tokenizer(identity: dict) -> str:
+    """One line naming a tokenizer identity (for errors that compare two)."""
+    if identity.get("kind") == "bytes":
+        return "bytes (vocab 257)"
+    return (
+        f"sentencepiece {identity.get('name')} (sha256 {str(identity.get('sha256'))[:12]}, "
+        f"vocab {identity.get('vocab_size')})"
+    )
+
+
+def file_sha256(path: pathlib.Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------ documents
+
+
+@dataclass
+class Counts:
+    documents: int = 0
+    skipped: dict = field(default_factory=dict)
+
+    def skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+
+JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
+
+
+def builtin_documents() -> list[str]:
+    """English documentation text shipped inside CPython (``pydoc_data.topics``); offline."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+def check_file(path: pathlib.Path) -> None:
+    if not path.is_file():
+        raise UserError(f"data file not found: {path}")
+    if not (path.name.endswith(".txt") or path.name.endswith(JSON_SUFFIXES)):
+        raise UserError(f"unsupported data file type: {path} (use .txt, .jsonl, .jsonl.gz, .json.gz)")
+
+
+def _json_text(raw: bytes, counts: Counts) -> str | None:
+    """The ``text`` of one JSON-lines record, or None (the reason counted) for a bad record."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        counts.skip("non_utf8")
+        return None
+    except json.JSONDecodeError:
+        counts.skip("broken_json")
+        return None
+    text = record.get("text") if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        counts.skip("missing_text")
+    elif not text.strip():
+        counts.skip("empty_text")
+    else:
+        return text
+    return None
+
+
+def _lines(path: pathlib.Path, start: int, stop: int | None) -> Iterator[bytes]:
+    """The lines of ``path`` (gzip-decompressed for ``.gz``); for a plain file, those starting in
+    the byte range ``[start, stop)`` (range ends sit just after a newline, see ``line_ranges``)."""
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                yield from f
+            return
+        with open(path, "rb") as f:
+            f.seek(start)
+            pos = start
+            for line in f:
+                if stop is not None and pos >= stop:
+                    return
+                pos += len(line)
+                yield line
+    except (OSError, EOFError) as e:
+        raise UserError(f"cannot read data file {path}: {e}") from None
+
+
+def line_ranges(path: pathlib.Path, chunk_bytes: int) -> list[tuple[int, int | None]]:
+    """Splits a plain JSON-lines file into byte ranges of about ``chunk_bytes`` that start and
+    end on line boundaries (a gzip file, or a small one, is one range)."""
+    size = path.stat().st_size
+    if path.suffix == ".gz" or size <= chunk_bytes:
+        return [(0, None)]
+    bounds = [0]
+    with open(path, "rb") as f:
+        while bounds[-1] + chunk_bytes < size:
+            f.seek(bounds[-1] + chunk_bytes)
+            f.readline()
+            if f.tell() >= size:
+                break
+            bounds.append(f.tell())
+    return [(a, b) for a, b in zip(bounds, bounds[1:] + [None], strict=True)]
+
+
+def path_documents(
+    path: pathlib.Path, counts: Counts, start: int = 0, stop: int | None = None
+) -> Iterator[str]:
+    """Documents of one file: a ``.txt`` file is one document; ``.jsonl``/``.jsonl.gz``/
+    ``.json.gz`` hold one JSON object with a ``text`` field per line. Bad records are skipped and
+    counted."""
+    check_file(path)
+    if path.name.endswith(".txt"):
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            counts.skip("non_utf8")
+            return
+        if text.strip():
+            yield text
+        else:
+            counts.skip("empty_text")
+        return
+    for raw in _lines(path, start, stop):
+        if raw.strip() and (text := _json_text(raw, counts)) is not None:
+            yield text
+
+
+def file_documents(paths: Iterable[str], counts: Counts) -> Iterator[str]:
+    """The documents of several files, in order."""
+    for p in paths:
+        yield from path_documents(pathlib.Path(p), counts)
+
+
+def _tfds():
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise UserError(
+            "data.source is tfds but tensorflow-datasets is not installed: pip install 'moara-jax[tfds]'"
+        ) from None
+    return tfds
+
+
+def tfds_split_info(name: str, split: str) -> tuple[int, str]:
+    """The number of records of a prepared TFDS split and the dataset's version."""
+    tfds = _tfds()
+    try:
+        info = tfds.builder(name).info
+        return int(info.splits[split].num_examples), str(info.version)
+    except Exception as e:  # noqa: BLE001 - TFDS raises many types for "not prepared"
+        raise UserError(
+            f"TFDS dataset {name!r} ({split}) is not available: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def tfds_documents(name: str, split: str, start: int, stop: int) -> Iterator[str]:
+    """Records ``[start, stop)`` of a prepared TFDS split: by random access when it is stored as
+    array_record (``tfds.data_source``), else streamed from a sliced split (``split[a:b]``, which
+    reads only the files that hold those records). Never the whole split."""
+    tfds = _tfds()
+    try:
+        source = tfds.data_source(name, split=split, download=False)
+    except Exception:  # noqa: BLE001 - e.g. a tfrecord dataset has no random-access source
+        source = None
+    if source is not None:
+        records = (source[i] for i in range(start, stop))
+    else:
+        try:
+            ds = tfds.load(name, split=f"{split}[{start}:{stop}]", download=False)
+        except Exception as e:  # noqa: BLE001
+            raise UserError(
+                f"TFDS dataset {name!r} ({split}) is not available: {str(e).splitlines()[0]}"
+            ) from None
+        records = tfds.as_numpy(ds)
+    for ex in records:
+        text = ex["text"]
+        yield text.decode("utf-8", errors="replace") if isinstance(text, bytes) else str(text)
+
+
+def is_validation(text: str, fraction: float) -> bool:
+    """The hash-based held-out split: a document's own bytes decide, not its position."""
+    h = int.from_bytes(hashlib.sha256(text.encode("utf-8", errors="replace")).digest()[:8], "little")
+    return h % 1_000_000 < fraction * 1_000_000
