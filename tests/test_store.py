@@ -177,7 +177,11 @@ def test_store_holds_the_documents_eos_separated_with_the_hash_split(tmp_path):
     flat = opened.splits["train"].read(0, opened.splits["train"].tokens)
     idx = np.arange(data.n_windows("train"))
     np.testing.assert_array_equal(data.read_train(idx), flat[: len(idx) * 33].reshape(-1, 33))
-    assert len(opened.splits["train"].shards) == 3
+    assert len(opened.splits["train"].paths) == 3
+    # A read leaves no shard mapped: pages read are page cache, not the process's RSS.
+    maps = pathlib.Path("/proc/self/maps")
+    if maps.exists():
+        assert "shards/train-" not in maps.read_text()
 
 
 def test_a_store_is_reused_not_rebuilt(tmp_path, monkeypatch):
@@ -359,45 +363,54 @@ def test_loader_shuffles_lazily_reshuffles_each_epoch_and_resumes(tmp_path):
     paths = write_corpus(tmp_path / "corpus", files=2)
     data = build_data(files_section(paths, store=str(tmp_path / "s"), validation_fraction=0.2), seq_len=31)
     n = data.n_windows("train")
+    indices = data.train_indices(batch_size=4, seed=3)
+    flat = np.concatenate([next(indices) for _ in range(2 * n // 4 + 1)])  # batches span epochs
+    epochs = [flat[:n], flat[n : 2 * n]]
+    for epoch in epochs:  # a permutation of the windows, another one each epoch
+        assert len(set(epoch.tolist())) == len(epoch) and not np.array_equal(epoch, np.sort(epoch))
+    assert not np.array_equal(epochs[0], epochs[1])
     it = data.train_iterator(batch_size=4, seed=3)
-    first_epoch = np.concatenate([next(it) for _ in range(n // 4)])
-    assert len(set(first_epoch.tolist())) == len(first_epoch) and not np.array_equal(
-        first_epoch, np.sort(first_epoch)
-    )
+    for _ in range(5):
+        next(it)
     state = it.get_state()
     ahead = [next(it) for _ in range(3)]
     again = data.train_iterator(batch_size=4, seed=3)
     again.set_state(state)
     np.testing.assert_array_equal(np.stack([next(again) for _ in range(3)]), np.stack(ahead))
-    rows = data.read_train(ahead[0])
-    assert rows.shape == (4, 32) and rows.dtype == np.int32
+    indices = data.train_indices(batch_size=4, seed=3)
+    order = [next(indices) for _ in range(8)]
+    np.testing.assert_array_equal(ahead[0], data.read_train(order[5]))
+    assert ahead[0].shape == (4, 32) and ahead[0].dtype == np.int32
     val = data.val_batches(4, 2)
     assert len(val) == 2 and val[0].shape == (4, 32)
 
 
 SHARDED = textwrap.dedent(
     """
-    import sys, numpy as np, jax
+    import sys, types, numpy as np, jax
     from train.config import DataSection, MeshSection
     from train.data import build_data
-    from train.loop import _global_batch
+    from train.loop import global_batch, process_rows
     from train.sharding import batch_sharding, make_mesh
     data = build_data(DataSection(source="store", store=sys.argv[1]), seq_len=15)
     mesh = make_mesh(MeshSection(data=2, fsdp=2, tensor=2))
     sharding = batch_sharding(mesh, 8)
-    read = []
-    def rows(indices):
-        read.append(list(indices))
-        return data.read_train(indices)
-    it = data.train_iterator(8, seed=0)
+    shape = (8, data.window)
+    assert process_rows(sharding, shape) is None  # one process holds every row
+    # A process whose devices hold the first data slice reads rows 0-3 of each batch only.
+    first = {d: i for d, i in sharding.addressable_devices_indices_map(shape).items() if i[0].start in (0, 2)}
+    rows = process_rows(types.SimpleNamespace(addressable_devices_indices_map=lambda s: first), shape)
+    assert rows.tolist() == [0, 1, 2, 3], rows
+    everything, part = data.train_iterator(8, seed=0), data.train_iterator(8, seed=0, rows=rows)
+    indices = data.train_indices(8, seed=0)
     for _ in range(3):
-        idx = next(it)
-        read.clear()
-        batch = _global_batch(idx, sharding, rows, data.window)
-        np.testing.assert_array_equal(np.asarray(batch), data.read_train(idx))
-        # each device's callback read only its own rows: a quarter of the batch (data x fsdp = 4)
-        assert all(r in (idx[k:k + 2].tolist() for k in range(0, 8, 2)) for r in read), read
-        assert sorted({i for r in read for i in r}) == sorted(idx.tolist())
+        idx, local = next(indices), next(part)
+        want = data.read_train(idx)
+        np.testing.assert_array_equal(local, want[:4])
+        full = next(everything)
+        for r in (None, np.arange(8)):
+            batch = global_batch(full, sharding, r, shape)
+            np.testing.assert_array_equal(np.asarray(batch), want)
     print("ok", len(jax.devices()))
     """
 )

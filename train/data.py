@@ -2,11 +2,12 @@
 lazily through grain.
 
 The train split is a ``grain.MapDataset`` over window indices (``seq_len + 1`` tokens each):
-seeded global shuffle as a lazy index permutation (a new one each epoch), repeat, batch. The
-iterator yields batches of window *indices*; the tokens are read from the memory-mapped shards
-only for the rows a process needs (``Data.read_train``), so memory and start-up do not grow with
-the corpus, and in a multi-host run each process reads only its devices' rows. The iterator's
-state is a few integers, checkpointed with the train state.
+seeded global shuffle as a lazy index permutation (a new one each epoch), repeat, batch, then a
+map that reads the batch's windows from the memory-mapped shards, only the rows this process's
+devices hold (in a multi-host run each process reads only its own rows). grain runs that map in
+a few threads ahead of the loop, so random reads of cold pages overlap. Memory and start-up do
+not grow with the corpus. The iterator's state is a few integers, checkpointed with the train
+state.
 """
 
 from __future__ import annotations
@@ -30,13 +31,27 @@ from train.sources import (  # noqa: F401 - re-exported: the readers and tokeniz
     make_tokenizer,
 )
 
+READ_THREADS = 8  # batches read concurrently ahead of the loop
+PREFETCH_BATCHES = 16  # batches held ready (bounded memory: 16 x batch x window x 4 bytes)
 
-def window_batches(n_windows: int, batch_size: int, seed: int, shuffle: bool = True):
-    """A grain ``IterDataset`` of ``(batch_size,)`` int64 window indices, repeating forever."""
-    ds = grain.MapDataset.range(n_windows)
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    return ds.repeat().batch(batch_size, drop_remainder=True).to_iter_dataset()
+
+def window_batches(n_windows: int, batch_size: int, seed: int):
+    """A grain ``MapDataset`` of ``(batch_size,)`` int64 window indices: a seeded permutation
+    per epoch (lazy), repeating forever."""
+    ds = grain.MapDataset.range(n_windows).shuffle(seed=seed).repeat()
+    return ds.batch(batch_size, drop_remainder=True)
+
+
+@dataclass(frozen=True)
+class ReadRows:
+    """Maps a batch of window indices to the token windows of ``rows`` of it (all when None)."""
+
+    stream: token_store.TokenStream
+    window: int
+    rows: np.ndarray | None = None
+
+    def __call__(self, indices: np.ndarray) -> np.ndarray:
+        return self.stream.windows(indices if self.rows is None else indices[self.rows], self.window)
 
 
 @dataclass
@@ -51,8 +66,16 @@ class Data:
     def n_windows(self, split: str) -> int:
         return self.store.splits[split].tokens // self.window
 
-    def train_iterator(self, batch_size: int, seed: int):
-        """Batches of train window indices (grain iterator with ``get_state``/``set_state``)."""
+    def train_iterator(self, batch_size: int, seed: int, rows: np.ndarray | None = None):
+        """Train batches, ``(batch_size, window)`` int32, or only ``rows`` of each (a grain
+        iterator with ``get_state``/``set_state``; the same indices on every process)."""
+        ds = window_batches(self.n_windows("train"), batch_size, seed)
+        ds = ds.map(ReadRows(self.store.splits["train"], self.window, rows))
+        options = grain.ReadOptions(num_threads=READ_THREADS, prefetch_buffer_size=PREFETCH_BATCHES)
+        return iter(ds.to_iter_dataset(read_options=options))
+
+    def train_indices(self, batch_size: int, seed: int):
+        """The window indices of the batches ``train_iterator`` yields, in the same order."""
         return iter(window_batches(self.n_windows("train"), batch_size, seed))
 
     def read_train(self, indices: np.ndarray) -> np.ndarray:

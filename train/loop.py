@@ -72,11 +72,13 @@ def train_and_evaluate(
         )
     if has_checkpoints and (run_dir / "config.yaml").is_file():
         _check_resumable(yaml.safe_load((run_dir / "config.yaml").read_text()), to_dict(cfg))
+    entered = time.perf_counter()
     t = cfg.train
     profiling_mode = cfg.mode == "profile"
     total_steps = min(t.steps, cfg.profile.steps) if profiling_mode else t.steps
 
     data = build_data(cfg.data, t.seq_len, quiet=quiet)
+    startup = {"data_s": time.perf_counter() - entered}
     model_cfg = model_config(cfg, data.vocab_size)
     mesh = make_mesh(cfg.mesh)
     b_sharding = batch_sharding(mesh, t.batch_size)
@@ -107,7 +109,8 @@ def train_and_evaluate(
         return TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
 
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.every)
-    data_iter = data.train_iterator(t.batch_size, t.seed)
+    local_rows = process_rows(b_sharding, (t.batch_size, data.window))
+    data_iter = data.train_iterator(t.batch_size, t.seed, local_rows)
     start = 0
     data_state: dict = {}
     if resume and ckpt.latest_step() is not None:
@@ -152,8 +155,11 @@ def train_and_evaluate(
     step = start
     with _Stop() as stop:
         while step < total_steps:
-            batch = _global_batch(next(data_iter), b_sharding, data.read_train, data.window)
+            batch = global_batch(next(data_iter), b_sharding, local_rows, (t.batch_size, data.window))
             t0 = time.perf_counter()
+            if "first_step_s" not in startup:
+                # Everything before the first step but its compilation (which the call does).
+                startup["first_step_s"] = time.perf_counter() - entered
             new_state, metrics = step_fn(state, batch)
             loss = float(metrics["loss"])
             dt = time.perf_counter() - t0
@@ -226,6 +232,7 @@ def train_and_evaluate(
         "optimizer_state_bytes": mj.state_bytes(abstract_opt),
         "ranks": _rank_summary(cfg, abstract_params, profiling_mode),
         "data": data.summary(),
+        "startup": startup,
         "devices": len(mesh.devices.flat),
         "mesh": dict(mesh.shape),
     }
@@ -280,14 +287,27 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def _global_batch(indices: np.ndarray, sharding, read_rows, window: int) -> jax.Array:
-    """The global batch of window ``indices`` as a sharded array. Each process reads from the
-    store only the rows of its addressable shards (every process draws the same seeded index
-    stream, so this is also correct across hosts)."""
-    indices = np.asarray(indices)
-    return jax.make_array_from_callback(
-        (len(indices), window), sharding, lambda idx: read_rows(indices[idx[0]])[:, idx[1]]
-    )
+def process_rows(sharding, shape: tuple[int, int]) -> np.ndarray | None:
+    """The rows of a global batch that this process's devices hold (None: all of them)."""
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[0].indices(shape[0])))
+    return None if len(rows) == shape[0] else np.asarray(sorted(rows))
+
+
+def global_batch(local: np.ndarray, sharding, rows: np.ndarray | None, shape: tuple[int, int]) -> jax.Array:
+    """The global batch as a sharded array, from this process's ``rows`` of it (``local``: those
+    rows in order; all rows when ``rows`` is None). Every process draws the same seeded index
+    stream, so the processes' rows fit together into one global batch."""
+    if rows is None:
+        return jax.make_array_from_callback(shape, sharding, lambda idx: local[idx])
+    position = {int(r): i for i, r in enumerate(rows)}
+
+    def shard(idx):
+        wanted = [position[r] for r in range(*idx[0].indices(shape[0]))]
+        return local[wanted][:, idx[1]]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def _sharded_rows(rows: np.ndarray, sharding) -> jax.Array:

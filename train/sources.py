@@ -65,7 +65,8 @@ class SentencePieceTokenizer:
         return self._sp.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(ids, np.int64) for ids in self._sp.encode(texts)]
+        # One thread: the store's parallelism is its worker processes.
+        return [np.asarray(ids, np.int64) for ids in self._sp.encode(texts, num_threads=1)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode(list(ids))

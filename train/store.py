@@ -582,23 +582,29 @@ def read_manifest(directory: pathlib.Path) -> dict:
 
 
 class TokenStream:
-    """One split of a store as a single token sequence, memory-mapped shard by shard; cut into
-    consecutive windows of ``window`` tokens (the tail that fills no window is unused)."""
+    """One split of a store as a single token sequence, cut into consecutive windows of
+    ``window`` tokens (the tail that fills no window is unused).
+
+    Shards are memory-mapped for each read and unmapped after it: the pages a long run has read
+    are then page cache, not this process's resident memory (a map kept open would count every
+    page read so far, up to the whole store, in the process's RSS)."""
 
     def __init__(self, directory: pathlib.Path, split: dict, dtype: str):
-        self.shards = []
-        for s in split["shards"]:
-            path = pathlib.Path(directory) / s["file"]
+        self.dtype = np.dtype(dtype)
+        self.paths = [pathlib.Path(directory) / s["file"] for s in split["shards"]]
+        for path, s in zip(self.paths, split["shards"], strict=True):
             size = path.stat().st_size if path.is_file() else None
-            if size != s["tokens"] * np.dtype(dtype).itemsize:
+            if size != s["tokens"] * self.dtype.itemsize:
                 found = "missing" if size is None else f"{size} bytes"
                 raise UserError(
                     f"token store {directory} is damaged: {s['file']} is {found}, the manifest says "
                     f"{s['tokens']} tokens of {dtype}; delete the store and build it again"
                 )
-            self.shards.append(np.memmap(path, dtype=dtype, mode="r"))
-        self.starts = np.cumsum([0] + [len(m) for m in self.shards])
+        self.starts = np.cumsum([0] + [s["tokens"] for s in split["shards"]])
         self.tokens = int(self.starts[-1])
+
+    def _map(self, i: int) -> np.memmap:
+        return np.memmap(self.paths[i], dtype=self.dtype, mode="r")
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the split, as int32."""
@@ -606,18 +612,28 @@ class TokenStream:
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         pos = start
         while pos < stop:
-            shard, lo = self.shards[i], pos - self.starts[i]
-            n = min(stop - pos, len(shard) - lo)
-            out[pos - start : pos - start + n] = shard[lo : lo + n]
+            lo = pos - self.starts[i]
+            n = min(stop - pos, self.starts[i + 1] - pos)
+            out[pos - start : pos - start + n] = self._map(i)[lo : lo + n]
             pos += n
             i += 1
         return out
 
     def windows(self, indices: np.ndarray, window: int) -> np.ndarray:
-        """Rows ``indices`` of the window view, ``(len(indices), window)`` int32."""
-        out = np.empty((len(indices), window), np.int32)
-        for row, i in enumerate(np.asarray(indices, np.int64)):
-            out[row] = self.read(int(i) * window, (int(i) + 1) * window)
+        """Rows ``indices`` of the window view, ``(len(indices), window)`` int32. Windows inside
+        one shard are gathered shard by shard in one indexing operation; the few that straddle
+        two shards are read piece by piece."""
+        starts = np.asarray(indices, np.int64) * window
+        shard_of = np.searchsorted(self.starts, starts, side="right") - 1
+        offsets = starts - self.starts[shard_of]
+        inside = offsets + window <= self.starts[shard_of + 1] - self.starts[shard_of]
+        out = np.empty((len(starts), window), np.int32)
+        span = np.arange(window)
+        for s in np.unique(shard_of[inside]):
+            rows = np.flatnonzero(inside & (shard_of == s))
+            out[rows] = self._map(s)[offsets[rows, None] + span]
+        for row in np.flatnonzero(~inside):
+            out[row] = self.read(int(starts[row]), int(starts[row]) + window)
         return out
 
 
