@@ -15,7 +15,7 @@ import pytest
 
 from train.config import load_config
 from train.data import Counts, SentencePieceTokenizer, file_documents
-from train.errors import UserError
+from train.errors import EXIT_PREEMPTED, UserError
 from train.metrics import dedupe_by_step, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_resume_after_sigterm_equals_uninterrupted(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps"] < 24
     run_cli(tmp_path / "cut", *sets, extra=["--resume"])

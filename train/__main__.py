@@ -63,7 +63,7 @@ def main(argv=None) -> int:
             f"interrupted while building the token store ({e}): run the same command again", file=sys.stderr
         )
         return EXIT_PREEMPTED
-    if summary["status"] == "nan":
+    if summary["status"] in ("nan", "diverged"):
         return 1
     ppl = summary["final_eval_ppl"]
     print(
@@ -72,6 +72,9 @@ def main(argv=None) -> int:
         else f"{summary['status']}"
     )
     print(f"run dir: {run_dir}")
+    if summary["status"] == "interrupted":
+        print("interrupted: a checkpoint was saved; continue with --resume", file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

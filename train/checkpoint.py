@@ -1,34 +1,103 @@
 """Orbax checkpoints: train state (params, optimizer state with bases and counters, step) and
-the data iterator state, every N steps, keeping K, written atomically by orbax."""
+the data iterator state, every N steps, keeping K, written atomically by orbax, and verified.
+
+Each finished checkpoint gets a record of the sha256 of every file it holds
+(``RUN_DIR/checksums/STEP.json``). A resume tries the newest checkpoint first: one that fails
+verification (a file missing, truncated or changed), cannot be read, or holds non-finite
+parameters is moved to ``RUN_DIR/rejected_checkpoints/`` with a one-line reason, and the next
+older one is tried.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import pathlib
+import shutil
+from collections.abc import Callable
 
 import jax
 import orbax.checkpoint as ocp
 
+from train.errors import UserError
+
+
+def _file_sums(directory: pathlib.Path) -> dict[str, str]:
+    sums = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        sums[str(path.relative_to(directory))] = h.hexdigest()
+    return sums
+
 
 class Checkpointer:
-    def __init__(self, directory: pathlib.Path, keep: int, every: int):
+    def __init__(self, directory: pathlib.Path, keep: int, every: int, enabled: bool = True):
+        """``enabled``: this process records checksums (the first process of a multi-host run)."""
+        self.directory = directory.resolve()
         self.every = every
+        self.enabled = enabled
+        self.sums_dir = self.directory.parent / "checksums"
+        self.rejected_dir = self.directory.parent / "rejected_checkpoints"
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        self.manager = ocp.CheckpointManager(directory.resolve(), options=options)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._unrecorded: list[int] = []
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
     def save(self, step: int, state, data_state: dict, force: bool = False) -> None:
         if step in self.manager.all_steps():
             return
+        self._record_finished()
         self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
             force=force,
         )
+        self._unrecorded.append(step)
+
+    def _record_finished(self) -> None:
+        """Checksums of the checkpoints saved so far (waits for an asynchronous save to end)."""
+        if not self._unrecorded:
+            return
+        self.manager.wait_until_finished()
+        if self.enabled:
+            self.sums_dir.mkdir(exist_ok=True)
+            for step in self._unrecorded:
+                if (self.directory / str(step)).is_dir():
+                    tmp = self.sums_dir / f"{step}.json.tmp"
+                    tmp.write_text(json.dumps(_file_sums(self.directory / str(step)), indent=0))
+                    os.replace(tmp, self.sums_dir / f"{step}.json")
+        self._unrecorded.clear()
 
     def should_save(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
+
+    def verify(self, step: int) -> str | None:
+        """Why checkpoint ``step`` fails verification against its checksums, or None (also when
+        it has none: a run killed right after orbax finished it never recorded them)."""
+        path = self.sums_dir / f"{step}.json"
+        if not path.is_file():
+            return None
+        try:
+            want = json.loads(path.read_text())
+        except ValueError:
+            return None
+        have = _file_sums(self.directory / str(step))
+        missing = sorted(set(want) - set(have))
+        changed = sorted(k for k in want if k in have and have[k] != want[k])
+        if missing:
+            return f"files missing: {', '.join(missing[:3])}"
+        if changed:
+            return f"files changed since it was written: {', '.join(changed[:3])}"
+        return None
 
     def restore(self, step: int, abstract_state):
         """``abstract_state``: ``jax.ShapeDtypeStruct``s with the target shardings."""
@@ -40,10 +109,55 @@ class Checkpointer:
         )
         return out.state, out.data
 
+    def restore_latest(self, abstract_state, usable: Callable[[object], str | None], say=print):
+        """The newest checkpoint that verifies, reads and passes ``usable(state)`` (a reason to
+        refuse it, or None): ``(step, state, data_state)``; ``None`` when there is none at all.
+        Refused checkpoints are moved aside with a line each; a ``UserError`` names every one
+        tried when none is usable."""
+        tried = []
+        for step in reversed(self.steps()):
+            reason = self.verify(step)
+            if reason is None:
+                try:
+                    state, data = self.restore(step, abstract_state)
+                    reason = usable(state)
+                except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+                    first = (str(e).strip().splitlines() or [""])[0][:200]
+                    reason = f"unreadable ({type(e).__name__}: {first})"
+            if reason is None:
+                return step, state, data
+            tried.append(f"step {step} ({reason})")
+            say(f"checkpoint {step} is not usable: {reason}; moved to {self.rejected_dir}")
+            self.reject(step)
+        if tried:
+            raise UserError(f"no usable checkpoint in {self.directory}: tried {'; '.join(tried)}")
+        return None
+
+    def reject(self, step: int) -> None:
+        """Moves checkpoint ``step`` (and its checksums) out of the way of later runs."""
+        self.manager.wait_until_finished()
+        self.rejected_dir.mkdir(exist_ok=True)
+        target = self.rejected_dir / str(step)
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(str(self.directory / str(step)), str(target))
+        sums = self.sums_dir / f"{step}.json"
+        if sums.is_file():
+            shutil.move(str(sums), str(target) + ".checksums.json")
+        self.manager.reload()
+
+    def reject_from(self, step: int) -> None:
+        """Rejects every checkpoint at ``step`` or later (saved while a run was diverging)."""
+        self._record_finished()
+        for s in self.steps():
+            if s >= step:
+                self.reject(s)
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        self._record_finished()
         self.manager.wait_until_finished()
         self.manager.close()
 

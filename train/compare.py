@@ -1,6 +1,11 @@
-"""``python -m train.compare RUN_DIR [RUN_DIR ...]``: final ppl, steps-to-target and
+"""``python -m train.compare RUN_DIR [RUN_DIR ...] [--force]``: final ppl, steps-to-target and
 time-to-target of each run against the first run's final ppl (the paper's Table 3), with
-reductions in %; ``compare.md`` and ``compare.png`` (eval ppl vs steps and vs wall-clock)."""
+reductions in %; ``compare.md`` and ``compare.png`` (eval ppl vs steps and vs wall-clock).
+
+Runs that did not complete (interrupted, diverged, NaN, still running), or whose tokenizer or
+validation data differ from the first run's, are refused: their numbers do not compare.
+``--force`` compares them anyway and marks them. Wall-clock figures from different devices, or
+from runs that overlapped in time (sharing the machine), are reported with a warning."""
 
 from __future__ import annotations
 
@@ -23,7 +28,35 @@ def load_run(run_dir: pathlib.Path) -> dict:
     summary = {}
     if (run_dir / "summary.json").is_file():
         summary = json.loads((run_dir / "summary.json").read_text())
-    return {"name": run_dir.name, "dir": str(run_dir), "evals": evals, "summary": summary}
+    status = summary.get("status", "running or killed (no summary.json)")
+    return {"name": run_dir.name, "dir": str(run_dir), "evals": evals, "summary": summary, "status": status}
+
+
+def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
+    """``(refusals, warnings)``: what makes the runs' numbers not comparable, and what makes
+    their wall-clock times doubtful."""
+    base = runs[0]["summary"].get("data", {})
+    refusals, warnings = [], []
+    for run in runs:
+        if run["status"] != "completed":
+            refusals.append(f"{run['name']} did not complete (status: {run['status']})")
+        data = run["summary"].get("data", {})
+        for key, what in (("tokenizer", "tokenizer"), ("validation_sha256", "validation data")):
+            if key in base and key in data and data[key] != base[key]:
+                refusals.append(f"{run['name']} has another {what} than {runs[0]['name']}")
+    kinds = {run["summary"].get("device_kind") for run in runs} - {None}
+    if len(kinds) > 1:
+        warnings.append(
+            f"the runs ran on different devices ({', '.join(sorted(kinds))}): times differ by device"
+        )
+    spans = [(s[0], s[1], run["name"]) for run in runs for s in run["summary"].get("sessions", [])]
+    for i, (a0, a1, an) in enumerate(spans):
+        for b0, b1, bn in spans[i + 1 :]:
+            if an != bn and a0 < b1 and b0 < a1:
+                warnings.append(
+                    f"{an} and {bn} ran at the same time: their wall-clock times may be contended"
+                )
+    return refusals, sorted(set(warnings))
 
 
 def reach(evals: list[dict], target: float) -> tuple[int | None, float | None]:
@@ -33,16 +66,24 @@ def reach(evals: list[dict], target: float) -> tuple[int | None, float | None]:
     return None, None
 
 
-def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None) -> str:
+def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None, force: bool = False) -> str:
     runs = [load_run(d) for d in run_dirs]
+    refusals, warnings = problems(runs)
+    if refusals and not force:
+        raise UserError(
+            "these runs do not compare: " + "; ".join(refusals) + " (--force compares them anyway)"
+        )
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     base = runs[0]
     target = base["evals"][-1]["eval_ppl"]
     b_step, b_time = reach(base["evals"], target)
     lines = [
         f"Target: final eval ppl of `{base['name']}` = {target:.3f}",
         "",
-        "| run | final ppl | steps to target | step reduction | time to target (s) | time reduction |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| run | status | final ppl | steps to target | step reduction | time to target (s) "
+        "| time reduction |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     rows = []
     for run in runs:
@@ -51,17 +92,25 @@ def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None) -
         red_s = f"{100 * (1 - step / b_step):.1f}%" if step else "not reached"
         red_t = f"{100 * (1 - wall / b_time):.1f}%" if wall else "not reached"
         lines.append(
-            f"| {run['name']} | {final:.3f} | {step if step else '-'} | {red_s} | "
+            f"| {run['name']} | {run['status']} | {final:.3f} | {step if step else '-'} | {red_s} | "
             f"{f'{wall:.1f}' if wall else '-'} | {red_t} |"
         )
         rows.append(
-            {"run": run["name"], "final_ppl": final, "steps_to_target": step, "time_to_target_s": wall}
+            {
+                "run": run["name"],
+                "status": run["status"],
+                "final_ppl": final,
+                "steps_to_target": step,
+                "time_to_target_s": wall,
+            }
         )
-    text = "\n".join(lines) + "\n"
+    notes = [f"- not comparable (--force): {r}" for r in refusals] + [f"- warning: {w}" for w in warnings]
+    text = "\n".join(lines + ([""] + notes if notes else [])) + "\n"
     out_dir = out_dir or run_dirs[0].parent
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compare.md").write_text(text)
-    (out_dir / "compare.json").write_text(json.dumps({"target_ppl": target, "runs": rows}, indent=2))
+    report = {"target_ppl": target, "runs": rows, "not_comparable": refusals, "warnings": warnings}
+    (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
     _plot(runs, target, out_dir / "compare.png")
     return text
 
@@ -97,9 +146,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.compare", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=pathlib.Path)
     parser.add_argument("--out", type=pathlib.Path, default=None, help="where compare.md/png go")
+    parser.add_argument("--force", action="store_true", help="compare runs that do not compare, marked")
     args = parser.parse_args(argv)
     try:
-        print(compare(args.runs, args.out), end="")
+        print(compare(args.runs, args.out, args.force), end="")
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,6 +59,10 @@ class TrainSection:
     eval_batches: int = 4
     log_every: int = 1
     seed: int = 0
+    # The divergence guard: stop when the loss exceeds this factor x its running minimum, or the
+    # gradient norm is exactly 0 this many steps in a row while the learning rate is not (0: off).
+    divergence_factor: float = 3.0
+    zero_grad_steps: int = 20
     param_dtype: str = "bfloat16"
     dtype: str = "bfloat16"
 
@@ -280,6 +284,11 @@ def validate(cfg: RunConfig) -> None:
         f"train.micro_batch_size must be >= 1 (or null), got {t.micro_batch_size}",
     )
     need(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
+    need(
+        t.divergence_factor == 0 or (finite(t.divergence_factor) and t.divergence_factor > 1),
+        f"train.divergence_factor must be > 1 (or 0: off), got {t.divergence_factor}",
+    )
+    need(t.zero_grad_steps >= 0, f"train.zero_grad_steps must be >= 0 (0: off), got {t.zero_grad_steps}")
     need(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32), got {t.seed}")
     need(
         d.max_documents is None or d.max_documents >= 1,

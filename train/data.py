@@ -12,6 +12,8 @@ state.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -90,8 +92,12 @@ class Data:
 
     def summary(self) -> dict:
         m = self.store.manifest
+        validation = [sh["sha256"] for sh in m["splits"]["validation"]["shards"]]
         return {
             "store": str(self.store.directory),
+            "tokenizer": m["tokenizer"],
+            # what evaluation reads: runs compare only when this is equal
+            "validation_sha256": hashlib.sha256(json.dumps(validation).encode()).hexdigest(),
             "documents": {s: m["splits"][s]["documents"] for s in token_store.SPLITS},
             "tokens": {s: m["splits"][s]["tokens"] for s in token_store.SPLITS},
             "skipped": m["skipped"],

@@ -4,9 +4,9 @@ logging, evaluation, checkpoints (SIGTERM-safe), resume, profiling and a summary
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import signal
+import socket
 import time
 
 import jax
@@ -20,8 +20,10 @@ from train import profile as profiling
 from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
 from train.data import build_data
+from train.data import describe as describe_data
 from train.errors import UserError
-from train.metrics import MetricsWriter
+from train.metrics import DivergenceGuard, MetricsWriter
+from train.rundir import RunLock, banner, plot_curves, ppl, write_summary
 from train.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from train.step import TrainState, make_eval_step, make_optimizer, make_train_step, schedule
 
@@ -62,9 +64,23 @@ def model_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
 def train_and_evaluate(
     cfg: RunConfig, run_dir: pathlib.Path, resume: bool = False, quiet: bool = False
 ) -> dict:
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Runs (or resumes) one training or profiling run in ``run_dir`` and returns its summary;
+    the run dir is locked against a second writer for the whole run."""
+    main = _is_main_process()
+    lock = RunLock(run_dir).acquire() if main else None
+    try:
+        return _run(cfg, run_dir, resume, quiet, main)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main: bool) -> dict:
+    started_at = time.time()
+    entered = time.perf_counter()
+    say = (lambda *a: None) if quiet or not main else print
     ckpt_dir = run_dir / "checkpoints"
-    has_checkpoints = ckpt_dir.is_dir() and any(ckpt_dir.iterdir())
+    has_checkpoints = ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
     if has_checkpoints and not resume:
         raise UserError(
             f"{run_dir} already holds checkpoints of a run; pass --resume to continue it, or "
@@ -72,7 +88,6 @@ def train_and_evaluate(
         )
     if has_checkpoints and (run_dir / "config.yaml").is_file():
         _check_resumable(yaml.safe_load((run_dir / "config.yaml").read_text()), to_dict(cfg))
-    entered = time.perf_counter()
     t = cfg.train
     profiling_mode = cfg.mode == "profile"
     total_steps = min(t.steps, cfg.profile.steps) if profiling_mode else t.steps
@@ -108,28 +123,48 @@ def train_and_evaluate(
         params = models.init_params(model_cfg, rng)
         return TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
 
-    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.every)
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint.keep, cfg.checkpoint.every, enabled=main)
     local_rows = process_rows(b_sharding, (t.batch_size, data.window))
     data_iter = data.train_iterator(t.batch_size, t.seed, local_rows)
-    start = 0
+    start, resumed_from = 0, None
     data_state: dict = {}
-    if resume and ckpt.latest_step() is not None:
+    restored = None
+    if resume and ckpt.steps():
         abstract = abstract_with_shardings(jax.eval_shape(init, jax.random.PRNGKey(0)), s_shard)
-        state, data_state = ckpt.restore(ckpt.latest_step(), abstract)
+
+        def usable(state) -> str | None:
+            return None if bool(all_finite(state.params)) else "non-finite parameters"
+
+        restored = ckpt.restore_latest(abstract, usable, say=print if main else (lambda *a: None))
+    if restored is not None:
+        resumed_from, state, data_state = restored
         data_iter.set_state(data_state["iterator"])
         start = int(state.step)
+        if main:
+            print(f"resuming from step {start} ({ckpt_dir / str(resumed_from)})")
     else:
         if resume:
-            print(f"no checkpoint in {run_dir / 'checkpoints'}; starting from scratch")
+            say(f"no checkpoint in {ckpt_dir}; starting from scratch")
         state = jax.jit(init, out_shardings=s_shard)(jax.random.PRNGKey(t.seed))
     summary_path = run_dir / "summary.json"
     if start >= total_steps and summary_path.is_file():
         ckpt.close()
-        print(f"{run_dir} is already complete at step {start}; nothing to do")
+        say(f"{run_dir} is already complete at step {start}; nothing to do")
         return json.loads(summary_path.read_text())
-    main = _is_main_process()
     if main:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    ranks = _rank_summary(cfg, abstract_params, profiling_mode)
+    for line in banner(
+        model=model_cfg.name,
+        params=models.param_count(model_cfg),
+        embedding_params=_embedding_params(abstract_params),
+        optimizer=_describe_optimizer(cfg),
+        ranks=ranks["per_module"] if ranks else None,
+        data=describe_data(data),
+        tokens_per_step=t.batch_size * t.seq_len,
+        run_dir=run_dir,
+    ):
+        say(line)
 
     step_fn = jax.jit(
         make_train_step(
@@ -145,79 +180,120 @@ def train_and_evaluate(
     def evaluate(params) -> float:
         return float(np.mean([float(eval_fn(params, b)) for b in val_batches]))
 
-    writer = MetricsWriter(run_dir, total_steps, resume and start > 0, quiet, enabled=main)
+    writer = MetricsWriter(run_dir, total_steps, resumed_from, quiet, enabled=main)
     recorder = profiling.AlignmentRecorder(cfg.profile.ema) if profiling_mode else None
     if recorder is not None and "recorder" in data_state:
         recorder.load(data_state["recorder"])
+    guard = DivergenceGuard(t.divergence_factor, t.zero_grad_steps)
+    guard.load(data_state.get("guard", {}))
     tokens_per_step = t.batch_size * t.seq_len
+    shape = (t.batch_size, data.window)
+
+    # The state of the data iterator *before* the batch drawn ahead: what a checkpoint of the
+    # steps done so far must hold, so that a resume draws that batch again.
+    iter_state = data_iter.get_state()
+
+    def next_batch() -> jax.Array:
+        nonlocal iter_state
+        iter_state = data_iter.get_state()
+        return global_batch(next(data_iter), b_sharding, local_rows, shape)
+
     last_eval = None
-    status = "completed"
+    status, stop_reason = "completed", None
     step = start
+    last_done = None  # when the metrics of the last step read became available
+
+    def read_metrics_of(done_step: int, metrics) -> tuple[str, str, int] | None:
+        """Reads one step's metrics (waiting for that step only), checks them, logs them."""
+        nonlocal last_done
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        now = time.perf_counter()
+        dt = now - (last_done if last_done is not None else now - 1e-9)
+        last_done = now
+        verdict = guard.check(done_step, loss, grad_norm, float(lr(done_step - 1)))
+        if verdict is not None:
+            return verdict
+        if recorder is not None and done_step % cfg.profile.every == 0:
+            recorder.record(done_step, metrics["alignment"], abstract_params)
+        if done_step % t.log_every == 0 or done_step == total_steps:
+            row = {"step": done_step, "loss": loss, "lr": float(lr(done_step - 1)), "grad_norm": grad_norm}
+            row |= {"tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "wall_s": writer.wall()}
+            writer.write(row)
+            writer.progress(done_step, loss, tokens_per_step / dt, dt)
+        return None
+
+    # The host never waits for the step it just dispatched: it prepares the next batch, then reads
+    # the previous step's metrics (that step is done, or nearly, as the device runs in order), so
+    # the device always has the next step queued. Steps that evaluate, checkpoint or stop read
+    # their own metrics at once.
+    pending = None  # (step, metrics) not read yet
+    batch = next_batch() if step < total_steps else None
     with _Stop() as stop:
         while step < total_steps:
-            batch = global_batch(next(data_iter), b_sharding, local_rows, (t.batch_size, data.window))
-            t0 = time.perf_counter()
             if "first_step_s" not in startup:
                 # Everything before the first step but its compilation (which the call does).
                 startup["first_step_s"] = time.perf_counter() - entered
-            new_state, metrics = step_fn(state, batch)
-            loss = float(metrics["loss"])
-            dt = time.perf_counter() - t0
-            if not math.isfinite(loss):
-                status = "nan"
-                writer.end_progress()
-                print(
-                    f"error: loss is {loss} at step {step + 1}; stopping. The last good "
-                    f"checkpoint is kept in {run_dir / 'checkpoints'}"
-                )
+            state, metrics = step_fn(state, batch)
+            step += 1
+            batch = next_batch() if step < total_steps else None
+            if pending is not None:
+                stop_reason = read_metrics_of(*pending)
+                pending = None
+            evaluating = step % t.eval_every == 0 or step == total_steps
+            saving = ckpt.should_save(step) or step == total_steps or stop.requested
+            if stop_reason is None and (evaluating or saving):
+                stop_reason = read_metrics_of(step, metrics)
+            elif stop_reason is None:
+                pending = (step, metrics)
+            if stop_reason is not None:
                 break
-            state, step = new_state, step + 1
-            if recorder is not None and step % cfg.profile.every == 0:
-                recorder.record(step, metrics["alignment"], abstract_params)
-            if step % t.log_every == 0 or step == total_steps:
-                writer.write(
-                    {
-                        "step": step,
-                        "loss": loss,
-                        "lr": float(lr(step - 1)),
-                        "grad_norm": float(metrics["grad_norm"]),
-                        "tokens_per_s": tokens_per_step / dt,
-                        "step_time_s": dt,
-                        "wall_s": writer.wall(),
-                    }
-                )
-                writer.progress(step, loss, tokens_per_step / dt, dt)
-            if step % t.eval_every == 0 or step == total_steps:
+            if evaluating:
                 last_eval = evaluate(state.params)
                 writer.write(
                     {
                         "step": step,
                         "eval_loss": last_eval,
-                        "eval_ppl": math.exp(min(last_eval, 50.0)),
+                        "eval_ppl": ppl(last_eval),
                         "wall_s": writer.wall(),
                     }
                 )
-            if ckpt.should_save(step) or step == total_steps or stop.requested:
+                writer.note(f"step {step}: eval loss {last_eval:.4f}, ppl {ppl(last_eval):.2f}")
+            if saving and guard.suspicious:
+                writer.note(f"step {step}: no checkpoint while the gradient norm is exactly 0")
+            elif saving:
                 if not bool(all_finite(state.params)):
-                    status = "nan"
-                    writer.end_progress()
-                    print(
-                        f"error: non-finite parameters after step {step}; stopping without "
-                        f"saving them. The last good checkpoint is kept in {ckpt_dir}"
-                    )
+                    stop_reason = ("nan", f"non-finite parameters after step {step}", step + 1)
                     break
-                extra = {"iterator": data_iter.get_state()}
+                extra = {"iterator": iter_state if batch is not None else data_iter.get_state()}
+                extra["guard"] = guard.state()
                 if recorder is not None:
                     extra["recorder"] = recorder.state()
                 ckpt.save(step, state, extra, force=True)
             if stop.requested:
                 status = "interrupted"
                 break
+        if pending is not None and stop_reason is None:
+            stop_reason = read_metrics_of(*pending)
     writer.end_progress()
+    if stop_reason is not None:
+        status, reason, first_bad = stop_reason
+        step = first_bad - 1  # the steps whose results passed the checks
+        if status == "diverged":
+            # Checkpoints saved from the step before the first bad one on hold diverging weights.
+            ckpt.reject_from(first_bad - 1)
+        kept = ckpt.steps()
+        where = (
+            f"the last checkpoint before it, step {kept[-1]}, is kept in {ckpt_dir}"
+            if kept
+            else "no checkpoint was saved before it"
+        )
+        print(f"error: {reason}; stopping ({status}); {where}")
     ckpt.close()
 
     summary = {
         "status": status,
+        "stop_reason": stop_reason[1] if stop_reason else None,
+        "first_bad_step": stop_reason[2] if stop_reason else None,
         "mode": cfg.mode,
         "steps": step,
         "model": model_cfg.name,
@@ -225,24 +301,58 @@ def train_and_evaluate(
         "host": None if cfg.optimizer.name == "adamw" else cfg.optimizer.host,
         "wall_s": writer.wall(),
         "final_eval_loss": last_eval,
-        "final_eval_ppl": math.exp(min(last_eval, 50.0)) if last_eval is not None else None,
+        "final_eval_ppl": ppl(last_eval) if last_eval is not None else None,
         "tokens_per_s": _mean_tokens_per_s(run_dir),
         "peak_device_memory_bytes": _peak_memory(),
         "param_count": models.param_count(model_cfg),
         "optimizer_state_bytes": mj.state_bytes(abstract_opt),
-        "ranks": _rank_summary(cfg, abstract_params, profiling_mode),
+        "ranks": ranks,
         "data": data.summary(),
         "startup": startup,
         "devices": len(mesh.devices.flat),
+        "device_kind": jax.devices()[0].device_kind,
         "mesh": dict(mesh.shape),
+        "sessions": _sessions(summary_path, resumed_from) + [[started_at, time.time(), socket.gethostname()]],
     }
     if recorder is not None and status == "completed" and main:
         summary["profile"] = profiling.write_outputs(recorder, run_dir, cfg)
     elif recorder is not None:  # a partial profile gives no allocation; --resume finishes it
         summary["profile"] = None
     if main:  # one writer per run dir in a multi-host run
-        summary_path.write_text(json.dumps(summary, indent=2, default=str))
+        written = write_summary(run_dir, summary)
+        if written.name != "summary.json":
+            print(f"{run_dir} holds a completed run; this attempt's summary is {written.name}")
+        plot_curves(run_dir)
     return summary
+
+
+def _sessions(summary_path: pathlib.Path, resumed_from: int | None) -> list:
+    """The (start, end, host) of the earlier sessions of a resumed run, for overlap checks."""
+    if resumed_from is None or not summary_path.is_file():
+        return []
+    try:
+        return list(json.loads(summary_path.read_text()).get("sessions", []))
+    except ValueError:
+        return []
+
+
+def _embedding_params(abstract_params) -> int:
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_params)
+    return sum(
+        x.size
+        for path, x in leaves
+        if any(k in jax.tree_util.keystr(path) for k in ("embed_tokens", "lm_head"))
+    )
+
+
+def _describe_optimizer(cfg: RunConfig) -> str:
+    o = cfg.optimizer
+    if o.name == "adamw":
+        return "adamw"
+    parts = [f"{o.name} on {o.host}", f"r_base {o.r_base}", f"T {o.update_proj_gap}", f"svd {o.svd}"]
+    if o.name == "moara" and o.decompose:
+        parts.append(f"block {o.block_size}")
+    return ", ".join(parts)
 
 
 def _is_main_process() -> bool:

@@ -11,21 +11,33 @@ import time
 
 class MetricsWriter:
     def __init__(
-        self, run_dir: pathlib.Path, total_steps: int, resume: bool, quiet: bool = False, enabled: bool = True
+        self,
+        run_dir: pathlib.Path,
+        total_steps: int,
+        resume_step: int | None,
+        quiet: bool = False,
+        enabled: bool = True,
     ):
-        """``enabled=False`` (processes other than the first of a multi-host run) writes nothing."""
+        """``resume_step``: the checkpoint's step when resuming; the rows of later steps (written
+        after that checkpoint by the interrupted run) are dropped, so no step appears twice.
+        ``enabled=False`` (processes other than the first of a multi-host run) writes nothing."""
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
         quiet = quiet or not enabled
-        if enabled and not resume and self.path.exists():
-            self.path.unlink()
         self.total = total_steps
         self.quiet = quiet
         self.t0 = time.perf_counter()
         self.wall_offset = 0.0
-        if resume and self.path.exists():
-            rows = read_metrics(self.path)
-            self.wall_offset = max((r.get("wall_s", 0.0) for r in rows), default=0.0)
+        if not enabled or not self.path.exists():
+            return
+        if resume_step is None:
+            self.path.unlink()
+            return
+        rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(self.path)
+        self.wall_offset = max((r.get("wall_s", 0.0) for r in rows), default=0.0)
 
     def wall(self) -> float:
         return self.wall_offset + time.perf_counter() - self.t0
@@ -51,16 +63,30 @@ class MetricsWriter:
         sys.stderr.write(f"\r{line}   " if tty else line + "\n")
         sys.stderr.flush()
 
+    def note(self, line: str) -> None:
+        """A line of its own (e.g. an evaluation), after the progress line."""
+        if self.quiet:
+            return
+        if sys.stderr.isatty():
+            sys.stderr.write("\n")
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
     def end_progress(self) -> None:
         if not self.quiet and sys.stderr.isatty():
             sys.stderr.write("\n")
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``; a line cut short (a process killed while writing it) is
+    left out."""
     rows = []
     for line in pathlib.Path(path).read_text().splitlines():
         if line.strip():
-            rows.append(json.loads(line))
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
     return rows
 
 
@@ -72,3 +98,56 @@ def dedupe_by_step(rows: list[dict], key: str) -> list[dict]:
         if key in r:
             by_step[r["step"]] = r
     return [by_step[s] for s in sorted(by_step)]
+
+
+class DivergenceGuard:
+    """Stops a run whose loss is not finite, rises above ``factor`` x its running minimum, or
+    whose gradient norm is exactly zero for ``zero_grad_steps`` steps in a row while the
+    learning rate is not (a dead model that would otherwise "complete" at ppl = vocabulary size).
+    ``factor`` or ``zero_grad_steps`` 0 turns that check off. Its state is checkpointed."""
+
+    def __init__(self, factor: float, zero_grad_steps: int):
+        self.factor, self.zero_grad_steps = factor, zero_grad_steps
+        self.min_loss = math.inf
+        self.zero_since: int | None = None
+
+    def check(self, step: int, loss: float, grad_norm: float, lr: float) -> tuple[str, str, int] | None:
+        """``(status, reason, first bad step)`` when the run must stop, else None."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return "nan", f"loss is {loss} (gradient norm {grad_norm}) at step {step}", step
+        if self.factor and loss > self.factor * self.min_loss:
+            return (
+                "diverged",
+                f"loss {loss:.4g} at step {step} is above {self.factor:g} x its running minimum "
+                f"{self.min_loss:.4g} (train.divergence_factor)",
+                step,
+            )
+        self.min_loss = min(self.min_loss, loss)
+        if grad_norm == 0.0 and lr > 0.0:
+            self.zero_since = self.zero_since or step
+        else:
+            self.zero_since = None
+        streak = 0 if self.zero_since is None else step - self.zero_since + 1
+        if self.zero_grad_steps and streak >= self.zero_grad_steps:
+            return (
+                "diverged",
+                f"the gradient norm has been exactly 0 since step {self.zero_since} ({streak} steps, "
+                f"train.zero_grad_steps) while the learning rate is {lr:.3g}",
+                self.zero_since,
+            )
+        return None
+
+    @property
+    def suspicious(self) -> bool:
+        """In a run of zero gradient norms: a checkpoint now could replace the last good one."""
+        return self.zero_since is not None
+
+    def state(self) -> dict:
+        return {
+            "min_loss": None if math.isinf(self.min_loss) else self.min_loss,
+            "zero_since": self.zero_since,
+        }
+
+    def load(self, state: dict) -> None:
+        self.min_loss = math.inf if state.get("min_loss") is None else state["min_loss"]
+        self.zero_since = state.get("zero_since")

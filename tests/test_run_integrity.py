@@ -1,0 +1,249 @@
+"""Runs whose results can be trusted: one writer per run dir, verified checkpoints with fallback,
+the divergence guard, exit statuses, no step logged twice, and honest comparisons (CLI
+subprocesses on tiny configs, and the guard and compare logic on hand-made inputs)."""
+
+import json
+import math
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from test_train import FAST, ROOT, TINY, losses, run_cli
+
+from train.compare import compare
+from train.errors import EXIT_PREEMPTED, UserError
+from train.metrics import DivergenceGuard, read_metrics
+
+
+def start_cli(run_dir, *sets, extra=()):
+    args = [sys.executable, "-m", "train", "--config", TINY, "--run-dir", str(run_dir), "--quiet"]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.Popen(
+        args + list(extra), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_steps(proc, run_dir, n, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach {n} logged steps: {proc.communicate()[1][-2000:]}")
+
+
+def test_a_second_run_on_a_busy_run_dir_is_refused_and_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    first = start_cli(run, *FAST, "train.steps=400", "checkpoint.every=0")
+    wait_for_steps(first, run, 2)
+    config = (run / "config.yaml").read_bytes()
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != "metrics.jsonl"}
+    second = run_cli(run, *FAST, "train.seed=7", check=False)
+    assert second.returncode == 2
+    assert f"run dir {run} is in use by pid {first.pid} on host" in second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1
+    assert (run / "config.yaml").read_bytes() == config
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name != "metrics.jsonl"} == before
+    # SIGTERM: saved and stopped, with the status a scheduler requeues on.
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == EXIT_PREEMPTED, err[-2000:]
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_sigkill_leaves_a_stale_lock_that_a_resume_takes_and_no_step_twice(tmp_path):
+    sets = [*FAST, "train.steps=20", "checkpoint.every=4"]
+    run_cli(tmp_path / "full", *sets)
+    cut = tmp_path / "cut"
+    proc = start_cli(cut, *sets)
+    wait_for_steps(proc, cut, 10)
+    proc.kill()
+    proc.wait(timeout=60)
+    logged = [r["step"] for r in read_metrics(cut / "metrics.jsonl") if "loss" in r]
+    assert (cut / ".lock").exists() and max(logged) > 8  # steps logged past the last checkpoint
+    resumed = run_cli(cut, *sets, extra=["--resume"])
+    start = int(resumed.stdout.split("resuming from step ")[1].split()[0])
+    assert start % 4 == 0 and start < max(logged)
+    rows = [r["step"] for r in read_metrics(cut / "metrics.jsonl") if "loss" in r]
+    assert rows == list(range(1, 21))  # every step once, in order
+    full, again = losses(tmp_path / "full"), losses(cut)
+    np.testing.assert_allclose([again[s] for s in full], [full[s] for s in full], rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run of 8 steps with checkpoints at 4, 6 and 8 (and their checksums)."""
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    run_cli(run, *FAST, "train.steps=8", "checkpoint.every=2", "checkpoint.keep=3")
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [4, 6, 8]
+    return run
+
+
+def largest_array_file(step_dir):
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "metadata" not in p.name.lower()]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def truncate(step_dir):
+    f = largest_array_file(step_dir)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def flip_bytes(step_dir):
+    f = largest_array_file(step_dir)
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 64] = bytes(255 - b for b in data[mid : mid + 64])
+    f.write_bytes(bytes(data))
+
+
+def delete_state_metadata(step_dir):
+    """Deletes the state's metadata file (its name depends on the orbax version)."""
+    for name in ("_METADATA", "_sharding", "ocdbt.process_0/manifest.ocdbt"):
+        if (step_dir / "state" / name).is_file():
+            (step_dir / "state" / name).unlink()
+            return f"files missing: state/{name}"
+    raise AssertionError(f"no state metadata file in {step_dir}")
+
+
+def delete_data_metadata(step_dir):
+    (step_dir / "data" / "metadata").unlink()
+    return "files missing: data/metadata"
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_bytes, delete_state_metadata, delete_data_metadata])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    reason = damage(run / "checkpoints" / "8") or "files changed since it was written"
+    proc = run_cli(
+        run, *FAST, "train.steps=10", "checkpoint.every=2", "checkpoint.keep=3", extra=["--resume"]
+    )
+    assert f"checkpoint 8 is not usable: {reason}" in proc.stdout, proc.stdout
+    assert "resuming from step 6" in proc.stdout and "Traceback" not in proc.stderr
+    assert (run / "rejected_checkpoints" / "8").is_dir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 10
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == list(range(1, 11))
+
+
+def test_no_usable_checkpoint_is_one_line_naming_each_tried(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    for step in (4, 6, 8):
+        truncate(run / "checkpoints" / str(step))
+    proc = run_cli(run, *FAST, "train.steps=10", "checkpoint.every=2", extra=["--resume"], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: no usable checkpoint in ") and all(
+        f"step {s} (" in line for s in (8, 6, 4)
+    )
+
+
+def test_divergence_stops_the_run_keeps_the_checkpoint_before_it_and_spares_a_completed_summary(tmp_path):
+    run = tmp_path / "run"
+    run_cli(run, *FAST, "train.steps=4", "checkpoint.every=2")
+    completed = (run / "summary.json").read_text()
+    # Resumed with a learning rate that blows the loss up: the guard stops it.
+    proc = run_cli(
+        run,
+        *FAST,
+        "train.steps=40",
+        "train.lr=1.0e+4",
+        "train.warmup_ratio=0.0",
+        "checkpoint.every=1",
+        extra=["--resume"],
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "stopping (diverged)" in proc.stdout
+    failed = json.loads((run / "summary.diverged.json").read_text())
+    # the loss blows up, or the model dies (gradient norm exactly 0), whichever comes first
+    assert failed["status"] == "diverged"
+    assert (
+        "running minimum" in failed["stop_reason"]
+        or "gradient norm has been exactly 0" in failed["stop_reason"]
+    )
+    assert (run / "summary.json").read_text() == completed  # the completed record is kept
+    bad = failed["first_bad_step"]  # its loss came from the weights after step bad - 1
+    assert failed["steps"] == bad - 1
+    kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept and max(kept) < bad - 1 and f"step {max(kept)}, is kept" in proc.stdout
+    rejected = [int(p.name) for p in (run / "rejected_checkpoints").iterdir() if p.name.isdigit()]
+    assert bad - 1 in rejected and min(rejected) >= bad - 1  # those weights were set aside
+
+
+def test_a_run_that_diverges_without_checkpoints_says_so(tmp_path):
+    proc = run_cli(
+        tmp_path / "run",
+        *FAST,
+        "train.lr=1.0e+4",
+        "train.warmup_ratio=0.0",
+        "checkpoint.every=0",
+        check=False,
+    )
+    assert proc.returncode == 1 and "no checkpoint was saved before it" in proc.stdout
+
+
+def test_guard_catches_nan_a_loss_spike_and_a_dead_gradient():
+    guard = DivergenceGuard(factor=3.0, zero_grad_steps=4)
+    assert guard.check(1, 5.0, 1.0, 0.1) is None and guard.check(2, 2.0, 1.0, 0.1) is None
+    assert guard.check(3, 5.9, 1.0, 0.1) is None  # under 3 x the running minimum 2.0
+    status, reason, first = guard.check(4, 6.1, 1.0, 0.1)
+    assert status == "diverged" and first == 4 and "3 x its running minimum 2" in reason
+    dead = DivergenceGuard(factor=0.0, zero_grad_steps=4)
+    for step in range(1, 4):
+        assert dead.check(step, 5.5, 0.0, 0.1) is None
+    status, reason, first = dead.check(4, 5.5, 0.0, 0.1)
+    assert status == "diverged" and first == 1 and "exactly 0 since step 1 (4 steps" in reason
+    warm = DivergenceGuard(factor=0.0, zero_grad_steps=2)  # a zero learning rate is not a dead model
+    assert all(warm.check(s, 5.5, 0.0, 0.0) is None for s in range(1, 10))
+    assert DivergenceGuard(3.0, 4).check(1, math.nan, 1.0, 0.1)[0] == "nan"
+    restored = DivergenceGuard(3.0, 4)
+    restored.load(guard.state())
+    assert restored.min_loss == 2.0
+
+
+def fake_run(
+    root, name, status="completed", tokenizer="bytes", validation="v1", device="cpu", session=(0, 10)
+):
+    run = root / name
+    run.mkdir()
+    rows = [
+        {"step": s, "eval_loss": math.log(p), "eval_ppl": p, "wall_s": float(s)}
+        for s, p in ((5, 30.0), (10, 20.0))
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {
+        "status": status,
+        "data": {"tokenizer": {"kind": tokenizer}, "validation_sha256": validation},
+        "device_kind": device,
+        "sessions": [[session[0], session[1], "host"]],
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path, capsys):
+    base = fake_run(tmp_path, "base")
+    for name, kw, why in (
+        ("cut", {"status": "interrupted"}, "cut did not complete (status: interrupted)"),
+        ("sp", {"tokenizer": "sentencepiece"}, "sp has another tokenizer than base"),
+        ("val", {"validation": "v2"}, "val has another validation data than base"),
+    ):
+        other = fake_run(tmp_path, name, **kw)
+        with pytest.raises(UserError, match=re.escape(why)):
+            compare([base, other], tmp_path / "out")
+        text = compare([base, other], tmp_path / "out", force=True)
+        assert f"not comparable (--force): {why}" in text
+    compare([base, fake_run(tmp_path, "gpu", device="H100", session=(5, 15))], tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "different devices (H100, cpu)" in err and "base and gpu ran at the same time" in err
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert report["runs"][0]["status"] == "completed" and len(report["warnings"]) == 2
