@@ -81,35 +81,46 @@ def test_cli_end_to_end_loss_falls_and_outputs_are_complete(tmp_path):
     assert saved.train.steps == 30
 
 
-def test_resume_after_sigterm_equals_uninterrupted(tmp_path):
-    sets = [*FAST, "train.steps=24", "checkpoint.every=3", "train.micro_batch_size=4"]
+def test_resume_after_sigterm_and_sigkill_equals_uninterrupted(tmp_path):
+    """Stopped by SIGTERM (saved, exit 75), resumed and killed by SIGKILL (its lock left behind,
+    steps logged past its last checkpoint), resumed again: every step logged once, with the
+    uninterrupted run's losses. The data come from a token store (the builtin text's)."""
+    sets = [*FAST, "train.steps=24", "checkpoint.every=8", "train.micro_batch_size=4"]
     run_cli(tmp_path / "full", *sets)
-    args = [
-        sys.executable,
-        "-m",
-        "train",
-        "--config",
-        TINY,
-        "--run-dir",
-        str(tmp_path / "cut"),
-        "--quiet",
-    ] + [x for s in sets for x in ("--set", s)]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "cut" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if metrics.exists() and len(losses(tmp_path / "cut")) >= 7:
-            break
-        time.sleep(0.05)
+    cut = tmp_path / "cut"
+
+    def start(*extra):
+        args = [sys.executable, "-m", "train", "--config", TINY, "--run-dir", str(cut), "--quiet"]
+        args += [x for s in sets for x in ("--set", s)] + list(extra)
+        return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_for(proc, n):
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if (cut / "metrics.jsonl").exists() and len(losses(cut)) >= n:
+                return
+            time.sleep(0.05)
+        raise AssertionError(proc.communicate()[1][-2000:])
+
+    proc = start()
+    wait_for(proc, 7)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
-    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    summary = json.loads((cut / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["steps"] < 24
-    run_cli(tmp_path / "cut", *sets, extra=["--resume"])
-    full, resumed = losses(tmp_path / "full"), losses(tmp_path / "cut")
-    assert sorted(resumed) == sorted(full) == list(range(1, 25))
-    np.testing.assert_allclose([resumed[s] for s in full], [full[s] for s in full], rtol=1e-6)
+    proc = start("--resume")
+    wait_for(proc, 17)
+    proc.kill()
+    proc.wait(timeout=60)
+    logged = [r["step"] for r in read_metrics(cut / "metrics.jsonl") if "loss" in r]
+    assert (cut / ".lock").exists() and 16 < max(logged) < 24  # rows past checkpoint 16
+    resumed = run_cli(cut, *sets, extra=["--resume"])
+    assert "resuming from step 16" in resumed.stdout, resumed.stdout
+    rows = [r["step"] for r in read_metrics(cut / "metrics.jsonl") if "loss" in r]
+    assert rows == list(range(1, 25))  # every step once, in order
+    full, again = losses(tmp_path / "full"), losses(cut)
+    np.testing.assert_allclose([again[s] for s in full], [full[s] for s in full], rtol=1e-6)
 
 
 @pytest.mark.parametrize("host", ["galore", "q_galore"])
@@ -270,6 +281,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert proc.returncode == 1 and "loss is" in proc.stdout
     ckpts = sorted(int(p.name) for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts, "the last good checkpoint is kept"
+    assert f"the last checkpoint before it, step {ckpts[-1]}, is kept in" in proc.stdout
 
 
 def test_bad_records_are_skipped_and_counted(tmp_path):
@@ -448,6 +460,7 @@ def test_non_finite_parameters_are_never_checkpointed(tmp_path):
         check=False,
     )
     assert proc.returncode == 1 and "non-finite parameters after step 1" in proc.stdout, proc.stdout
+    assert "no checkpoint was saved before it" in proc.stdout  # never a pointer to an empty dir
     ckpt_dir = tmp_path / "inf" / "checkpoints"
     assert not ckpt_dir.exists() or not [p for p in ckpt_dir.iterdir() if p.name.isdigit()]
 
