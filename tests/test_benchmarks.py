@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import optimizer_step  # noqa: E402
 import step_anatomy  # noqa: E402
+import vs_torch  # noqa: E402
 
 
 def test_entry_kernels_counts_one_fusion_and_its_bytes():
@@ -112,3 +113,22 @@ def test_train_step_benchmark_times_finite_donated_steps():
     tx = train_step.optimizers(r_base=8, block=16)["moara_full"]
     ms = train_step.time_steps(cfg, tx, batch=4, micro=2, seq_len=16, steps=2, warmup=1)
     assert ms > 0
+
+
+def test_vs_torch_peer_has_the_papers_groups_and_the_same_model():
+    transformers = pytest.importorskip("transformers")
+    import models
+
+    cfg = models.get_config("llama2-tiny")
+    peer = transformers.LlamaForCausalLM(models.to_hf_config(cfg))
+    low_rank, rest = vs_torch.paper_groups(peer)
+    assert len(low_rank) == 7 * cfg.num_hidden_layers  # q k v o gate up down in every layer
+    assert sum(p.numel() for p in low_rank + rest) == models.param_count(cfg)
+    assert all(p.ndim == 1 for p in rest if p.shape[0] != cfg.vocab_size)  # norms; embedding, head
+
+
+def test_vs_torch_derived_figures():
+    row = vs_torch.derive({"plain_ms": 100.0, "refresh_ms": 2100.0, "params": 1000}, 5000, peak_tflops=1e-6)
+    assert row["tokens_per_s"] == 50_000
+    assert row["tokens_per_s_refresh_amortized"] == 5000 / (100 + 2000 / 200) * 1e3
+    assert row["mfu"] == 6 * 1000 * 5000 / 0.1 / 1e6

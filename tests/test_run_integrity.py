@@ -112,7 +112,7 @@ def test_verification_names_each_kind_of_damage(finished_run, tmp_path):
     ckpt.close()
 
 
-@pytest.mark.parametrize("damage", [truncate, delete_state_metadata])
+@pytest.mark.parametrize("damage", [truncate])  # each kind of damage: test_verification_names_...
 def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -128,17 +128,27 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finish
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == list(range(1, 11))
 
 
-def test_no_usable_checkpoint_is_one_line_naming_each_tried(finished_run, tmp_path):
+def test_no_usable_checkpoint_is_one_error_naming_each_tried(finished_run, tmp_path):
+    from train.checkpoint import Checkpointer
+
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     for step in (4, 6, 8):
         truncate(run / "checkpoints" / str(step))
-    proc = run_cli(run, *FAST, "train.steps=10", "checkpoint.every=2", extra=["--resume"], check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("error: no usable checkpoint in ") and all(
-        f"step {s} (" in line for s in (8, 6, 4)
-    )
+    said = []
+    ckpt = Checkpointer(run / "checkpoints", keep=3, every=2)
+    with pytest.raises(UserError) as e:
+        ckpt.restore_latest(None, lambda state: None, say=said.append)  # verification refuses all
+    message = str(e.value)
+    assert message.startswith("no usable checkpoint in ") and "\n" not in message
+    assert [m.split(":")[0] for m in said] == [f"checkpoint {s} is not usable" for s in (8, 6, 4)]
+    assert all(f"step {s} (files changed since it was written" in message for s in (8, 6, 4))
+    assert sorted(p.name for p in (run / "rejected_checkpoints").iterdir() if p.name.isdigit()) == [
+        "4",
+        "6",
+        "8",
+    ]
+    ckpt.close()
 
 
 def test_divergence_stops_the_run_keeps_the_checkpoint_before_it_and_spares_a_completed_summary(tmp_path):
@@ -152,6 +162,7 @@ def test_divergence_stops_the_run_keeps_the_checkpoint_before_it_and_spares_a_co
         "train.steps=40",
         "train.lr=1.0e+4",
         "train.warmup_ratio=0.0",
+        "train.zero_grad_steps=3",
         "checkpoint.every=1",
         extra=["--resume"],
         check=False,
@@ -230,3 +241,15 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
     assert "different devices (H100, cpu)" in err and "base and gpu ran at the same time" in err
     report = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert report["runs"][0]["status"] == "completed" and len(report["warnings"]) == 2
+
+
+def test_banner_warns_when_the_embedding_and_head_hold_most_parameters(tmp_path):
+    from train.rundir import banner
+
+    common = dict(
+        model="tiny", optimizer="adamw", ranks=None, data="data: x", tokens_per_step=256, run_dir=tmp_path
+    )
+    lines = banner(params=4_196_672, embedding_params=4_096_000, **common)
+    assert "98% in the embedding and LM head" in lines[0]
+    assert lines[-1].startswith("warning: the embedding and LM head hold 98% of the parameters")
+    assert not banner(params=133_568, embedding_params=32_896, **common)[-1].startswith("warning")

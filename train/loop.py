@@ -149,7 +149,8 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
     summary_path = run_dir / "summary.json"
     if start >= total_steps and summary_path.is_file():
         ckpt.close()
-        say(f"{run_dir} is already complete at step {start}; nothing to do")
+        if main:
+            print(f"{run_dir} is already complete at step {start}; nothing to do")
         return json.loads(summary_path.read_text())
     if main:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

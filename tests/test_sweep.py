@@ -1,0 +1,114 @@
+"""``python -m train.sweep``: grid expansion, skipping and resuming, and the report's statistics
+(on hand-made run dirs; the end-to-end sweep runs in ``test_train.test_sweep_then_compare``)."""
+
+import json
+import math
+import pathlib
+import statistics
+
+import pytest
+
+from train import sweep
+from train.errors import EXIT_PREEMPTED, UserError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAPER = ROOT / "configs" / "paper" / "llama2-60m.yaml"
+
+
+def test_grid_is_the_product_of_the_axes_once_per_seed():
+    runs = sweep.expand(PAPER, ["conditions/galore,full", "hosts/fira,osd"], [0, 1])
+    assert [r.name for r in runs] == [
+        f"{c}-{h}-seed{s}" for c in ("galore", "full") for h in ("fira", "osd") for s in (0, 1)
+    ]
+    assert runs[0].layers == (
+        str(PAPER.parent / "conditions" / "galore.yaml"),
+        str(PAPER.parent / "hosts" / "fira.yaml"),
+    )
+    assert [r.name for r in sweep.expand(PAPER, [], [3])] == ["llama2-60m-seed3"]
+    with pytest.raises(UserError, match=r"--axis conditions/nope: no config layer .*nope.yaml"):
+        sweep.expand(PAPER, ["conditions/nope"], [0])
+
+
+def make_run(root, name, status=None, ppl=(), checkpoint=False, step_every=10, seconds_per_step=1.0):
+    run = root / name
+    run.mkdir(parents=True)
+    rows = [
+        {
+            "step": step_every * (i + 1),
+            "eval_ppl": p,
+            "eval_loss": math.log(p),
+            "wall_s": seconds_per_step * step_every * (i + 1),
+        }
+        for i, p in enumerate(ppl)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if status:
+        (run / "summary.json").write_text(json.dumps({"status": status}))
+    if checkpoint:
+        (run / "checkpoints" / "20").mkdir(parents=True)
+    return run
+
+
+def test_finished_and_failed_runs_are_skipped_interrupted_ones_resumed(tmp_path, monkeypatch):
+    runs = sweep.expand(PAPER, ["conditions/galore,rank,decomp,full"], [0])
+    make_run(tmp_path, "galore-seed0", "completed", [30, 20])
+    make_run(tmp_path, "rank-seed0", "interrupted", [30], checkpoint=True)
+    make_run(tmp_path, "decomp-seed0", "diverged", [30])
+    calls = []
+
+    def launch(args):
+        calls.append(args)
+        return 1 if "full-seed0" in args[args.index("--run-dir") + 1] else 0
+
+    monkeypatch.setattr(sweep, "launch", launch)
+    said = []
+    outcomes = sweep.run_grid(PAPER, runs, tmp_path, ["train.steps=20"], say=said.append)
+    assert outcomes == {
+        "galore-seed0": "completed",
+        "rank-seed0": "completed",
+        "decomp-seed0": "failed",
+        "full-seed0": "failed (exit 1)",
+    }
+    assert [a[a.index("--run-dir") + 1] for a in calls] == [
+        str(tmp_path / "rank-seed0"),
+        str(tmp_path / "full-seed0"),
+    ]
+    assert calls[0][-1] == "--resume" and "--resume" not in calls[1]
+    assert calls[1][:4] == [
+        "--config",
+        str(PAPER),
+        "--config",
+        str(PAPER.parent / "conditions" / "full.yaml"),
+    ]
+    assert "train.steps=20" in calls[1] and "train.seed=0" in calls[1]
+    assert "full-seed0: failed with exit status 1; the sweep goes on without it" in said
+    monkeypatch.setattr(sweep, "launch", lambda args: EXIT_PREEMPTED)
+    with pytest.raises(sweep.SweepPreempted, match="rank-seed0"):  # the first run still to do
+        sweep.run_grid(PAPER, runs, tmp_path, [], say=said.append)
+
+
+def test_report_statistics_on_hand_made_runs(tmp_path):
+    runs = sweep.expand(PAPER, ["conditions/galore,full"], [0, 1, 2])
+    # The baseline ends at ppl 20 and 22 (mean 21: the target); seed 2 diverged and is left out.
+    make_run(tmp_path, "galore-seed0", "completed", [40, 30, 20])
+    make_run(tmp_path, "galore-seed1", "completed", [40, 30, 22])
+    make_run(tmp_path, "galore-seed2", "diverged", [40, 900])
+    make_run(tmp_path, "full-seed0", "completed", [35, 21, 18])
+    make_run(tmp_path, "full-seed1", "completed", [35, 25, 19], seconds_per_step=2.0)
+    make_run(tmp_path, "full-seed2", "completed", [30, 20, 17])
+    result = sweep.report(tmp_path, runs)
+    assert result["baseline"] == "galore" and result["target_ppl"] == 21.0
+    galore, full = result["points"]["galore"], result["points"]["full"]
+    assert galore["final_ppl"] == {"mean": 21.0, "std": statistics.stdev([20, 22]), "n": 2}
+    # steps to ppl <= 21: galore seed 0 at 30, seed 1 never; full at 20, 30, 20
+    assert galore["steps_to_target"] == {"mean": 30.0, "std": 0.0, "n": 1} and galore["reached"] == 1
+    assert full["steps_to_target"]["mean"] == pytest.approx(70 / 3)
+    assert full["step_reduction_pct"] == pytest.approx(100 * (1 - (70 / 3) / 30))
+    assert full["time_to_target_s"]["mean"] == pytest.approx((20 + 60 + 20) / 3)
+    assert [s["steps"] for s in full["seeds"]] == [20, 30, 20]
+    assert result["excluded"] == [{"run": "galore-seed2", "status": "failed"}]
+    text = (tmp_path / "report.md").read_text()
+    assert "| full | 3 (3 reached) | 18.000 ± 1.000 |" in text and "- galore-seed2: failed" in text
+    assert (tmp_path / "report.png").stat().st_size > 0
+    with pytest.raises(UserError, match="--baseline nope is not a grid point"):
+        sweep.report(tmp_path, runs, baseline="nope")

@@ -1,0 +1,294 @@
+"""``python -m train.sweep``: a grid of runs given as config layers, with seeds, and its report.
+
+    python -m train.sweep --base configs/paper/llama2-60m.yaml \\
+        --axis conditions/galore,rank,decomp,full --axis hosts/fira,osd --seeds 0,1,2 \\
+        [--set train.steps=3000 ...] [--out runs/sweep] [--baseline galore-fira] [--report-only]
+
+Each ``--axis DIR/a,b`` names config layers ``DIR/a.yaml``, ``DIR/b.yaml`` beside the base file
+(or a path); the grid is their product, every point once per seed, each run in its own run dir
+``OUT/POINT-seedS``. Finished runs are skipped and interrupted ones resumed, so a sweep can be
+stopped (SIGTERM: the run in progress saves; exit 75) and started again with the same command.
+A run that fails or diverges is reported and left out of the statistics, never averaged.
+
+The report (``report.md``, ``report.json``, ``report.png``): per grid point, the mean and
+standard deviation over seeds of the final eval ppl, of the steps and of the wall-clock time to
+reach the baseline point's mean final ppl (each seed's too), and the reductions against the
+baseline in %; eval-ppl curves with a band of one standard deviation over seeds, against steps
+and against wall-clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from train.compare import reach
+from train.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from train.metrics import dedupe_by_step, read_metrics
+
+
+@dataclass(frozen=True)
+class Run:
+    point: str  # the grid point: its layers' names joined by "-"
+    seed: int
+    layers: tuple[str, ...]  # config files layered over the base
+
+    @property
+    def name(self) -> str:
+        return f"{self.point}-seed{self.seed}"
+
+
+def expand(base: pathlib.Path, axes: list[str], seeds: list[int]) -> list[Run]:
+    """The grid's runs, point by point (axes in order, the first varying slowest), seed by seed."""
+    choices = []
+    for axis in axes:
+        folder, _, names = axis.rpartition("/")
+        options = []
+        for name in (n.strip() for n in names.split(",") if n.strip()):
+            path = base.parent / folder / f"{name}.yaml"
+            if not path.is_file():
+                raise UserError(f"--axis {axis}: no config layer {path}")
+            options.append((name, str(path)))
+        if not options:
+            raise UserError(f"--axis {axis}: names no config layer")
+        choices.append(options)
+    runs = []
+    for combo in itertools.product(*choices):
+        point = "-".join(name for name, _ in combo) or base.stem
+        runs.extend(Run(point, seed, tuple(path for _, path in combo)) for seed in seeds)
+    return runs
+
+
+def state_of(run_dir: pathlib.Path) -> str:
+    """``completed``, ``resumable`` (checkpoints of an unfinished run), ``failed`` or ``new``."""
+    summary = run_dir / "summary.json"
+    status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
+    if status == "completed":
+        return "completed"
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
+        return "resumable"
+    return "failed" if status in ("nan", "diverged") else "new"
+
+
+def launch(args: list[str]) -> int:
+    """Runs ``python -m train ARGS`` and returns its exit status (the sweep's one side effect)."""
+    return subprocess.call([sys.executable, "-m", "train", *args], env=os.environ.copy())
+
+
+def run_grid(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[str], say=print) -> dict:
+    """Runs what is not finished; returns each run's outcome. A preempted run stops the sweep."""
+    outcomes = {}
+    for run in runs:
+        run_dir = out / run.name
+        state = state_of(run_dir)
+        if state in ("completed", "failed"):
+            say(f"{run.name}: {state}, skipped")
+            outcomes[run.name] = state
+            continue
+        args = ["--config", str(base)] + [x for layer in run.layers for x in ("--config", layer)]
+        args += [x for s in [*sets, f"train.seed={run.seed}"] for x in ("--set", s)]
+        args += ["--run-dir", str(run_dir)] + (["--resume"] if state == "resumable" else [])
+        say(f"{run.name}: {'resuming' if state == 'resumable' else 'starting'}")
+        code = launch(args)
+        if code == EXIT_PREEMPTED:
+            raise SweepPreempted(run.name)
+        outcomes[run.name] = "completed" if code == 0 else f"failed (exit {code})"
+        if code:
+            say(f"{run.name}: failed with exit status {code}; the sweep goes on without it")
+    return outcomes
+
+
+class SweepPreempted(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "std": None, "n": 0}
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "n": len(values),
+    }
+
+
+def load_evals(run_dir: pathlib.Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return dedupe_by_step(read_metrics(path), "eval_ppl") if path.is_file() else []
+
+
+def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> dict:
+    """The sweep's statistics from its run dirs (only completed runs count; the rest are listed)."""
+    points = list(dict.fromkeys(r.point for r in runs))
+    baseline = baseline or points[0]
+    if baseline not in points:
+        raise UserError(f"--baseline {baseline} is not a grid point ({', '.join(points)})")
+    done, excluded = {p: [] for p in points}, []
+    for run in runs:
+        run_dir = out / run.name
+        status = state_of(run_dir)
+        evals = load_evals(run_dir)
+        if status != "completed" or not evals:
+            excluded.append({"run": run.name, "status": status if evals else f"{status}, no evaluation"})
+            continue
+        done[run.point].append({"run": run.name, "seed": run.seed, "evals": evals})
+    if not done[baseline]:
+        raise UserError(f"the baseline {baseline} has no completed run yet")
+    target = statistics.fmean(r["evals"][-1]["eval_ppl"] for r in done[baseline])
+    rows = {}
+    for point in points:
+        seeds = []
+        for r in done[point]:
+            step, wall = reach(r["evals"], target)
+            seeds.append(
+                {"seed": r["seed"], "final_ppl": r["evals"][-1]["eval_ppl"], "steps": step, "time_s": wall}
+            )
+        rows[point] = {
+            "final_ppl": _stats([s["final_ppl"] for s in seeds]),
+            "steps_to_target": _stats([s["steps"] for s in seeds if s["steps"] is not None]),
+            "time_to_target_s": _stats([s["time_s"] for s in seeds if s["time_s"] is not None]),
+            "reached": sum(s["steps"] is not None for s in seeds),
+            "seeds": seeds,
+        }
+    base = rows[baseline]
+    for row in rows.values():
+        for key, red in (
+            ("steps_to_target", "step_reduction_pct"),
+            ("time_to_target_s", "time_reduction_pct"),
+        ):
+            m, b = row[key]["mean"], base[key]["mean"]
+            row[red] = 100 * (1 - m / b) if m is not None and b else None
+    result = {"baseline": baseline, "target_ppl": target, "points": rows, "excluded": excluded}
+    (out / "report.json").write_text(json.dumps(result, indent=2))
+    (out / "report.md").write_text(markdown(result))
+    plot(out / "report.png", done)
+    return result
+
+
+def _pm(s: dict, fmt: str = ".2f") -> str:
+    return "-" if s["mean"] is None else f"{s['mean']:{fmt}} ± {s['std']:{fmt}}"
+
+
+def markdown(result: dict) -> str:
+    pct = lambda v: "-" if v is None else f"{v:+.1f}%"  # noqa: E731
+    lines = [
+        f"Target: the mean final eval ppl of `{result['baseline']}` = {result['target_ppl']:.3f}",
+        "",
+        "| point | runs | final ppl | steps to target | step reduction | time to target (s) "
+        "| time reduction |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for point, row in result["points"].items():
+        lines.append(
+            f"| {point} | {row['final_ppl']['n']} ({row['reached']} reached) | "
+            f"{_pm(row['final_ppl'], '.3f')} | "
+            f"{_pm(row['steps_to_target'], '.0f')} | {pct(row['step_reduction_pct'])} | "
+            f"{_pm(row['time_to_target_s'], '.1f')} | {pct(row['time_reduction_pct'])} |"
+        )
+    lines += ["", "Per seed (final ppl; steps and seconds to the target):", ""]
+    for point, row in result["points"].items():
+        per = ", ".join(
+            f"seed {s['seed']}: {s['final_ppl']:.3f}; {s['steps']}; {s['time_s']}" for s in row["seeds"]
+        )
+        lines.append(f"- {point}: {per or 'none completed'}")
+    if result["excluded"]:
+        lines += ["", "Not in the statistics:", ""]
+        lines += [f"- {e['run']}: {e['status']}" for e in result["excluded"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: pathlib.Path, done: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; no report.png")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for point, seeds in done.items():
+        if not seeds:
+            continue
+        steps = sorted(set.intersection(*(set(r["step"] for r in s["evals"]) for s in seeds)))
+        if not steps:
+            continue
+        by_step = [[next(r for r in s["evals"] if r["step"] == st) for s in seeds] for st in steps]
+        ppl = [[r["eval_ppl"] for r in rows] for rows in by_step]
+        wall = [statistics.fmean(r["wall_s"] for r in rows) for rows in by_step]
+        mean = [statistics.fmean(v) for v in ppl]
+        std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in ppl]
+        for ax, x in zip(axes, (steps, wall), strict=True):
+            (line,) = ax.plot(x, mean, label=f"{point} (n={len(seeds)})")
+            ax.fill_between(
+                x,
+                [m - s for m, s in zip(mean, std, strict=True)],
+                [m + s for m, s in zip(mean, std, strict=True)],
+                color=line.get_color(),
+                alpha=0.2,
+            )
+    for ax, label in zip(axes, ("step", "wall-clock (s, mean over seeds)"), strict=True):
+        ax.set_xlabel(label)
+        ax.set_ylabel("eval ppl (mean ± std over seeds)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, type=pathlib.Path, help="the base config file")
+    parser.add_argument(
+        "--axis", action="append", default=[], help="DIR/a,b,c: config layers beside the base"
+    )
+    parser.add_argument("--seeds", default="0", help="comma-separated train.seed values")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=None, help="the sweep dir (default runs/sweep-BASE)"
+    )
+    parser.add_argument("--baseline", default=None, help="the grid point whose final ppl is the target")
+    parser.add_argument("--report-only", action="store_true", help="write the report from what has run")
+    args = parser.parse_args(argv)
+    out = args.out or pathlib.Path("runs") / f"sweep-{args.base.stem}"
+    try:
+        if not args.base.is_file():
+            raise UserError(f"--base: config file not found: {args.base}")
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise UserError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
+        runs = expand(args.base, args.axis, seeds or [0])
+        out.mkdir(parents=True, exist_ok=True)
+        grid = {"base": str(args.base), "axes": args.axis, "seeds": seeds, "sets": args.overrides}
+        (out / "sweep.json").write_text(json.dumps(grid, indent=2))
+        if not args.report_only:
+            outcomes = run_grid(args.base, runs, out, args.overrides)
+            failed = {k: v for k, v in outcomes.items() if v != "completed"}
+            if failed:
+                print(f"{len(failed)} run(s) did not complete: {failed}")
+        result = report(out, runs, args.baseline)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except SweepPreempted as e:
+        print(f"interrupted during {e}; run the same command again to continue the sweep", file=sys.stderr)
+        return EXIT_PREEMPTED
+    print((out / "report.md").read_text(), end="")
+    return 0 if not result["excluded"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
