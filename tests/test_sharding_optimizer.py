@@ -64,3 +64,63 @@ def test_sharded_optimizer_matches_single_device(host):
         [sys.executable, "-c", SCRIPT, host], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
+
+
+STATE_SHARDINGS = textwrap.dedent("""
+    import re
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import models, moara_jax as mj
+    from train.config import MeshSection
+    from train.sharding import make_mesh, param_shardings, state_shardings
+    mesh = make_mesh(MeshSection(data=2, fsdp=2, tensor=2))
+    cfg = models.get_config("llama2-tiny")
+    params = models.abstract_params(cfg)
+    p_shard = param_shardings(models.logical_axes(cfg), params, mesh)
+    tx = mj.moara_adamw(0.01, r_base=8, block_size=8)
+    state = jax.eval_shape(tx.init, params)
+    shard = state_shardings(state, mesh, params, p_shard)
+    spec = {jax.tree_util.keystr(p): s.spec for (p, _), s in
+            zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(shard))}
+    pspec = {jax.tree_util.keystr(p): s.spec for (p, _), s in
+             zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(p_shard))}
+    def of(field, param):
+        (k,) = [k for k in spec if f".{field}" in k and k.endswith(param)]
+        return spec[k]
+    # AdamW moments of the embedding and LM head: exactly their parameters' (tensor and fsdp)
+    for name in ("['embed_tokens']['embedding']", "['lm_head']['kernel']"):
+        assert pspec[name] in (P("tensor", "fsdp"), P("fsdp", "tensor")), pspec[name]
+        assert of("mu", name) == of("nu", name) == pspec[name], (name, of("mu", name))
+    # low-rank leaves: the kept dimension as the parameter shards it, the rank dimension not
+    down = "['layers_0']['mlp']['down_proj']['kernel']"   # (fan_in 176: tensor, fan_out 64: fsdp)
+    assert pspec[down] == P("tensor", "fsdp")
+    assert of("basis", down) == P("fsdp", None)           # (fan_out, r)
+    assert of("dir_mu", down) == P("tensor", None)        # (fan_in, r)
+    assert of("mag_mu", down) == P(None, "fsdp")          # (ceil(fan_in / B), fan_out)
+    q = "['layers_0']['self_attn']['q_proj']['kernel']"  # (fan_in: fsdp, fan_out: tensor)
+    assert of("basis", q) == P("fsdp", None) and of("dir_mu", q) == P(None, "tensor")
+    assert all(s == P() for k, s in spec.items() if k.endswith(".count"))
+
+    # The compiled update of the embedding's and LM head's AdamW state moves none of it.
+    small = {k: params[k] for k in ("embed_tokens", "lm_head")}
+    small_shard = {k: p_shard[k] for k in small}
+    adamw = mj.adamw(0.01)
+    small_state = jax.eval_shape(adamw.init, small)
+    def collectives(state_shard):
+        step = jax.jit(adamw.update, in_shardings=(small_shard, state_shard, small_shard),
+                       out_shardings=(small_shard, state_shard))
+        text = step.lower(small, small_state, small).compile().as_text()
+        return len(re.findall(r"all-gather|all-to-all|collective-permute", text))
+    new = collectives(state_shardings(small_state, mesh, small, small_shard))
+    old = collectives(state_shardings(small_state, mesh))  # the largest axis fsdp divides
+    assert new == 0 and old > 0, (new, old)
+    print("OK", old)
+""")
+
+
+def test_optimizer_state_is_sharded_like_its_parameter():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", STATE_SHARDINGS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]

@@ -115,7 +115,7 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
     except ValueError as e:
         raise UserError(f"optimizer: {e}") from None
     p_shard = param_shardings(models.logical_axes(model_cfg), abstract_params, mesh)
-    o_shard = state_shardings(abstract_opt, mesh)
+    o_shard = state_shardings(abstract_opt, mesh, abstract_params, p_shard)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     s_shard = TrainState(replicated, p_shard, o_shard)
 

@@ -2,9 +2,9 @@
 
 Parameters are sharded by their logical axis names (``models.logical_axes``) through
 ``LOGICAL_RULES``; a dimension a mesh axis does not divide stays replicated. Optimizer-state leaves
-(moments, low-rank moments, projection bases, magnitudes: shapes that differ from the
-parameters') shard their largest axis that ``fsdp`` divides. Batches shard over
-``(data, fsdp)``.
+follow their parameter (``state_shardings``): the parameter's sharding for its shape, the kept
+dimensions sharded as the parameter shards them for low-rank moments, bases and magnitudes.
+Batches shard over ``(data, fsdp)``.
 
 Multi-host: ``jax.distributed.initialize()`` runs first (``python -m train`` calls it when
 ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``) or SLURM is set); the
@@ -64,10 +64,22 @@ def param_shardings(logical, abstract_params, mesh: Mesh):
     return jax.tree.map(one, logical, abstract_params, is_leaf=lambda s: isinstance(s, P))
 
 
-def state_shardings(abstract_state, mesh: Mesh):
+def state_shardings(abstract_state, mesh: Mesh, abstract_params=None, param_shardings_tree=None):
+    """Optimizer-state shardings that follow the parameters.
+
+    A state leaf is matched to its parameter by path (optax states hold per-parameter trees whose
+    key paths end with the parameter's). A leaf of the parameter's shape (AdamW moments, error
+    buffers, initial bases of a full-rank shape) takes the parameter's sharding, so the update
+    needs no resharding. A low-rank leaf (moments ``r x n``, bases ``m x r``, magnitudes
+    ``m x ceil(n/B)``, stacked or not) shards each dimension it keeps from the parameter as the
+    parameter shards it (the same size at the same place in the matrix, else at the other place:
+    bases are stored in the paper's orientation), and the rank dimension not at all; leading
+    (stacked-layer) dimensions follow the parameter's. Scalars are replicated. Leaves matched to
+    no parameter shard their largest axis that ``fsdp`` divides, as does every leaf when no
+    parameter shardings are given."""
     fsdp = mesh.shape["fsdp"]
 
-    def one(x):
+    def largest_fsdp_axis(x):
         spec = [None] * x.ndim
         if fsdp > 1 and x.ndim >= 1:
             for axis in sorted(range(x.ndim), key=lambda a: -x.shape[a]):
@@ -76,7 +88,66 @@ def state_shardings(abstract_state, mesh: Mesh):
                     break
         return NamedSharding(mesh, P(*spec))
 
-    return jax.tree.map(one, abstract_state)
+    if abstract_params is None:
+        return jax.tree.map(largest_fsdp_axis, abstract_state)
+    params = {
+        _path_key(path): (x, tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec)))
+        for (path, x), sh in zip(
+            jax.tree_util.tree_leaves_with_path(abstract_params),
+            jax.tree.leaves(param_shardings_tree),
+            strict=True,
+        )
+    }
+
+    def one(path, x):
+        if x.ndim == 0:
+            return NamedSharding(mesh, P())
+        match = _find_param(_path_key(path), params)
+        if match is None:
+            return largest_fsdp_axis(x)
+        param, spec = match
+        if x.shape == param.shape:
+            return NamedSharding(mesh, P(*spec))
+        return NamedSharding(mesh, _fit(_derived_spec(x.shape, param.shape, spec), x.shape, mesh))
+
+    return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def _path_key(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _find_param(key: tuple[str, ...], params: dict):
+    """The parameter whose path occurs in ``key`` (the longest such), or None."""
+    best = None
+    for i in range(len(key)):
+        for j in range(len(key), i, -1):
+            if key[i:j] in params and (best is None or j - i > len(best)):
+                best = key[i:j]
+                break
+    return params[best] if best is not None else None
+
+
+def _derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
+    """Mesh axes for a low-rank leaf of a parameter: leading (stacked) dimensions as the
+    parameter's, then each of the last two dimensions as the parameter's matrix dimension of the
+    same size (the same place first), a mesh axis used once."""
+    lead = len(param_shape) - 2
+    if len(shape) < len(param_shape) - 2 or lead < 0:
+        return (None,) * len(shape)
+    spec = list(param_spec[: min(lead, len(shape))]) + [None] * max(len(shape) - lead, 0)
+    used = {a for a in spec if a is not None}
+    for k in range(lead, len(shape)):  # the leaf's matrix dimensions
+        place = k - lead
+        for candidate in (place, 1 - place) if place in (0, 1) else ():
+            axis = param_spec[lead + candidate]
+            if shape[k] == param_shape[lead + candidate] and axis is not None and axis not in used:
+                spec[k] = axis
+                used.add(axis)
+                break
+            if shape[k] == param_shape[lead + candidate]:
+                break
+    return tuple(spec)
 
 
 def batch_sharding(mesh: Mesh, global_batch: int) -> NamedSharding:
