@@ -161,9 +161,21 @@ def test_profile_reads_the_bases_of_other_hosts(host, tmp_path):
 
 
 def test_profile_writes_allocation_that_training_reads(tmp_path):
-    run_cli(tmp_path / "prof", *FAST, "mode=profile", "profile.steps=10", "profile.every=2")
+    run_cli(
+        tmp_path / "prof",
+        *FAST,
+        "mode=profile",
+        "profile.steps=10",
+        "profile.every=2",
+        "metrics.writers=[tensorboard]",
+    )
     allocation = json.loads((tmp_path / "prof" / "allocation.json").read_text())
     alignment = json.loads((tmp_path / "prof" / "alignment.json").read_text())
+    from test_metrics_writers import read_events
+
+    events = read_events(tmp_path / "prof")  # S_tau per module and the training scalars
+    assert [s for s, _ in events["alignment/S_down"]] == alignment["steps"]
+    assert [s for s, _ in events["train/loss"]] == list(range(1, 11)) and "eval/ppl" in events
     assert set(alignment["s_tau"]) == {"q", "k", "v", "o", "up", "gate", "down"}
     assert alignment["steps"] == [2, 4, 6, 8, 10]
     assert all(0 < s <= 1 for s in alignment["s_tau"].values())
@@ -231,6 +243,7 @@ def test_sweep_then_compare(tmp_path):
         (["data.source=files", "data.paths=['/nonexistent.jsonl']"], "data file not found"),
         (["train.batch_size=6", "mesh.data=4"], "does not match the 1 available devices"),
         (["optimizer.rank_allocation=/no/such.json"], "allocation file not found"),
+        (["metrics.writers=[jsonl,mlflow]"], "metrics.writers: unknown ['mlflow']"),
         (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
         (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),

@@ -97,6 +97,18 @@ class MeshSection:
 
 
 @dataclass(frozen=True)
+class MetricsSection:
+    # metrics.jsonl is always written; tensorboard (pip install 'moara-jax[tensorboard]') writes
+    # event files to RUN_DIR/tensorboard; wandb (pip install 'moara-jax[wandb]') logs to Weights &
+    # Biases, offline unless WANDB_MODE says otherwise.
+    writers: list = field(default_factory=lambda: ["jsonl"])
+    wandb_project: str = "moara-jax"
+
+
+WRITERS = ("jsonl", "tensorboard", "wandb")
+
+
+@dataclass(frozen=True)
 class ProfileSection:
     steps: int = 1000  # N_p
     every: int = 50  # x
@@ -115,6 +127,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
 
 
 def _check_type(where: str, value: Any, hint: Any) -> Any:
@@ -273,6 +286,8 @@ def validate(cfg: RunConfig) -> None:
         "checkpoint.keep must be >= 1 and checkpoint.every >= 0",
     )
     need(cfg.profile.every >= 1 and cfg.profile.steps >= 1, "profile.steps and profile.every must be >= 1")
+    unknown_writers = [w for w in cfg.metrics.writers if w not in WRITERS]
+    need(not unknown_writers, f"metrics.writers: unknown {unknown_writers} (known: {', '.join(WRITERS)})")
     finite = math.isfinite
     need(finite(t.lr), f"train.lr must be finite, got {t.lr}")
     need(

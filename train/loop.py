@@ -22,7 +22,7 @@ from train.config import RunConfig, to_dict
 from train.data import build_data
 from train.data import describe as describe_data
 from train.errors import UserError
-from train.metrics import DivergenceGuard, MetricsWriter
+from train.metrics import DivergenceGuard, MetricsWriter, make_sinks
 from train.rundir import RunLock, banner, plot_curves, ppl, write_summary
 from train.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from train.step import TrainState, make_eval_step, make_optimizer, make_train_step, schedule
@@ -181,7 +181,8 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
     def evaluate(params) -> float:
         return float(np.mean([float(eval_fn(params, b)) for b in val_batches]))
 
-    writer = MetricsWriter(run_dir, total_steps, resumed_from, quiet, enabled=main)
+    sinks = make_sinks(cfg.metrics.writers, run_dir, to_dict(cfg), cfg.metrics.wandb_project) if main else []
+    writer = MetricsWriter(run_dir, total_steps, resumed_from, quiet, enabled=main, sinks=sinks)
     recorder = profiling.AlignmentRecorder(cfg.profile.ema) if profiling_mode else None
     if recorder is not None and "recorder" in data_state:
         recorder.load(data_state["recorder"])
@@ -216,6 +217,7 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
             return verdict
         if recorder is not None and done_step % cfg.profile.every == 0:
             recorder.record(done_step, metrics["alignment"], abstract_params)
+            writer.scalars(done_step, {f"alignment/S_{k}": v[-1] for k, v in recorder.values.items()})
         if done_step % t.log_every == 0 or done_step == total_steps:
             row = {"step": done_step, "loss": loss, "lr": float(lr(done_step - 1)), "grad_norm": grad_norm}
             row |= {"tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "wall_s": writer.wall()}
@@ -276,6 +278,7 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
         if pending is not None and stop_reason is None:
             stop_reason = read_metrics_of(*pending)
     writer.end_progress()
+    writer.close()
     if stop_reason is not None:
         status, reason, first_bad = stop_reason
         step = first_bad - 1  # the steps whose results passed the checks

@@ -4,9 +4,82 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import sys
 import time
+
+from train.errors import UserError
+
+
+class TensorBoardSink:
+    """Scalars as TensorBoard event files in ``RUN_DIR/tensorboard`` (tensorboardX)."""
+
+    def __init__(self, run_dir: pathlib.Path, config: dict):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise UserError(
+                "metrics.writers names tensorboard but tensorboardX is not installed: "
+                "pip install 'moara-jax[tensorboard]'"
+            ) from None
+        self.writer = SummaryWriter(logdir=str(run_dir / "tensorboard"))
+
+    def scalars(self, step: int, values: dict) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """Scalars to Weights & Biases: offline (files under ``RUN_DIR/wandb``) unless ``WANDB_MODE``
+    says otherwise; the run config goes with them."""
+
+    def __init__(self, run_dir: pathlib.Path, config: dict, project: str = "moara-jax"):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError(
+                "metrics.writers names wandb but wandb is not installed: pip install 'moara-jax[wandb]'"
+            ) from None
+        self.run = wandb.init(
+            project=project,
+            name=run_dir.name,
+            dir=str(run_dir),
+            config=config,
+            mode=os.environ.get("WANDB_MODE", "offline"),
+            resume="allow",
+        )
+
+    def scalars(self, step: int, values: dict) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_sinks(writers: list, run_dir: pathlib.Path, config: dict, wandb_project: str) -> list:
+    """The metric sinks besides ``metrics.jsonl`` that ``metrics.writers`` names."""
+    sinks = []
+    if "tensorboard" in writers:
+        sinks.append(TensorBoardSink(run_dir, config))
+    if "wandb" in writers:
+        sinks.append(WandbSink(run_dir, config, wandb_project))
+    return sinks
+
+
+# metrics.jsonl keys -> the scalar names the sinks get
+SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "step_time_s": "train/step_time_s",
+    "eval_loss": "eval/loss",
+    "eval_ppl": "eval/ppl",
+}
 
 
 class MetricsWriter:
@@ -17,12 +90,14 @@ class MetricsWriter:
         resume_step: int | None,
         quiet: bool = False,
         enabled: bool = True,
+        sinks: list = (),
     ):
         """``resume_step``: the checkpoint's step when resuming; the rows of later steps (written
         after that checkpoint by the interrupted run) are dropped, so no step appears twice.
         ``enabled=False`` (processes other than the first of a multi-host run) writes nothing."""
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
+        self.sinks = list(sinks) if enabled else []
         quiet = quiet or not enabled
         self.total = total_steps
         self.quiet = quiet
@@ -47,6 +122,17 @@ class MetricsWriter:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        self.scalars(row["step"], {SCALARS[k]: v for k, v in row.items() if k in SCALARS})
+
+    def scalars(self, step: int, values: dict) -> None:
+        """Scalars for the sinks alone (e.g. the per-module ``S_tau`` of a profile)."""
+        for sink in self.sinks:
+            sink.scalars(step, values)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def progress(self, step: int, loss: float, tokens_per_s: float, step_time: float) -> None:
         if self.quiet:

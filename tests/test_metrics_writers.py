@@ -1,0 +1,84 @@
+"""Metric writers besides ``metrics.jsonl``: TensorBoard event files (read back) and Weights &
+Biases (against a stand-in module), and the trainer's profile run writing both kinds of scalars."""
+
+import pathlib
+import struct
+import sys
+import types
+
+import pytest
+
+from train.errors import UserError
+from train.metrics import MetricsWriter, make_sinks
+
+
+def read_events(run_dir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
+    """``tag -> [(step, value)]`` from the TFRecord event files under ``RUN_DIR/tensorboard``."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict = {}
+    for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
+
+
+def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
+    pytest.importorskip("tensorboardX")
+    sinks = make_sinks(["jsonl", "tensorboard"], tmp_path, {"a": 1}, "p")
+    writer = MetricsWriter(tmp_path, 10, None, quiet=True, sinks=sinks)
+    writer.write({"step": 1, "loss": 5.5, "lr": 0.01, "grad_norm": 2.0, "tokens_per_s": 100.0, "wall_s": 1.0})
+    writer.write({"step": 2, "loss": 4.5, "lr": 0.02, "grad_norm": 1.5, "tokens_per_s": 110.0, "wall_s": 2.0})
+    writer.write({"step": 2, "eval_loss": 4.6, "eval_ppl": 99.5, "wall_s": 2.5})
+    writer.scalars(2, {"alignment/S_down": 0.25})
+    writer.close()
+    events = read_events(tmp_path)
+    assert events["train/loss"] == [(1, 5.5), (2, 4.5)]
+    assert events["train/lr"] == [(1, pytest.approx(0.01)), (2, pytest.approx(0.02))]
+    assert events["eval/ppl"] == [(2, 99.5)] and events["alignment/S_down"] == [(2, 0.25)]
+    assert "wall_s" not in events and "step" not in events
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3  # jsonl as always
+
+
+def test_wandb_runs_offline_with_the_config_and_logs_by_step(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", step, dict(values)))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kw):
+        calls.append(("init", kw))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    writer = MetricsWriter(
+        tmp_path, 10, None, quiet=True, sinks=make_sinks(["wandb"], tmp_path, {"x": 2}, "proj")
+    )
+    writer.write({"step": 3, "loss": 1.25, "wall_s": 0.5})
+    writer.close()
+    (_, kw), log, finish = calls
+    assert kw["mode"] == "offline" and kw["project"] == "proj" and kw["config"] == {"x": 2}
+    assert kw["dir"] == str(tmp_path) and kw["name"] == tmp_path.name
+    assert log == ("log", 3, {"train/loss": 1.25}) and finish == ("finish",)
+
+
+def test_a_writer_whose_package_is_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(
+        UserError, match=r"tensorboardX is not installed: pip install 'moara-jax\[tensorboard\]'"
+    ):
+        make_sinks(["tensorboard"], tmp_path, {}, "p")
+    with pytest.raises(UserError, match=r"wandb is not installed: pip install 'moara-jax\[wandb\]'"):
+        make_sinks(["wandb"], tmp_path, {}, "p")
