@@ -200,6 +200,14 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
         iter_state = data_iter.get_state()
         return global_batch(next(data_iter), b_sharding, local_rows, shape)
 
+    cpu = jax.local_devices(backend="cpu")[0]
+
+    def host_lr(count: int) -> float:
+        """The schedule's value, computed on the host's CPU: on an accelerator it would queue
+        behind the step just dispatched and make the host wait for it."""
+        with jax.default_device(cpu):
+            return float(lr(count))
+
     last_eval = None
     status, stop_reason = "completed", None
     step = start
@@ -212,14 +220,15 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
         now = time.perf_counter()
         dt = now - (last_done if last_done is not None else now - 1e-9)
         last_done = now
-        verdict = guard.check(done_step, loss, grad_norm, float(lr(done_step - 1)))
+        step_lr = host_lr(done_step - 1)
+        verdict = guard.check(done_step, loss, grad_norm, step_lr)
         if verdict is not None:
             return verdict
         if recorder is not None and done_step % cfg.profile.every == 0:
             recorder.record(done_step, metrics["alignment"], abstract_params)
             writer.scalars(done_step, {f"alignment/S_{k}": v[-1] for k, v in recorder.values.items()})
         if done_step % t.log_every == 0 or done_step == total_steps:
-            row = {"step": done_step, "loss": loss, "lr": float(lr(done_step - 1)), "grad_norm": grad_norm}
+            row = {"step": done_step, "loss": loss, "lr": step_lr, "grad_norm": grad_norm}
             row |= {"tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "wall_s": writer.wall()}
             writer.write(row)
             writer.progress(done_step, loss, tokens_per_step / dt, dt)
