@@ -36,6 +36,7 @@ from optimizer_step import _with_count
 from train_step import optimizers, time_steps
 
 import models
+from train.plots import pyplot
 from train.step import TrainState, make_train_step
 
 GALORE_MODULES = ("self_attn", "mlp")  # the paper's low-rank group: every attention and MLP matrix
@@ -169,13 +170,8 @@ def derive(row: dict, tokens: int, peak_tflops: float, gap: int = 200) -> dict:
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed; no chart")
+    plt = pyplot("chart")
+    if plt is None:
         return
     names = list(result["runs"])
     fig, ax = plt.subplots(figsize=(8, 4))

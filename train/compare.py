@@ -16,6 +16,7 @@ import sys
 
 from train.errors import UserError
 from train.metrics import dedupe_by_step, read_metrics
+from train.plots import pyplot
 
 
 def load_run(run_dir: pathlib.Path) -> dict:
@@ -116,13 +117,8 @@ def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None, f
 
 
 def _plot(runs, target, path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed; skipping compare.png")
+    plt = pyplot("compare.png")
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:

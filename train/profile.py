@@ -12,6 +12,7 @@ import numpy as np
 
 import moara_jax as mj
 from train.config import RunConfig
+from train.plots import pyplot
 
 
 class AlignmentRecorder:
@@ -93,13 +94,8 @@ def write_outputs(rec: AlignmentRecorder, run_dir: pathlib.Path, cfg: RunConfig)
 
 
 def _plot(rec: AlignmentRecorder, path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed; skipping alignment.png (pip install 'moara-jax[plot]')")
+    plt = pyplot("alignment.png")
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for label in sorted(rec.values):

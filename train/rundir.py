@@ -12,6 +12,7 @@ import socket
 
 from train.errors import UserError
 from train.metrics import dedupe_by_step, read_metrics
+from train.plots import pyplot
 
 LOCK = ".lock"
 
@@ -74,12 +75,8 @@ def write_summary(run_dir: pathlib.Path, summary: dict) -> pathlib.Path:
 
 def plot_curves(run_dir: pathlib.Path) -> pathlib.Path | None:
     """``curves.png``: training loss and eval ppl against step (when matplotlib is installed)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot("curves.png", quiet=True)
+    if plt is None:
         return None
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     train, evals = dedupe_by_step(rows, "loss"), dedupe_by_step(rows, "eval_ppl")

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from train.compare import reach
 from train.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 from train.metrics import dedupe_by_step, read_metrics
+from train.plots import pyplot
 
 
 @dataclass(frozen=True)
@@ -209,13 +210,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(path: pathlib.Path, done: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed; no report.png")
+    plt = pyplot("report.png")
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for point, seeds in done.items():
