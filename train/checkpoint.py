@@ -45,12 +45,13 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._unrecorded: list[int] = []
+        self._skipped: set[int] = set()  # rejected by another process that moves them
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        return sorted(s for s in self.manager.all_steps() if s not in self._skipped)
 
     def save(self, step: int, state, data_state: dict, force: bool = False) -> None:
         if step in self.manager.all_steps():
@@ -134,8 +135,12 @@ class Checkpointer:
         return None
 
     def reject(self, step: int) -> None:
-        """Moves checkpoint ``step`` (and its checksums) out of the way of later runs."""
+        """Moves checkpoint ``step`` (and its checksums) out of the way of later runs (the first
+        process of a multi-host run moves it; the others only stop considering it)."""
         self.manager.wait_until_finished()
+        if not self.enabled:
+            self._skipped.add(step)
+            return
         self.rejected_dir.mkdir(exist_ok=True)
         target = self.rejected_dir / str(step)
         if target.exists():
