@@ -60,16 +60,21 @@ def time_steps(cfg, tx, batch: int, micro: int, seq_len: int, steps: int, warmup
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_step_arguments(parser: argparse.ArgumentParser, steps: int = 5, warmup: int = 2) -> None:
+    """The shape of the timed training step (model, batch, micro-batch, sequence, rank, block)."""
     parser.add_argument("--model", default="llama2-350m")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--r-base", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_step_arguments(parser)
     parser.add_argument("--only", nargs="*", help="subset of optimizer names")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -33,7 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 from optimizer_step import _with_count
-from train_step import optimizers, time_steps
+from train_step import add_step_arguments, optimizers, time_steps
 
 import models
 from train.plots import pyplot
@@ -194,14 +194,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama2-350m")
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--micro-batch", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--r-base", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_step_arguments(parser, steps=10, warmup=3)
     parser.add_argument("--refresh-steps", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.4)
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="the peer runs eagerly")
