@@ -116,19 +116,18 @@ def open_store(cfg: DataSection, quiet: bool = False) -> token_store.TokenStore:
     source finds its store (``data.store`` or the cache) and builds it there when missing, with
     the same code as ``python -m train.prepare``. A store made with another tokenizer or from
     other inputs is refused."""
-    identity = make_tokenizer(cfg.tokenizer).identity()
     if cfg.source == "store":
         opened = token_store.TokenStore(pathlib.Path(cfg.store).expanduser())
-        opened.check(None, identity)
+        opened.check(None, make_tokenizer(cfg.tokenizer).identity())
         return opened
-    plan = token_store.plan(cfg)
+    plan = token_store.plan(cfg)  # loads the tokenizer and hashes its file once
     directory = store_dir(cfg, plan)
     if not (directory / token_store.MANIFEST).is_file():
         if not quiet:
             print(f"token store: building {directory} ({len(plan.pieces)} pieces)", file=sys.stderr)
         token_store.build(directory, plan, cfg.workers, quiet=quiet)
     opened = token_store.TokenStore(directory)
-    opened.check(plan, identity)
+    opened.check(plan, plan.tokenizer_identity)
     return opened
 
 

@@ -23,7 +23,8 @@ from train.data import build_data
 from train.data import describe as describe_data
 from train.errors import UserError
 from train.metrics import DivergenceGuard, MetricsWriter, make_sinks
-from train.rundir import RunLock, banner, plot_curves, ppl, write_summary
+from train.metrics import perplexity as ppl
+from train.rundir import RunLock, banner, plot_curves, write_summary
 from train.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from train.step import TrainState, make_eval_step, make_optimizer, make_train_step, schedule
 
@@ -176,7 +177,9 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
         donate_argnums=(0,),
     )
     eval_fn = jax.jit(make_eval_step(model_cfg), in_shardings=(p_shard, b_sharding))
-    val_batches = [_sharded_rows(b, b_sharding) for b in data.val_batches(t.batch_size, t.eval_batches)]
+    val_batches = [
+        global_batch(b, b_sharding, None, b.shape) for b in data.val_batches(t.batch_size, t.eval_batches)
+    ]
 
     def evaluate(params) -> float:
         return float(np.mean([float(eval_fn(params, b)) for b in val_batches]))
@@ -431,11 +434,6 @@ def global_batch(local: np.ndarray, sharding, rows: np.ndarray | None, shape: tu
         return local[wanted][:, idx[1]]
 
     return jax.make_array_from_callback(shape, sharding, shard)
-
-
-def _sharded_rows(rows: np.ndarray, sharding) -> jax.Array:
-    """A batch already in host memory (the fixed validation batches) as a sharded array."""
-    return jax.make_array_from_callback(rows.shape, sharding, lambda idx: rows[idx])
 
 
 def _rank_summary(cfg: RunConfig, abstract_params, profiling_mode: bool) -> dict | None:

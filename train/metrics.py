@@ -12,6 +12,11 @@ import time
 from train.errors import UserError
 
 
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, capped at ``exp(50)`` (a diverged loss stays a number)."""
+    return math.exp(min(loss, 50.0))
+
+
 class TensorBoardSink:
     """Scalars as TensorBoard event files in ``RUN_DIR/tensorboard`` (tensorboardX)."""
 
@@ -141,7 +146,7 @@ class MetricsWriter:
         if not tty and step % max(1, self.total // 20) and step != self.total:
             return  # writing to a log file: about 20 lines per run
         eta = (self.total - step) * step_time
-        ppl = math.exp(min(loss, 50.0))
+        ppl = perplexity(loss)
         line = (
             f"step {step}/{self.total}  loss {loss:.4f}  ppl {ppl:.1f}  "
             f"{tokens_per_s:,.0f} tok/s  ETA {eta:,.0f}s"

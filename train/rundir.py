@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import math
 import os
 import pathlib
 import socket
@@ -126,7 +125,3 @@ def banner(
             "tokenizer or a larger model spends the compute on the blocks"
         )
     return lines
-
-
-def ppl(loss: float) -> float:
-    return math.exp(min(loss, 50.0))

@@ -259,14 +259,19 @@ def tokenize_piece(job: tuple) -> dict:
     exhausted = True
 
     def flush():
-        tokens = 0
+        parts: dict[str, list] = {s: [] for s in splits}  # one write per split and batch
         for text, ids in zip(batch, tok.encode_batch(batch), strict=True):
             split = piece.role
             if split == "mixed":
                 split = "validation" if sources.is_validation(text, _worker["fraction"]) else "train"
-            writers[split].write(np.concatenate([ids, eos]))
+            parts[split] += [ids, eos]
             documents[split] += 1
-            tokens += len(ids) + 1
+        tokens = 0
+        for split, arrays in parts.items():
+            if arrays:
+                joined = np.concatenate(arrays)
+                writers[split].write(joined)
+                tokens += len(joined)
         counters.add(len(batch), tokens)
         batch.clear()
 
