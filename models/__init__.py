@@ -1,8 +1,9 @@
 """Flax decoder-only models (Llama 2, Llama 3.2, Qwen2.5, Qwen3, DeepSeek-V2 MLA) with
-Hugging Face parameter names, configs and checkpoint conversion."""
+Hugging Face parameter names, configs, checkpoint conversion and model directories."""
 
 from models.configs import FAMILIES, PRESETS, ModelConfig, get_config, list_configs
 from models.hf import config_from_hf, from_hf, to_hf, to_hf_config
+from models.hf_files import architecture, load_hf_params, read_hf_config, write_hf_dir
 from models.model import (
     CausalLM,
     abstract_params,
@@ -19,6 +20,7 @@ __all__ = [
     "CausalLM",
     "ModelConfig",
     "abstract_params",
+    "architecture",
     "build_model",
     "config_from_hf",
     "forward",
@@ -26,8 +28,11 @@ __all__ = [
     "get_config",
     "init_params",
     "list_configs",
+    "load_hf_params",
     "logical_axes",
     "param_count",
+    "read_hf_config",
     "to_hf",
     "to_hf_config",
+    "write_hf_dir",
 ]

@@ -282,6 +282,18 @@ def test_max_documents_takes_the_first_documents_across_pieces(tmp_path, monkeyp
     assert sum(opened.manifest["splits"][s]["documents"] for s in ("train", "validation")) == 47
 
 
+def test_a_text_file_larger_than_a_piece_is_one_document_read_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(token_store, "PIECE_BYTES", 100)  # JSON lines would be cut; text is not
+    text = tmp_path / "wiki.test.raw"
+    text.write_text("= Title =\n" + "a line of text\n" * 40)
+    plan = token_store.plan(files_section([str(text)], validation_fraction=0.5))
+    assert len(plan.pieces) == 1
+    token_store.build(tmp_path / "store", plan, workers=1, quiet=True)
+    opened = token_store.TokenStore(tmp_path / "store")
+    assert sum(opened.manifest["splits"][s]["documents"] for s in ("train", "validation")) == 1
+    assert sum(opened.splits[s].tokens for s in ("train", "validation")) == len(text.read_bytes()) + 1
+
+
 def test_validation_paths_are_the_validation_split(tmp_path):
     train = write_corpus(tmp_path / "train", files=2, seed=1)
     val = write_corpus(tmp_path / "val", files=1, docs=7, seed=2)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from train.config import load_config
-from train.data import Counts, SentencePieceTokenizer, file_documents
+from train.data import Counts, file_documents
 from train.errors import EXIT_PREEMPTED, UserError
 from train.metrics import dedupe_by_step, read_metrics
 
@@ -329,35 +329,6 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     csv.write_text("a,b")
     with pytest.raises(UserError, match="unsupported data file type"):
         list(file_documents([str(csv)], Counts()))
-
-
-def test_sentencepiece_tokenizer_path(tmp_path):
-    spm = pytest.importorskip("sentencepiece")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
-    spm.SentencePieceTrainer.train(
-        input=str(corpus),
-        model_prefix=str(tmp_path / "sp"),
-        vocab_size=60,
-        eos_id=1,
-        pad_id=0,
-        unk_id=2,
-        bos_id=-1,
-    )
-    tok = SentencePieceTokenizer(str(tmp_path / "sp.model"))
-    assert tok.vocab_size == 60 and tok.eos_id == 1
-    assert tok.decode(tok.encode("the lazy dog")) == "the lazy dog"
-    data = tmp_path / "d.jsonl"
-    data.write_text("\n".join(json.dumps({"text": f"the quick brown fox {i}"}) for i in range(200)))
-    run_cli(
-        tmp_path / "sp_run",
-        *FAST,
-        "train.steps=3",
-        "data.source=files",
-        f"data.paths=['{data}']",
-        f"data.tokenizer={tmp_path / 'sp.model'}",
-    )
-    assert json.loads((tmp_path / "sp_run" / "summary.json").read_text())["steps"] == 3
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,23 @@ def _file_sums(directory: pathlib.Path) -> dict[str, str]:
     return sums
 
 
+def _verify(directory: pathlib.Path, sums: pathlib.Path) -> str | None:
+    if not sums.is_file():
+        return None
+    try:
+        want = json.loads(sums.read_text())
+    except ValueError:
+        return None
+    have = _file_sums(directory)
+    missing = sorted(set(want) - set(have))
+    changed = sorted(k for k in want if k in have and have[k] != want[k])
+    if missing:
+        return f"files missing: {', '.join(missing[:3])}"
+    if changed:
+        return f"files changed since it was written: {', '.join(changed[:3])}"
+    return None
+
+
 class Checkpointer:
     def __init__(self, directory: pathlib.Path, keep: int, every: int, enabled: bool = True):
         """``enabled``: this process records checksums (the first process of a multi-host run)."""
@@ -84,21 +101,7 @@ class Checkpointer:
     def verify(self, step: int) -> str | None:
         """Why checkpoint ``step`` fails verification against its checksums, or None (also when
         it has none: a run killed right after orbax finished it never recorded them)."""
-        path = self.sums_dir / f"{step}.json"
-        if not path.is_file():
-            return None
-        try:
-            want = json.loads(path.read_text())
-        except ValueError:
-            return None
-        have = _file_sums(self.directory / str(step))
-        missing = sorted(set(want) - set(have))
-        changed = sorted(k for k in want if k in have and have[k] != want[k])
-        if missing:
-            return f"files missing: {', '.join(missing[:3])}"
-        if changed:
-            return f"files changed since it was written: {', '.join(changed[:3])}"
-        return None
+        return _verify(self.directory / str(step), self.sums_dir / f"{step}.json")
 
     def restore(self, step: int, abstract_state):
         """``abstract_state``: ``jax.ShapeDtypeStruct``s with the target shardings."""
@@ -169,3 +172,47 @@ class Checkpointer:
 
 def abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def read_params(run_dir: pathlib.Path, step: int | None = None, shardings=None) -> tuple[int, dict]:
+    """The parameters alone of checkpoint ``step`` (default: the newest) of a run dir, after
+    verifying its checksums; the optimizer state is not read. ``shardings``: a tree like the
+    parameters (default: the host's CPU). Returns ``(step, params)`` in the checkpoint's dtypes.
+
+    Raises:
+      UserError: no checkpoint, no checkpoint of that step, or one that fails verification.
+    """
+    ckpt_dir = (pathlib.Path(run_dir) / "checkpoints").resolve()
+    if not ckpt_dir.is_dir():
+        raise UserError(f"{run_dir} holds no checkpoints/ (not a run dir, or no checkpoint was saved)")
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+    manager = ocp.CheckpointManager(ckpt_dir, item_handlers=handlers)
+    try:
+        steps = sorted(manager.all_steps())
+        if not steps:
+            raise UserError(f"{ckpt_dir} holds no checkpoint")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise UserError(f"{ckpt_dir} has no checkpoint of step {step} (it has steps {steps})")
+        reason = _verify(ckpt_dir / str(step), ckpt_dir.parent / "checksums" / f"{step}.json")
+        if reason is not None:
+            raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}")
+        meta = manager.item_metadata(step)["state"]
+        meta = getattr(meta, "tree", meta)["params"]
+        if shardings is None:
+            cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+            shardings = jax.tree.map(lambda _: cpu, meta)
+        abstract = {
+            "params": jax.tree.map(
+                lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), meta, shardings
+            )
+        }
+        args = ocp.args.PyTreeRestore(
+            item=abstract,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True,
+        )
+        restored = manager.restore(step, args=ocp.args.Composite(state=args))
+    finally:
+        manager.close()
+    return step, restored.state["params"]

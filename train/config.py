@@ -21,8 +21,11 @@ from train.errors import UserError
 
 @dataclass(frozen=True)
 class ModelSection:
-    name: str = "tiny"
+    name: str | None = None  # a models preset (default: tiny, or the init_from directory's model)
     overrides: dict = field(default_factory=dict)  # any models.ModelConfig field
+    # A Hugging Face model directory (config.json + safetensors) to start from: its config is the
+    # model (model.name/overrides, when given, must agree), its weights the initial parameters.
+    init_from: str | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import moara_jax as mj
 import models
 from train.config import load_config
 from train.errors import UserError
-from train.loop import model_config
+from train.model import model_config
 from train.step import make_optimizer, read_allocation
 
 

@@ -3,6 +3,7 @@ logging, evaluation, checkpoints (SIGTERM-safe), resume, profiling and a summary
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import signal
@@ -24,6 +25,7 @@ from train.data import describe as describe_data
 from train.errors import UserError
 from train.metrics import DivergenceGuard, MetricsWriter, make_sinks
 from train.metrics import perplexity as ppl
+from train.model import MODEL_FILE, init_from_params, model_config
 from train.rundir import RunLock, banner, plot_curves, write_summary
 from train.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from train.step import TrainState, make_eval_step, make_optimizer, make_train_step, schedule
@@ -47,19 +49,6 @@ class _Stop:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-def model_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
-    try:
-        return models.get_config(
-            cfg.model.name,
-            vocab_size=vocab_size,
-            param_dtype=cfg.train.param_dtype,
-            dtype=cfg.train.dtype,
-            **cfg.model.overrides,
-        )
-    except (ValueError, TypeError) as e:
-        raise UserError(f"model: {e}") from None
 
 
 def train_and_evaluate(
@@ -146,7 +135,15 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
     else:
         if resume:
             say(f"no checkpoint in {ckpt_dir}; starting from scratch")
-        state = jax.jit(init, out_shardings=s_shard)(jax.random.PRNGKey(t.seed))
+        if cfg.model.init_from is not None:
+
+            def start_from(params):
+                return TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
+
+            params = init_from_params(cfg, model_cfg, p_shard)
+            state = jax.jit(start_from, out_shardings=s_shard, donate_argnums=0)(params)
+        else:
+            state = jax.jit(init, out_shardings=s_shard)(jax.random.PRNGKey(t.seed))
     summary_path = run_dir / "summary.json"
     if start >= total_steps and summary_path.is_file():
         ckpt.close()
@@ -155,6 +152,9 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
         return json.loads(summary_path.read_text())
     if main:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        # The model as built (for train.export and train.evaluate; with init_from, the config
+        # came from a directory that may not stay where it is).
+        (run_dir / MODEL_FILE).write_text(json.dumps(dataclasses.asdict(model_cfg), indent=1) + "\n")
     ranks = _rank_summary(cfg, abstract_params, profiling_mode)
     for line in banner(
         model=model_cfg.name,
@@ -214,14 +214,16 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
     last_eval = None
     status, stop_reason = "completed", None
     step = start
-    last_done = None  # when the metrics of the last step read became available
+    # When the metrics of the last step read became available (the first step's time counts from
+    # its dispatch, so it includes the compilation).
+    last_done = None
 
     def read_metrics_of(done_step: int, metrics) -> tuple[str, str, int] | None:
         """Reads one step's metrics (waiting for that step only), checks them, logs them."""
         nonlocal last_done
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         now = time.perf_counter()
-        dt = now - (last_done if last_done is not None else now - 1e-9)
+        dt = now - last_done
         last_done = now
         step_lr = host_lr(done_step - 1)
         verdict = guard.check(done_step, loss, grad_norm, step_lr)
@@ -243,6 +245,7 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
     # their own metrics at once.
     pending = None  # (step, metrics) not read yet
     batch = next_batch() if step < total_steps else None
+    last_done = time.perf_counter()
     with _Stop() as stop:
         while step < total_steps:
             if "first_step_s" not in startup:

@@ -117,6 +117,7 @@ class Counts:
 
 
 JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".json")
+TEXT_SUFFIXES = (".txt", ".raw")  # one document per file (.raw: WikiText's files)
 
 
 def builtin_documents() -> list[str]:
@@ -129,8 +130,8 @@ def builtin_documents() -> list[str]:
 def check_file(path: pathlib.Path) -> None:
     if not path.is_file():
         raise UserError(f"data file not found: {path}")
-    if not (path.name.endswith(".txt") or path.name.endswith(JSON_SUFFIXES)):
-        raise UserError(f"unsupported data file type: {path} (use .txt, .jsonl, .jsonl.gz, .json.gz)")
+    if not path.name.endswith(TEXT_SUFFIXES + JSON_SUFFIXES):
+        raise UserError(f"unsupported data file type: {path} (use .txt, .raw, .jsonl, .jsonl.gz, .json.gz)")
 
 
 def _json_text(raw: bytes, counts: Counts) -> str | None:
@@ -175,9 +176,10 @@ def _lines(path: pathlib.Path, start: int, stop: int | None) -> Iterator[bytes]:
 
 def line_ranges(path: pathlib.Path, chunk_bytes: int) -> list[tuple[int, int | None]]:
     """Splits a plain JSON-lines file into byte ranges of about ``chunk_bytes`` that start and
-    end on line boundaries (a gzip file, or a small one, is one range)."""
+    end on line boundaries (a gzip file, a text file, which is one document, or a small one is one
+    range)."""
     size = path.stat().st_size
-    if path.suffix == ".gz" or size <= chunk_bytes:
+    if path.suffix == ".gz" or path.name.endswith(TEXT_SUFFIXES) or size <= chunk_bytes:
         return [(0, None)]
     bounds = [0]
     with open(path, "rb") as f:
@@ -193,11 +195,11 @@ def line_ranges(path: pathlib.Path, chunk_bytes: int) -> list[tuple[int, int | N
 def path_documents(
     path: pathlib.Path, counts: Counts, start: int = 0, stop: int | None = None
 ) -> Iterator[str]:
-    """Documents of one file: a ``.txt`` file is one document; ``.jsonl``/``.jsonl.gz``/
+    """Documents of one file: a ``.txt`` or ``.raw`` file is one document; ``.jsonl``/``.jsonl.gz``/
     ``.json.gz`` hold one JSON object with a ``text`` field per line. Bad records are skipped and
     counted."""
     check_file(path)
-    if path.name.endswith(".txt"):
+    if path.name.endswith(TEXT_SUFFIXES):
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:

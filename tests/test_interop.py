@@ -1,0 +1,408 @@
+"""Hugging Face interop: model directories written for every family and loaded by
+``transformers`` (torch CPU) with the same logits, a run exported through ``train.export`` with
+its sentencepiece tokenizer, ``model.init_from`` starting a run from those weights, sharded
+loading on an 8-device mesh, and ``train.evaluate`` against hand-computed and ``transformers``
+scores."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models.hf_files import write_hf_dir
+from train import evaluate as evaluation
+from train import export as exporting
+from train.errors import UserError
+from train.sources import SentencePieceTokenizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+spm = pytest.importorskip("sentencepiece")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAMILIES = ["llama2-tiny", "llama3.2-tiny", "qwen2.5-tiny", "qwen3-tiny", "deepseek-v2-tiny"]
+RUN = [
+    "train.steps=4",
+    "train.eval_every=4",
+    "train.batch_size=8",
+    "train.seq_len=32",
+    "train.eval_batches=1",
+    "optimizer.update_proj_gap=5",
+    "checkpoint.every=2",
+    "checkpoint.keep=3",
+]
+
+
+def hf_logits(directory, tokens):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation="eager")
+    with torch.no_grad():
+        return model.eval()(torch.from_numpy(np.asarray(tokens))).logits.float().numpy()
+
+
+def close(got, want, tol=1e-4):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want), np.abs(got - want).max()
+
+
+def random_params(cfg, seed=0):
+    """Random weights with norms and biases off their initial values, so each one matters."""
+    params = models.init_params(cfg, jax.random.PRNGKey(seed))
+    rng = np.random.default_rng(seed)
+
+    def perturb(path, x):
+        name = jax.tree_util.keystr(path)
+        if "bias" in name or "norm" in name:
+            return x + jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
+        return x
+
+    return jax.tree_util.tree_map_with_path(perturb, params)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_writes_a_directory_transformers_loads(name, tmp_path):
+    scan = name != "llama2-tiny"  # stacked layers split into per-layer tensors, and not
+    cfg = models.get_config(name, scan_layers=scan)
+    params = random_params(cfg)
+    # A small shard limit for the scanned ones: several files and an index, as HF writes them.
+    written = write_hf_dir(tmp_path, cfg, params, max_shard_bytes=60_000 if scan else 10**9)
+    assert (len([f for f in written["files"] if f.endswith(".safetensors")]) > 1) == scan
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 13))
+    close(hf_logits(tmp_path, tokens), models.forward(cfg, params, jnp.asarray(tokens)))
+
+    back_cfg = models.read_hf_config(tmp_path, scan_layers=scan)
+    assert models.architecture(back_cfg) == models.architecture(cfg)
+    back = models.load_hf_params(tmp_path, back_cfg)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16_export_stores_bf16_and_loads_as_bf16(tmp_path):
+    cfg = models.get_config("qwen3-tiny")
+    params = random_params(cfg)
+    write_hf_dir(tmp_path, cfg, params, dtype="bfloat16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert model.dtype == torch.bfloat16
+    want = np.asarray(params["embed_tokens"]["embedding"].astype(jnp.bfloat16), np.float32)
+    got = model.model.embed_tokens.weight.detach().float().numpy()
+    np.testing.assert_array_equal(got, want)
+    loaded = models.load_hf_params(tmp_path, cfg.replace(param_dtype="bfloat16"))
+    assert loaded["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+
+
+def test_bad_directories_are_named(tmp_path):
+    cfg = models.get_config("llama2-tiny")
+    with pytest.raises(ValueError, match="holds no config.json"):
+        models.read_hf_config(tmp_path)
+    write_hf_dir(tmp_path, cfg, models.init_params(cfg, jax.random.PRNGKey(0)))
+    other = json.loads((tmp_path / "config.json").read_text()) | {"model_type": "gpt2"}
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="unsupported HF model_type 'gpt2'"):
+        models.read_hf_config(gpt2)
+    with pytest.raises(ValueError, match="holds no model.safetensors"):
+        models.load_hf_params(gpt2, cfg)
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.0.self_attn.[qkv]_proj.bias'"):
+        models.load_hf_params(tmp_path, cfg.replace(attention_bias=True))
+    with pytest.raises(ValueError, match="has shape"):
+        models.load_hf_params(tmp_path, cfg.replace(intermediate_size=64))
+
+
+# ------------------------------------------------------------- a trained run, exported and back
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 4-step run on a sentencepiece tokenizer trained here, checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("interop")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(root / "sp"),
+        vocab_size=60,
+        eos_id=1,
+        pad_id=0,
+        unk_id=2,
+        bos_id=-1,
+        minloglevel=2,
+    )
+    data = root / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"the quick brown fox {i} is lazy"}) for i in range(200)))
+    sets = [*RUN, "data.source=files", f"data.paths=['{data}']", f"data.tokenizer={root / 'sp.model'}"]
+    run_train(root / "run", sets)
+    return {"root": root, "dir": root / "run", "tokenizer": str(root / "sp.model"), "sets": sets}
+
+
+def run_train(run_dir, sets, check=True):
+    args = [sys.executable, "-m", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
+    args += ["--run-dir", str(run_dir), "--quiet"] + [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def exported(run):
+    out = run["root"] / "hf"
+    assert exporting.main(["--run-dir", str(run["dir"]), "--out", str(out)]) == 0
+    return out
+
+
+def test_sentencepiece_run_trains(run):
+    tok = SentencePieceTokenizer(run["tokenizer"])
+    assert tok.vocab_size == 60 and tok.eos_id == 1
+    assert tok.decode(tok.encode("the lazy dog")) == "the lazy dog"
+    assert json.loads((run["dir"] / "summary.json").read_text())["steps"] == 4
+
+
+def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(run, exported):
+    from train.checkpoint import read_params
+    from train.model import run_model_config
+
+    cfg = run_model_config(run["dir"])
+    step, params = read_params(run["dir"])
+    assert step == 4
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11))
+    close(hf_logits(exported, tokens), models.forward(cfg, params, jnp.asarray(tokens)))
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(exported))
+    ours = SentencePieceTokenizer(run["tokenizer"])
+    for text in ["the quick brown fox 12 jumps", "lazy dog\nover  two lines", "unseen words é"]:
+        assert hf_tok(text)["input_ids"] == ours.encode(text) + [ours.eos_id]  # EOS ends a document
+    generation = json.loads((exported / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 1 and generation["pad_token_id"] == 0
+    assert json.loads((exported / "training_run.json").read_text())["step"] == 4
+
+
+def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, capsys):
+    from train.checkpoint import read_params
+
+    older = run["root"] / "hf2"
+    assert exporting.main(["--run-dir", str(run["dir"]), "--step", "2", "--out", str(older)]) == 0
+    _, params = read_params(run["dir"], 2)
+    loaded = models.load_hf_params(older, models.read_hf_config(older))
+    np.testing.assert_array_equal(np.asarray(loaded["norm"]["scale"]), np.asarray(params["norm"]["scale"]))
+    capsys.readouterr()
+    for argv, message in [
+        (["--out", str(exported)], "exists and is not empty"),
+        (["--out", str(run["root"] / "x"), "--step", "3"], "no checkpoint of step 3"),
+        (["--out", str(run["root"] / "y"), "--tokenizer", "bytes"], "trained with sentencepiece sp.model"),
+    ]:
+        assert exporting.main(["--run-dir", str(run["dir"]), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_init_from_starts_the_run_from_the_exported_weights(run, exported):
+    """The first step's loss is the exported model's loss on the first batch (computed here by
+    transformers), and the run's model is the directory's."""
+    from train.config import load_config
+    from train.data import build_data
+
+    new = run["root"] / "continued"
+    sets = [*run["sets"], "train.steps=1", "train.eval_every=1", f"model.init_from={exported}"]
+    run_train(new, sets)
+    first = json.loads((new / "metrics.jsonl").read_text().splitlines()[0])
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), sets)
+    data = build_data(cfg.data, cfg.train.seq_len, quiet=True)
+    batch = data.read_train(next(data.train_indices(cfg.train.batch_size, cfg.train.seed)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(exported))
+    inputs, targets = (torch.from_numpy(x.astype(np.int64)) for x in (batch[:, :-1], batch[:, 1:]))
+    with torch.no_grad():
+        logits = model(inputs).logits.double()
+    want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    assert first["step"] == 1 and first["loss"] == pytest.approx(want, rel=1e-5)
+    assert json.loads((new / "model.json").read_text())["name"] == exported.name
+
+
+def test_init_from_mismatches_are_one_line_errors(run, exported, tmp_path):
+    from train.config import load_config
+    from train.model import model_config
+
+    base = [f"model.init_from={exported}", "model.name=null"]
+
+    def error(*sets, vocab=60):
+        cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [*base, *sets])
+        with pytest.raises(UserError) as e:
+            model_config(cfg, vocab)
+        return str(e.value)
+
+    text = error("model.overrides={hidden_size: 128, num_hidden_layers: 2}")
+    assert "hidden_size 128 in the config, 64 in" in text and "num_hidden_layers" not in text
+    assert "model.name" in error("model.name=qwen3-tiny")
+    assert "the tokenizer has 70000 ids" in error(vocab=70000)
+    assert "is not a directory" in error(f"model.init_from={tmp_path / 'none'}")
+    # Through the CLI: exit 2, one line, no run dir files; a missing weights file is named.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        (broken / f).write_text((exported / f).read_text())
+    proc = run_train(
+        tmp_path / "r", [*run["sets"], f"model.init_from={broken}", "model.name=null"], check=False
+    )
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and "holds no model.safetensors" in err and len(err.splitlines()) == 1, err
+
+
+SHARDED_LOAD = textwrap.dedent("""
+    import sys, jax, numpy as np
+    import models
+    from train.config import MeshSection
+    from train.sharding import make_mesh, param_shardings
+    assert jax.device_count() == 8
+    cfg = models.get_config("llama3.2-tiny", scan_layers=True)
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    models.write_hf_dir(sys.argv[1], cfg, params, max_shard_bytes=50_000)
+    mesh = make_mesh(MeshSection(data=2, fsdp=2, tensor=2))
+    shardings = param_shardings(models.logical_axes(cfg), models.abstract_params(cfg), mesh)
+    loaded = models.load_hf_params(sys.argv[1], cfg, shardings)
+    for (path, x), want, s in zip(jax.tree_util.tree_leaves_with_path(loaded), jax.tree.leaves(params),
+                                  jax.tree.leaves(shardings)):
+        assert x.sharding == s, (path, x.sharding, s)
+        for shard in x.addressable_shards:  # each device holds its block only, with the right values
+            assert shard.data.shape == s.shard_shape(x.shape)
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(want)[shard.index])
+    assert sum(not s.is_fully_replicated for s in jax.tree.leaves(shardings)) >= 8
+    print("OK")
+""")
+
+
+def test_sharded_loading_puts_each_block_on_its_device(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARDED_LOAD, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------- train.evaluate
+
+
+TASK = [
+    {"context": "the quick brown", "choices": ["fox", "dog jumps"], "label": 0},
+    {"context": "over the lazy ", "choices": ["dog", "fox 7"], "label": 1},  # trailing space moves
+    {"context": "", "choices": ["the", "lazy dog"], "label": 0},  # empty context: EOS
+]
+
+
+def write_task(path):
+    path.write_text("\n".join(json.dumps(x) for x in TASK) + "\n")
+    return path
+
+
+def test_evaluate_matches_hand_computed_scores(tmp_path):
+    """A tiny model and the byte tokenizer: each choice's log-likelihood and the perplexity of a
+    text file, computed here from the logits with the rules spelled out."""
+    cfg = models.get_config("llama2-tiny")
+    params = random_params(cfg, seed=3)
+    write_hf_dir(tmp_path / "m", cfg, params)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 3)
+    argv = ["--hf", str(tmp_path / "m"), "--tokenizer", "bytes", "--seq-len", "32", "--batch-size", "4"]
+    argv += ["--ppl-files", f"fox={text}", "--tasks", f"toy={write_task(tmp_path / 'toy.jsonl')}"]
+    assert evaluation.main([*argv, "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+
+    forward = jax.jit(lambda t: models.forward(cfg, params, t))
+
+    def logp(tokens):
+        # The model is causal: the logits of a prefix are those of the same tokens padded.
+        padded = np.zeros((1, 48), np.int32)
+        padded[0, : len(tokens) - 1] = tokens[:-1]
+        logits = np.asarray(forward(padded), np.float64)[0, : len(tokens) - 1]
+        logits -= logits.max(-1, keepdims=True)
+        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        return logprobs[np.arange(len(tokens) - 1), tokens[1:]]
+
+    b = lambda s: list(s.encode())  # noqa: E731
+    cases = [
+        [(b("the quick brown"), b(" fox")), (b("the quick brown"), b(" dog jumps"))],
+        [(b("over the lazy"), b("  dog")), (b("over the lazy"), b("  fox 7"))],
+        [([256], b(" the")), ([256], b(" lazy dog"))],
+    ]
+    scores = [json.loads(line) for line in (tmp_path / "out" / "scores-toy.jsonl").read_text().splitlines()]
+    for example, pairs, got in zip(TASK, cases, scores, strict=True):
+        want = [logp(c + k)[-len(k) :].sum() for c, k in pairs]
+        np.testing.assert_allclose(got["loglikelihoods"], want, rtol=1e-5)
+        assert got["pred"] == int(np.argmax(want))
+        lengths = [len(c) for c in example["choices"]]  # acc_norm: per character of the choice
+        assert got["pred_norm"] == int(np.argmax(np.asarray(want) / lengths))
+    hits = [s["pred"] == s["label"] for s in scores]
+    assert report["tasks"]["toy"]["acc"] == pytest.approx(np.mean(hits))
+
+    stream = b(text.read_text()) + [256]
+    windows = [stream[i : i + 33] for i in range(0, len(stream), 33)]
+    total = sum(logp(w).sum() for w in windows if len(w) >= 2)
+    count = sum(len(w) - 1 for w in windows if len(w) >= 2)
+    assert report["perplexity"]["fox"]["tokens"] == count
+    assert report["perplexity"]["fox"]["ppl"] == pytest.approx(np.exp(-total / count), rel=1e-5)
+
+
+def test_evaluate_agrees_with_transformers(run, exported, tmp_path):
+    """The exported run scored by train.evaluate --hf and by transformers with its own
+    tokenizer, lm-evaluation-harness' way (context and pair encoded, the context cut off)."""
+    task = write_task(tmp_path / "toy.jsonl")
+    out = tmp_path / "out"
+    argv = ["--hf", str(exported), "--seq-len", "32", "--tasks", f"toy={task}", "--out", str(out)]
+    assert evaluation.main(argv) == 0
+    scores = [json.loads(line) for line in (out / "scores-toy.jsonl").read_text().splitlines()]
+    tok = transformers.AutoTokenizer.from_pretrained(str(exported))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+
+    def encode(s):
+        return tok(s, add_special_tokens=False)["input_ids"]
+
+    for example, got in zip(TASK, scores, strict=True):
+        for choice, ll in zip(example["choices"], got["loglikelihoods"], strict=True):
+            context, continuation = example["context"], " " + choice
+            if context:
+                spaces = len(context) - len(context.rstrip())
+                if spaces:
+                    context, continuation = context[:-spaces], context[-spaces:] + continuation
+                whole = encode(context + continuation)
+                ctx, cont = whole[: len(encode(context))], whole[len(encode(context)) :]
+            else:
+                ctx, cont = [tok.eos_token_id], encode(continuation)
+            ids = torch.tensor([ctx + cont])
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(ids[:, :-1]).logits.double(), -1)[0]
+            want = logprobs[-len(cont) :].gather(-1, ids[0, -len(cont) :, None]).sum().item()
+            assert ll == pytest.approx(want, rel=1e-4)
+
+    # and a run dir evaluates as its export does
+    argv = ["--run-dir", str(run["dir"]), "--tasks", f"toy={task}", "--out", str(tmp_path / "run")]
+    assert evaluation.main(argv) == 0
+    again = [json.loads(line) for line in (tmp_path / "run" / "scores-toy.jsonl").read_text().splitlines()]
+    for a, b in zip(scores, again, strict=True):
+        np.testing.assert_allclose(a["loglikelihoods"], b["loglikelihoods"], rtol=1e-5)
+
+
+def test_evaluate_errors_name_the_problem(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps(TASK[0]) + "\n" + json.dumps({"context": "x", "choices": ["a", "b"], "label": 2})
+    )
+    for argv, message in [
+        (["--hf", str(tmp_path), "--tasks", f"bad={bad}"], f"{bad}:2: 'label' must be the index"),
+        (["--hf", str(tmp_path)], "nothing to evaluate"),
+        (["--tasks", f"bad={bad}"], "give one of --run-dir and --hf"),
+        (["--hf", str(tmp_path), "--ppl-files", "x=nope.txt"], "holds no config.json"),
+    ]:
+        assert evaluation.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err

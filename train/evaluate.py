@@ -1,0 +1,384 @@
+"""``python -m train.evaluate (--run-dir R [--step N] | --hf DIR) [--ppl-files NAME=PATH,...]
+[--tasks NAME=PATH,...] [--out DIR]``: the paper's kind of final evaluation.
+
+- **Perplexity** of text files (``.txt`` or ``.raw`` as one document, ``.jsonl``, ``.jsonl.gz``,
+  ``.json.gz`` with a ``text`` field, as the data section reads them) packed as training packs
+  them: every document's tokens followed by EOS, one stream cut into windows of
+  ``seq_len + 1``; each window predicts its last ``seq_len`` tokens. The tail shorter than a window is scored too, so every token but the first of each
+  window counts.
+- **Zero-shot multiple choice** on local JSONL tasks, one ``{"context", "choices", "label"}``
+  per line, scored as lm-evaluation-harness scores them: each choice is the continuation
+  ``target_delimiter + choice`` of the context (trailing spaces of the context move to the
+  continuation; the pair is encoded whole and the context's tokens cut off; an empty context is
+  EOS), truncated on the left to ``seq_len + 1`` tokens; ``acc`` takes the choice of largest
+  summed log-likelihood, ``acc_norm`` the largest log-likelihood per character of the choice.
+
+Rows are batched by length (padded to powers of two, so a few shapes compile) and sharded over
+the mesh's data axes; parameters are placed as in training (read sharded from the checkpoint or
+the safetensors files). Writes ``eval.json``, ``eval.md`` and, per task, each example's scores
+(``scores-NAME.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import pathlib
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import optax
+
+import models
+from train.config import MeshSection
+from train.errors import EXIT_USER_ERROR, UserError
+from train.export import run_setting, run_tokenizer
+from train.sharding import make_mesh, param_shardings
+from train.sources import Counts, check_file, file_documents, make_tokenizer
+
+MIN_BUCKET = 16
+
+
+def sequence_logprobs(
+    model_cfg: models.ModelConfig, params, tokens: jax.Array, weights: jax.Array
+) -> jax.Array:
+    """``sum_t weights[b, t] * log p(tokens[b, t + 1] | tokens[b, :t + 1])`` per row ``b``."""
+    logits = models.forward(model_cfg, params, tokens[:, :-1])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    return -(nll * weights).sum(-1)
+
+
+@dataclass
+class Scorer:
+    """Scores rows (token sequences, each with the positions that count) in length-sorted,
+    padded batches sharded over the mesh's ``data x fsdp`` devices."""
+
+    model_cfg: models.ModelConfig
+    params: dict
+    mesh: jax.sharding.Mesh
+    batch_size: int
+    max_len: int  # seq_len + 1
+
+    def __post_init__(self):
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self.rows = -(-self.batch_size // shards) * shards
+        spec = jax.sharding.PartitionSpec(("data", "fsdp"), None)
+        self.sharding = jax.sharding.NamedSharding(self.mesh, spec)
+        self._score = jax.jit(functools.partial(sequence_logprobs, self.model_cfg))
+
+    def _bucket(self, n: int) -> int:
+        return min(self.max_len, max(MIN_BUCKET, 1 << (n - 1).bit_length()))
+
+    def score(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """``rows``: ``(tokens (T,), weights (T - 1,))`` with ``T <= max_len``; returns each row's
+        weighted log-likelihood (float64), in the given order."""
+        out = np.zeros(len(rows))
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        for start in range(0, len(order), self.rows):
+            chunk = order[start : start + self.rows]
+            width = self._bucket(len(rows[chunk[0]][0]))
+            tokens = np.zeros((self.rows, width), np.int32)
+            weights = np.zeros((self.rows, width - 1), np.float32)
+            for j, i in enumerate(chunk):
+                t, w = rows[i]
+                tokens[j, : len(t)] = t
+                weights[j, : len(w)] = w
+            tokens, weights = (jax.device_put(x, self.sharding) for x in (tokens, weights))
+            out[chunk] = np.asarray(self._score(self.params, tokens, weights))[: len(chunk)]
+        return out
+
+
+def packed_rows(stream: np.ndarray, window: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Training's packing: consecutive windows of ``window`` tokens, the tail (2 tokens or more)
+    as a shorter last row; every position of a row but its first is a target."""
+    rows = []
+    for start in range(0, len(stream), window):
+        piece = stream[start : start + window]
+        if len(piece) >= 2:
+            rows.append((piece, np.ones(len(piece) - 1, np.float32)))
+    return rows
+
+
+def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, int]:
+    """Every document's tokens followed by EOS, as one stream; and the document count."""
+    counts = Counts()
+    for p in paths:
+        check_file(pathlib.Path(p))
+    parts, documents, batch = [], 0, []
+
+    def flush():
+        for ids in tokenizer.encode_batch(batch):
+            parts.extend([np.asarray(ids, np.int64), np.asarray([tokenizer.eos_id])])
+        batch.clear()
+
+    for text in file_documents(paths, counts):
+        batch.append(text)
+        documents += 1
+        if len(batch) == 256:
+            flush()
+    flush()
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), documents
+
+
+def perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
+    stream, documents = token_stream(paths, tokenizer)
+    rows = packed_rows(stream, scorer.max_len)
+    if not rows:
+        raise UserError(f"{', '.join(paths)}: no tokens to score")
+    total = float(scorer.score(rows).sum())
+    count = int(sum(len(w) for _, w in rows))
+    loss = -total / count
+    return {
+        "ppl": math.exp(loss),
+        "loss": loss,
+        "tokens": count,
+        "documents": documents,
+        "windows": len(rows),
+    }
+
+
+def read_task(path: str) -> list[dict]:
+    """The examples of a JSONL task; a ``UserError`` naming the file, line and problem."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise UserError(f"task file not found: {path}")
+    examples = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise UserError(f"{path}:{n}: not a JSON object") from None
+        context, choices, label = (
+            record.get(k) if isinstance(record, dict) else None for k in ("context", "choices", "label")
+        )
+        if not isinstance(context, str):
+            raise UserError(f"{path}:{n}: 'context' must be a string")
+        if not (
+            isinstance(choices, list) and len(choices) >= 2 and all(isinstance(c, str) and c for c in choices)
+        ):
+            raise UserError(f"{path}:{n}: 'choices' must be a list of two or more non-empty strings")
+        if not (isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(choices)):
+            raise UserError(
+                f"{path}:{n}: 'label' must be the index of the right choice (0 to {len(choices) - 1})"
+            )
+        examples.append({"context": context, "choices": choices, "label": label})
+    if not examples:
+        raise UserError(f"task file {path} holds no examples")
+    return examples
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Context and continuation tokens as lm-evaluation-harness makes them."""
+    if context == "":
+        return [tokenizer.eos_id], list(tokenizer.encode(continuation))
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = list(tokenizer.encode(context + continuation))
+    head = len(tokenizer.encode(context))
+    return whole[:head], whole[head:]
+
+
+def choice_rows(
+    tokenizer, example: dict, max_len: int, delimiter: str
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    rows = []
+    for choice in example["choices"]:
+        context, continuation = encode_pair(tokenizer, example["context"], delimiter + choice)
+        tokens = np.asarray((context + continuation)[-max_len:], np.int64)
+        weights = np.zeros(len(tokens) - 1, np.float32)
+        weights[len(weights) - min(len(continuation), len(weights)) :] = 1
+        rows.append((tokens, weights))
+    return rows
+
+
+def _stderr(hits: np.ndarray) -> float:
+    return float(np.std(hits, ddof=1) / math.sqrt(len(hits))) if len(hits) > 1 else 0.0
+
+
+def multiple_choice(scorer: Scorer, path: str, tokenizer, delimiter: str = " ") -> tuple[dict, list[dict]]:
+    """``acc``, ``acc_norm`` (with standard errors) and each example's scores."""
+    examples = read_task(path)
+    rows = [row for ex in examples for row in choice_rows(tokenizer, ex, scorer.max_len, delimiter)]
+    scores = scorer.score(rows)
+    per_example, acc, acc_norm = [], [], []
+    at = 0
+    for ex in examples:
+        lls = scores[at : at + len(ex["choices"])]
+        at += len(ex["choices"])
+        lengths = np.asarray([float(len(c)) for c in ex["choices"]])
+        pred, pred_norm = int(np.argmax(lls)), int(np.argmax(lls / lengths))
+        acc.append(pred == ex["label"])
+        acc_norm.append(pred_norm == ex["label"])
+        per_example.append(
+            {"loglikelihoods": lls.tolist(), "label": ex["label"], "pred": pred, "pred_norm": pred_norm}
+        )
+    acc, acc_norm = np.asarray(acc, float), np.asarray(acc_norm, float)
+    result = {
+        "n": len(examples),
+        "acc": float(acc.mean()),
+        "acc_stderr": _stderr(acc),
+        "acc_norm": float(acc_norm.mean()),
+        "acc_norm_stderr": _stderr(acc_norm),
+    }
+    return result, per_example
+
+
+def parse_named(text: str | None, what: str) -> dict[str, list[str]]:
+    """``name=PATH[+PATH...],name=PATH`` (a bare PATH is named after its file)."""
+    out: dict[str, list[str]] = {}
+    for item in filter(None, (text or "").split(",")):
+        name, _, paths = item.rpartition("=")
+        paths_list = [p for p in paths.split("+") if p]
+        if not paths_list:
+            raise UserError(f"{what}: {item!r} names no file")
+        out[name or pathlib.Path(paths_list[0]).name.split(".")[0]] = paths_list
+    return out
+
+
+def _hf_tokenizer(directory: pathlib.Path, override: str | None):
+    if override:
+        return make_tokenizer(override)
+    for name in ("spiece.model", "tokenizer.model"):
+        if (directory / name).is_file():
+            return make_tokenizer(str(directory / name))
+    raise UserError(
+        f"{directory} holds no sentencepiece model (spiece.model or tokenizer.model): pass "
+        "--tokenizer PATH (or bytes)"
+    )
+
+
+def load_model(args, mesh) -> tuple[models.ModelConfig, dict, object, int, str]:
+    """Model config, sharded parameters, tokenizer, default sequence length and a description."""
+    dtypes = {"param_dtype": args.dtype, "dtype": args.dtype} if args.dtype else {}
+    if args.hf:
+        directory = pathlib.Path(args.hf)
+        try:
+            cfg = models.read_hf_config(
+                directory, **({"param_dtype": "float32", "dtype": "float32"} | dtypes)
+            )
+        except (ImportError, ValueError) as e:
+            raise UserError(f"--hf: {e}") from None
+        shardings = param_shardings(models.logical_axes(cfg), models.abstract_params(cfg), mesh)
+        try:
+            params = models.load_hf_params(directory, cfg, shardings)
+        except (ImportError, ValueError) as e:
+            raise UserError(f"--hf: {e}") from None
+        seq_len = min(cfg.max_position_embeddings, 2048)
+        return cfg, params, _hf_tokenizer(directory, args.tokenizer), seq_len, str(directory)
+    from train.checkpoint import read_params
+    from train.model import run_model_config
+
+    run_dir = pathlib.Path(args.run_dir)
+    cfg = run_model_config(run_dir).replace(**dtypes)
+    shardings = param_shardings(models.logical_axes(cfg), models.abstract_params(cfg), mesh)
+    step, params = read_params(run_dir, args.step, shardings)
+    if args.dtype:
+        params = jax.tree.map(lambda x: x.astype(args.dtype), params)
+    seq_len = int(run_setting(run_dir, "train", "seq_len") or cfg.max_position_embeddings)
+    return cfg, params, run_tokenizer(run_dir, args.tokenizer), seq_len, f"{run_dir} step {step}"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Evaluation of {report['model']}", "", f"seq_len {report['seq_len']}", ""]
+    if report["perplexity"]:
+        lines += ["| text | tokens | loss | ppl |", "|---|---:|---:|---:|"]
+        for name, r in report["perplexity"].items():
+            lines.append(f"| {name} | {r['tokens']:,} | {r['loss']:.4f} | {r['ppl']:.2f} |")
+        lines.append("")
+    if report["tasks"]:
+        lines += ["| task | n | acc | acc_norm |", "|---|---:|---:|---:|"]
+        for name, r in report["tasks"].items():
+            lines.append(
+                f"| {name} | {r['n']} | {r['acc']:.4f} ± {r['acc_stderr']:.4f} | "
+                f"{r['acc_norm']:.4f} ± {r['acc_norm_stderr']:.4f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def evaluate(args) -> dict:
+    if bool(args.run_dir) == bool(args.hf):
+        raise UserError("give one of --run-dir and --hf")
+    texts, tasks = parse_named(args.ppl_files, "--ppl-files"), parse_named(args.tasks, "--tasks")
+    if not texts and not tasks:
+        raise UserError("nothing to evaluate: give --ppl-files and/or --tasks")
+    for name, paths in tasks.items():
+        if len(paths) != 1:
+            raise UserError(f"--tasks {name}: one JSONL file per task")
+        read_task(paths[0])  # a bad task file fails before the model loads
+    mesh = make_mesh(MeshSection(data=-1, fsdp=args.fsdp, tensor=args.tensor))
+    model_cfg, params, tokenizer, seq_len, source = load_model(args, mesh)
+    seq_len = args.seq_len or seq_len
+    if not 1 <= seq_len <= model_cfg.max_position_embeddings:
+        raise UserError(f"--seq-len must be in [1, {model_cfg.max_position_embeddings}], got {seq_len}")
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids, the model {model_cfg.vocab_size}")
+    scorer = Scorer(model_cfg, params, mesh, args.batch_size, seq_len + 1)
+    out = pathlib.Path(args.out or (pathlib.Path(args.run_dir) / "eval" if args.run_dir else "eval"))
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "model": source,
+        "seq_len": seq_len,
+        "tokenizer": tokenizer.identity(),
+        "perplexity": {},
+        "tasks": {},
+    }
+    started = time.perf_counter()
+    for name, paths in texts.items():
+        report["perplexity"][name] = {**perplexity(scorer, paths, tokenizer), "files": paths}
+    for name, (path,) in tasks.items():
+        result, per_example = multiple_choice(scorer, path, tokenizer, args.target_delimiter)
+        report["tasks"][name] = {**result, "file": path}
+        with open(out / f"scores-{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in per_example)
+    report["wall_s"] = time.perf_counter() - started
+    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "eval.md").write_text(markdown(report))
+    return {**report, "out": str(out)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.evaluate",
+        description="Text perplexity and zero-shot multiple-choice accuracy of a run or an HF model.",
+    )
+    parser.add_argument("--run-dir", help="a run dir of python -m train (its newest checkpoint, or --step)")
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
+    parser.add_argument("--ppl-files", help="NAME=PATH[+PATH...],... text files whose perplexity to report")
+    parser.add_argument("--tasks", help='NAME=PATH,... JSONL tasks: {"context", "choices", "label"} per line')
+    parser.add_argument(
+        "--target-delimiter", default=" ", help="put between context and choice (default: a space)"
+    )
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the run's train.seq_len")
+    parser.add_argument("--batch-size", type=int, default=32, help="rows per device step")
+    parser.add_argument(
+        "--tokenizer", default=None, help="a sentencepiece model or bytes (default: the model's)"
+    )
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="parameter and compute dtype"
+    )
+    parser.add_argument("--fsdp", type=int, default=1, help="mesh fsdp axis (the rest is data)")
+    parser.add_argument("--tensor", type=int, default=1, help="mesh tensor axis")
+    parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR/eval or ./eval)")
+    args = parser.parse_args(argv)
+    try:
+        report = evaluate(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(markdown(report))
+    print(f"wrote {report['out']}/eval.json and eval.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The run's model: a named preset with overrides, or the model of a Hugging Face directory
+(``model.init_from``: its config, checked against ``model.*``, and its weights, read sharded)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import models
+from models.hf_files import FRAMEWORK_FIELDS, architecture
+from train.config import RunConfig
+from train.errors import UserError
+
+DEFAULT_MODEL = "tiny"
+MODEL_FILE = "model.json"  # in the run dir: the ModelConfig the run built
+
+
+def model_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
+    """The ``models.ModelConfig`` of a run whose tokenizer has ``vocab_size`` ids."""
+    m, t = cfg.model, cfg.train
+    if m.init_from is not None:
+        return _init_from_config(cfg, vocab_size)
+    try:
+        return models.get_config(
+            m.name or DEFAULT_MODEL,
+            vocab_size=vocab_size,
+            param_dtype=t.param_dtype,
+            dtype=t.dtype,
+            **m.overrides,
+        )
+    except (ValueError, TypeError) as e:
+        raise UserError(f"model: {e}") from None
+
+
+def _init_from_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
+    m, t = cfg.model, cfg.train
+    directory = pathlib.Path(m.init_from).expanduser()
+    if not directory.is_dir():
+        raise UserError(f"model.init_from: {directory} is not a directory")
+    try:
+        found = models.read_hf_config(directory)
+    except (ImportError, ValueError) as e:
+        raise UserError(f"model.init_from: {e}") from None
+    framework = {k: v for k, v in m.overrides.items() if k in FRAMEWORK_FIELDS}
+    stated = {k: v for k, v in m.overrides.items() if k not in FRAMEWORK_FIELDS}
+    try:
+        if m.name is not None:  # the preset's architecture, but the vocabulary (the tokenizer's)
+            preset = models.get_config(m.name)
+            named = {f: getattr(preset, f) for f in architecture(preset) if f != "vocab_size"}
+            named["num_key_value_heads"], named["head_dim"] = preset.num_key_value_heads, preset.head_dim
+            stated = {**named, **stated}
+        wanted = found.replace(**stated)
+        result = found.replace(param_dtype=t.param_dtype, dtype=t.dtype, name=directory.name, **framework)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"model: {e}") from None
+    have, want = architecture(found), architecture(wanted)
+    differ = [k for k in have if have[k] != want.get(k)]
+    if differ:
+        details = ", ".join(f"{k} {want.get(k)!r} in the config, {have[k]!r} in {directory}" for k in differ)
+        raise UserError(
+            f"model.init_from: the model in {directory} is not the one model.name/model.overrides "
+            f"describe ({details}); drop those keys or make them agree"
+        )
+    if vocab_size > found.vocab_size:
+        raise UserError(
+            f"model.init_from: the tokenizer has {vocab_size} ids but the model in {directory} has a "
+            f"vocabulary of {found.vocab_size}"
+        )
+    return result
+
+
+def init_from_params(cfg: RunConfig, model_cfg: models.ModelConfig, shardings):
+    """The weights of ``model.init_from`` as ``model_cfg``'s parameters, each device reading its
+    own block of the files."""
+    try:
+        return models.load_hf_params(pathlib.Path(cfg.model.init_from).expanduser(), model_cfg, shardings)
+    except (ImportError, ValueError) as e:
+        raise UserError(f"model.init_from: {e}") from None
+
+
+def run_model_config(run_dir: pathlib.Path) -> models.ModelConfig:
+    """The ``ModelConfig`` a run built, from its run dir."""
+    path = pathlib.Path(run_dir) / MODEL_FILE
+    if not path.is_file():
+        raise UserError(f"{run_dir} holds no {MODEL_FILE}: not a run dir of python -m train")
+    fields = json.loads(path.read_text())
+    try:
+        return models.ModelConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: {e}") from None
