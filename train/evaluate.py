@@ -4,8 +4,8 @@
 - **Perplexity** of text files (``.txt`` or ``.raw`` as one document, ``.jsonl``, ``.jsonl.gz``,
   ``.json.gz`` with a ``text`` field, as the data section reads them) packed as training packs
   them: every document's tokens followed by EOS, one stream cut into windows of
-  ``seq_len + 1``; each window predicts its last ``seq_len`` tokens. The tail shorter than a window is scored too, so every token but the first of each
-  window counts.
+  ``seq_len + 1``; each window predicts its last ``seq_len`` tokens. The tail shorter than a
+  window is scored too, so every token but the first of each window counts.
 - **Zero-shot multiple choice** on local JSONL tasks, one ``{"context", "choices", "label"}``
   per line, scored as lm-evaluation-harness scores them: each choice is the continuation
   ``target_delimiter + choice`` of the context (trailing spaces of the context move to the
