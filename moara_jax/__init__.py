@@ -3,6 +3,29 @@ decomposition) for GaLore-family low-rank training, as composable Optax transfor
 
 The chain for one target matrix is ``decompose -> project -> inner_adam -> recompose``
 (:func:`scale_by_moara`); :func:`moara_adamw` partitions a model's parameters by module type.
+
+Code map (the paper's Algorithm 1 and Section 3 -> where it is):
+
+==========================================================  ==========================================
+Phase 1, profiling: log ``G_t(W)``, ``G_recon,t(W)``          ``train.profile`` (``mode: profile``)
+Eq. (module_alignment) ``S(W, t) = cos(G, G_recon)``         ``_alignment.matrix_alignment``,
+                                                              ``_decomposition.alignment``
+Phase 2, ``S_tau`` per module type                           ``_alignment.module_alignment``
+Phase 3, ``r_tau = r_base -/+ delta r`` (donors, receivers)  ``_allocation.allocate_ranks``
+the training step, per target weight                         ``_chain.scale_by_moara`` (the chain)
+``M, V <- Decompose(G, B)`` (Sec. 3.1, blocks of ``B``)       ``_chain.decompose`` ->
+                                                              ``_decomposition.decompose_along``
+``P_tau <- TruncatedSVD(V, r_tau)`` every ``T_SVD`` steps      ``_projection.project``
+                                                              (``refresh_bases``; ``_bases``: SVD,
+                                                              eigh, randomized + CholeskyQR2)
+``V~ <- P^T V``                                               ``_projection.project_value``
+``dV~ <- Optimizer_V``, ``dM <- Optimizer_M``                 ``_adam.inner_adam`` (one Adam per part)
+``dV <- P dV~``; ``W <- W - eta (Rep_B(dM) * dV)``             ``_chain.recompose``
+                                                              (``_decomposition.recompose_along``),
+                                                              then ``moara_adamw``'s learning rate
+another host's projection and Adam (the cross-method study)  ``hosts/`` (one module per host)
+state memory (the paper's "Opt. state")                      ``_accounting.state_bytes``
+==========================================================  ==========================================
 """
 
 from moara_jax._accounting import state_bytes
@@ -40,8 +63,6 @@ from moara_jax._chain import (
     stage_chain,
 )
 from moara_jax._decomposition import alignment, block_decompose, block_recompose, num_blocks
-from moara_jax._fira import FiraState, fira_adam
-from moara_jax._hosts import HOSTS, OSD, Fira, GaLore, LDAdam, QGaLore, SubTrackPP, resolve_host
 from moara_jax._labels import (
     LLAMA_MODULE_TYPES,
     MLA_MODULE_TYPES,
@@ -49,20 +70,39 @@ from moara_jax._labels import (
     label_tree,
     module_label,
 )
-from moara_jax._ldadam import LDAdamState, ldadam, ldadam_side
 from moara_jax._nodes import Decomposed, LowRank
 from moara_jax._optimizer import MOARA_ADAMW_STATIC_ARGS, moara_adamw
-from moara_jax._osd import OSDProjectState, osd_project, pca_loss
 from moara_jax._projection import ProjectState, project, projection_side
-from moara_jax._qgalore import (
+from moara_jax._quant import Blockwise8bit, adam8bit, dynamic_map
+from moara_jax.hosts import (
+    HOSTS,
+    OSD,
+    Fira,
+    GaLore,
+    Host,
+    LDAdam,
+    QGaLore,
+    StageOptions,
+    SubTrackPP,
+    register_host,
+    resolve_host,
+)
+from moara_jax.hosts.fira import FiraState, fira_adam
+from moara_jax.hosts.ldadam import LDAdamState, ldadam, ldadam_side
+from moara_jax.hosts.osd import OSDProjectState, osd_project, pca_loss
+from moara_jax.hosts.q_galore import (
     QGaLoreProjectState,
     QuantizedBasis,
     QuantizeWeightsState,
     q_galore_project,
     quantize_weights,
 )
-from moara_jax._quant import Blockwise8bit, adam8bit, dynamic_map
-from moara_jax._subtrack import SubTrackProjectState, geodesic_step, subtrack_project, transport_moments
+from moara_jax.hosts.subtrack_pp import (
+    SubTrackProjectState,
+    geodesic_step,
+    subtrack_project,
+    transport_moments,
+)
 
 __all__ = [
     "DEFAULT_DONORS",
@@ -74,6 +114,9 @@ __all__ = [
     "FiraState",
     "GaLore",
     "HOSTS",
+    "Host",
+    "StageOptions",
+    "register_host",
     "QGaLore",
     "QGaLoreProjectState",
     "QuantizeWeightsState",

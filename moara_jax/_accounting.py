@@ -12,11 +12,8 @@ import jax
 import numpy as np
 
 from moara_jax._adam import InnerAdamState
-from moara_jax._ldadam import LDAdamState
-from moara_jax._osd import OSDProjectState
 from moara_jax._projection import ProjectState
-from moara_jax._qgalore import QGaLoreProjectState
-from moara_jax._subtrack import SubTrackProjectState
+from moara_jax.hosts import HOSTS
 
 COMPONENTS = (
     "direction_moments",
@@ -26,15 +23,9 @@ COMPONENTS = (
     "basis_moments",
     "error_feedback",
 )
-# The states whose fields are sorted by component (by field name); anything else is ``other``.
-_STATES = (
-    InnerAdamState,
-    ProjectState,
-    QGaLoreProjectState,
-    OSDProjectState,
-    LDAdamState,
-    SubTrackProjectState,
-)
+# The states whose fields are sorted by component (by field name): the core's, and those each
+# registered host declares (``Host.state_types``); anything else is ``other``.
+_CORE_STATES = (InnerAdamState, ProjectState)
 _FIELDS = {
     "mu": "adam_moments",
     "nu": "adam_moments",
@@ -57,8 +48,8 @@ def _nbytes(tree: Any) -> int:
     )
 
 
-def _is_state(x: Any) -> bool:
-    return isinstance(x, _STATES)
+def _states() -> tuple[type, ...]:
+    return _CORE_STATES + tuple(t for host in HOSTS.values() for t in host.state_types)
 
 
 def state_bytes(opt_state: Any) -> dict[str, int]:
@@ -83,8 +74,9 @@ def state_bytes(opt_state: Any) -> dict[str, int]:
     """
     out = dict.fromkeys(COMPONENTS, 0)
     rest = 0
-    for node in jax.tree.leaves(opt_state, is_leaf=_is_state):
-        if isinstance(node, _STATES):
+    states = _states()
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, states)):
+        if isinstance(node, states):
             for field in node._fields:
                 value = _nbytes(getattr(node, field))
                 if field in _FIELDS:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from moara_jax._nodes import Decomposed, LowRank, is_node
+from moara_jax._validate import check_adam, dtype_arg
 
 
 class InnerAdamState(NamedTuple):
@@ -35,27 +36,6 @@ class InnerAdamState(NamedTuple):
     dir_nu: Any  # second moments of low-rank values.
     mag_mu: Any  # first moments of block magnitudes (float32 by default).
     mag_nu: Any  # second moments of block magnitudes.
-
-
-def _check(b1: float, b2: float, eps: float) -> None:
-    """Validates Python numbers (injected hyperparameters arrive as arrays and are not checked)."""
-    for name, value, ok in (
-        ("b1", b1, lambda v: 0.0 <= v < 1.0),
-        ("b2", b2, lambda v: 0.0 <= v < 1.0),
-        ("eps", eps, lambda v: v >= 0.0),
-    ):
-        if isinstance(value, (int, float)) and not ok(value):
-            raise ValueError(f"{name} out of range: {value!r}")
-
-
-def dtype_arg(name: str, value: Any) -> jnp.dtype | None:
-    """``jnp.dtype(value)`` (``None`` stays ``None``), or a ``ValueError`` naming the argument."""
-    if value is None:
-        return None
-    try:
-        return jnp.dtype(value)
-    except TypeError as err:
-        raise ValueError(f"{name} must be a dtype, got {value!r}") from err
 
 
 def adam_direction(
@@ -99,7 +79,7 @@ def inner_adam(
       ``LowRank`` of Adam directions with the same basis, a ``Decomposed`` to a ``Decomposed`` of
       Adam directions.
     """
-    _check(b1, b2, eps)
+    check_adam(b1, b2, eps)
     mu_dtype = dtype_arg("mu_dtype", mu_dtype)
     mag_dtype = dtype_arg("mag_dtype", mag_dtype)
 
@@ -113,6 +93,17 @@ def inner_adam(
         return adam_direction(g, mu, nu, count_inc, b1, b2, eps)
 
     return node_adam(zeros, step)
+
+
+class LeafMoments(NamedTuple):
+    """One leaf's slots of :class:`InnerAdamState` (``None`` where the leaf has no such part)."""
+
+    mu: Any
+    nu: Any
+    dir_mu: Any
+    dir_nu: Any
+    mag_mu: Any
+    mag_nu: Any
 
 
 # What an Adam moment belongs to (node_adam's ``kind``): a plain (unprojected) leaf, a projected
@@ -157,24 +148,29 @@ def node_adam(
         def up(x):
             return treedef.flatten_up_to(x)
 
-        fields = [up(f) for f in state[1:]]
-        new = [[] for _ in fields]
-        out = []
-        for u, mu, nu, dmu, dnu, gmu, gnu in zip(leaves, *fields, strict=True):
+        def leaf_step(u, moments: LeafMoments) -> tuple[Any, LeafMoments]:
+            """One leaf: its plain value, low-rank value and block magnitudes (whichever it
+            has) each take an Adam step with their own moments."""
             core = u.direction if isinstance(u, Decomposed) else u
             if isinstance(core, LowRank):
-                d, dmu, dnu = step(core.value, dmu, dnu, count_inc, DIRECTION)
-                core_out = LowRank(d, core.basis, core.side)
+                d, dir_mu, dir_nu = step(core.value, moments.dir_mu, moments.dir_nu, count_inc, DIRECTION)
+                core_out, moments = (
+                    LowRank(d, core.basis, core.side),
+                    moments._replace(dir_mu=dir_mu, dir_nu=dir_nu),
+                )
             else:
-                core_out, mu, nu = step(core, mu, nu, count_inc, PLAIN)
-            if isinstance(u, Decomposed):
-                dm, gmu, gnu = step(u.mag, gmu, gnu, count_inc, MAG)
-                out.append(u.replace(mag=dm, direction=core_out))
-            else:
-                out.append(core_out)
-            for lst, v in zip(new, (mu, nu, dmu, dnu, gmu, gnu), strict=True):
-                lst.append(v)
-        new_state = InnerAdamState(count_inc, *(treedef.unflatten(v) for v in new))
+                core_out, mu, nu = step(core, moments.mu, moments.nu, count_inc, PLAIN)
+                moments = moments._replace(mu=mu, nu=nu)
+            if not isinstance(u, Decomposed):
+                return core_out, moments
+            dm, mag_mu, mag_nu = step(u.mag, moments.mag_mu, moments.mag_nu, count_inc, MAG)
+            return u.replace(mag=dm, direction=core_out), moments._replace(mag_mu=mag_mu, mag_nu=mag_nu)
+
+        per_leaf = [LeafMoments(*m) for m in zip(*(up(f) for f in state[1:]), strict=True)]
+        stepped = [leaf_step(u, m) for u, m in zip(leaves, per_leaf, strict=True)]
+        out = [o for o, _ in stepped]
+        new = {f: treedef.unflatten([getattr(m, f) for _, m in stepped]) for f in LeafMoments._fields}
+        new_state = InnerAdamState(count_inc, **new)
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -203,7 +199,7 @@ def pytorch_adam(
     learning rate and no weight decay: the LDAdam host's non-target parameters, which its reference
     steps with that formula. The state is :class:`InnerAdamState` (moments in ``mu_dtype``, or the
     leaf's; magnitudes' in float32)."""
-    _check(b1, b2, eps)
+    check_adam(b1, b2, eps)
     mu_dtype = dtype_arg("mu_dtype", mu_dtype)
 
     def zeros(x, kind, path):

@@ -11,20 +11,18 @@ import optax
 
 from moara_jax._decomposition import FAN_IN_AXIS, alignment, decompose_along, recompose_along
 from moara_jax._labels import OTHER, module_label
-from moara_jax._ldadam import LDAdamState, ldadam_side
-from moara_jax._osd import OSDProjectState
 from moara_jax._projection import ProjectState, project_back, project_value, projection_side
-from moara_jax._qgalore import QGaLoreProjectState, QuantizedBasis, dequantized
-from moara_jax._subtrack import SubTrackProjectState
+from moara_jax.hosts import HOSTS
+from moara_jax.hosts.q_galore import QuantizedBasis, dequantized
 
-# The states that hold projection bases, with the rule that picks each basis's side.
-_BASIS_STATES = {
-    ProjectState: projection_side,
-    QGaLoreProjectState: projection_side,
-    OSDProjectState: projection_side,
-    SubTrackProjectState: projection_side,
-    LDAdamState: ldadam_side,  # a square matrix projects its fan_out side
-}
+
+def _basis_states() -> dict[type, Any]:
+    """The states that hold projection bases, with the rule that picks each basis's side: the
+    core's ``project``, and those each registered host declares (``Host.basis_states``)."""
+    found = {ProjectState: projection_side}
+    for host in HOSTS.values():
+        found.update(host.basis_states)
+    return found
 
 
 def reconstruct(
@@ -45,7 +43,8 @@ def reconstruct(
 def _bases_and_sides(opt_state: Any) -> dict[str, tuple[jax.Array, Any]]:
     """``{path: (basis, side rule)}`` of every projection basis in an optimizer state."""
     found: dict[str, tuple[jax.Array, Any]] = {}
-    states = tuple(_BASIS_STATES)
+    rules = _basis_states()
+    states = tuple(rules)
     nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, states))
     for node in nodes:
         if not isinstance(node, states):
@@ -55,7 +54,7 @@ def _bases_and_sides(opt_state: Any) -> dict[str, tuple[jax.Array, Any]]:
         )[0]
         for path, b in leaves:
             if not isinstance(b, optax.MaskedNode):
-                found[jax.tree_util.keystr(path)] = (dequantized(b), _BASIS_STATES[type(node)])
+                found[jax.tree_util.keystr(path)] = (dequantized(b), rules[type(node)])
     return found
 
 

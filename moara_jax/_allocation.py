@@ -7,9 +7,9 @@ from typing import Any
 
 import jax
 
-from moara_jax._decomposition import _is_int
 from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label
 from moara_jax._projection import effective_rank
+from moara_jax._validate import is_int
 
 DEFAULT_DONORS = ("q", "k")
 MLA_DONORS = ("q_b", "kv_b")
@@ -17,7 +17,7 @@ DEFAULT_RECEIVERS = ("down",)
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if not _is_int(value):
+    if not is_int(value):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
@@ -62,7 +62,7 @@ def allocate_ranks(
     if bool(donors) != bool(receivers):
         raise ValueError("donors and receivers must both be empty or both be non-empty")
     delta = r_base // 2 if delta is None else delta
-    if not _is_int(delta, minimum=0):
+    if not is_int(delta, minimum=0):
         raise ValueError(f"delta must be a non-negative integer, got {delta!r}")
     delta = int(delta)
     if delta >= r_base:

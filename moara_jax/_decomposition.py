@@ -10,31 +10,20 @@ stages work on Flax kernels ``(..., fan_in, fan_out)`` without transposing them.
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
+
+from moara_jax._validate import check_block_size
 
 DEFAULT_EPS = 1e-12
 # Flax kernels are (..., fan_in, fan_out): the fan_in axis is where the Optax stages' blocks run.
 FAN_IN_AXIS = -2
 
 
-def _is_int(value, minimum: int = 1) -> bool:
-    """Whether ``value`` is an integer of any integer type (not bool) and at least ``minimum``."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= minimum
-
-
-def _check_block_size(block_size: int) -> int:
-    """Validates ``block_size`` (any integer type, not bool) and returns it as a Python int."""
-    if not _is_int(block_size):
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-    return int(block_size)
-
-
 def num_blocks(n: int, block_size: int) -> int:
     """Number of blocks ``ceil(n / block_size)`` a row of ``n`` entries is split into."""
-    _check_block_size(block_size)
+    check_block_size(block_size)
     return math.ceil(n / block_size)
 
 
@@ -66,7 +55,7 @@ def decompose_along(
     ``mag`` has ``axis`` replaced by ``ceil(n / block_size)``; ``dir`` has ``g``'s shape. The norm is
     taken in float32 (and returned in float32); ``dir`` keeps ``g``'s dtype.
     """
-    _check_block_size(block_size)
+    check_block_size(block_size)
     axis = axis % g.ndim
     n = g.shape[axis]
     g32 = g.astype(jnp.float32)
@@ -82,7 +71,7 @@ def decompose_along(
 
 def recompose_along(mag: jnp.ndarray, direction: jnp.ndarray, block_size: int, axis: int) -> jnp.ndarray:
     """``Rep_B(mag) * dir`` along ``axis``, in ``dir``'s shape; float32 math, ``dir``'s dtype out."""
-    _check_block_size(block_size)
+    check_block_size(block_size)
     axis = axis % direction.ndim
     n = direction.shape[axis]
     expected = math.ceil(n / block_size)

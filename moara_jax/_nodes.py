@@ -8,11 +8,23 @@ structure and ``recompose`` turns nodes back into plain arrays. The basis travel
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 
 from moara_jax._decomposition import DEFAULT_EPS
+
+_UNSET = object()
+
+
+def _renamed(old: str, new: str, value: Any, given: Any) -> Any:
+    """The value of a keyword renamed from ``old`` to ``new`` (``old`` still accepted, with a
+    DeprecationWarning)."""
+    if given is _UNSET:
+        return value
+    warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=3)
+    return given
 
 
 @jax.tree_util.register_pytree_node_class
@@ -23,9 +35,10 @@ class Decomposed:
     number of blocks: ``(..., ceil(fan_in / B), fan_out)``. ``block_size`` and ``eps`` (static
     Python numbers; ``eps`` may be ``None`` when it is not one) are those of the decomposition,
     so that later stages recompose with the same blocks.
-    ``source`` is the matrix the direction was taken from (or ``None``): ``project`` recomputes
-    the direction from it inside its refresh branch, so that on plain steps the direction feeds
-    only the projection and is not held, in whatever layout the SVD wants, for the branch.
+    ``gradient`` is the gradient the direction was taken from (or ``None``): ``project``
+    recomputes the direction from it inside its refresh branch, so that on plain steps the
+    direction feeds only the projection and is not held, in whatever layout the SVD wants, for
+    the branch. (``source``, its former name, is deprecated.)
     """
 
     def __init__(
@@ -35,37 +48,45 @@ class Decomposed:
         block_size: int,
         *,
         eps: float | None = DEFAULT_EPS,
-        source: Any = None,
+        gradient: Any = None,
+        source: Any = _UNSET,
     ):
         self.mag = mag
         self.direction = direction
         self.block_size = block_size
         self.eps = eps
-        self.source = source
+        self.gradient = _renamed("source", "gradient", gradient, source)
+
+    @property
+    def source(self) -> Any:
+        """Deprecated: :attr:`gradient`."""
+        return self.gradient
 
     def tree_flatten(self):
-        return (self.mag, self.direction, self.source), (self.block_size, self.eps)
+        return (self.mag, self.direction, self.gradient), (self.block_size, self.eps)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        mag, direction, source = children
-        return cls(mag, direction, aux[0], eps=aux[1], source=source)
+        mag, direction, gradient = children
+        return cls(mag, direction, aux[0], eps=aux[1], gradient=gradient)
 
     def replace(self, **changes: Any) -> Decomposed:
-        """A copy with the given fields (``mag``, ``direction``, ``source``) replaced.
+        """A copy with the given fields (``mag``, ``direction``, ``gradient``) replaced.
 
-        A new ``direction`` drops ``source`` unless one is given: the source describes only the
-        direction computed from it.
+        A new ``direction`` drops ``gradient`` unless one is given: the gradient describes only
+        the direction computed from it.
         """
-        fields = {"mag": self.mag, "direction": self.direction, "source": self.source}
+        if "source" in changes:
+            changes["gradient"] = _renamed("source", "gradient", None, changes.pop("source"))
+        fields = {"mag": self.mag, "direction": self.direction, "gradient": self.gradient}
         unknown = set(changes) - set(fields)
         if unknown:
             raise TypeError(f"Decomposed.replace got unknown fields {sorted(unknown)}")
-        if "direction" in changes and "source" not in changes:
-            fields["source"] = None
+        if "direction" in changes and "gradient" not in changes:
+            fields["gradient"] = None
         fields.update(changes)
         return Decomposed(
-            fields["mag"], fields["direction"], self.block_size, eps=self.eps, source=fields["source"]
+            fields["mag"], fields["direction"], self.block_size, eps=self.eps, gradient=fields["gradient"]
         )
 
     def __repr__(self) -> str:
@@ -83,8 +104,9 @@ class LowRank:
     ``(..., fan_in, r)``. ``side`` is static.
 
     Two optional full-shape fields serve hosts that update outside the subspace (Fira):
-    ``source`` is the matrix that was projected (set by ``project(keep_source=True)``), and
-    ``residual`` is a full-rank term that ``recompose`` adds to the back-projected value.
+    ``projected`` is the matrix that was projected (set by ``project(keep_projected=True)``;
+    ``source``, its former name, is deprecated), and ``residual`` is a full-rank term that
+    ``recompose`` adds to the back-projected value.
     ``prev_basis`` (SubTrack++) is the basis whose coordinates the Adam moments are moved from
     when they are transported into ``basis``.
     """
@@ -95,24 +117,30 @@ class LowRank:
         basis: Any,
         side: str,
         *,
-        source: Any = None,
+        projected: Any = None,
         residual: Any = None,
         prev_basis: Any = None,
+        source: Any = _UNSET,
     ):
         self.value = value
         self.basis = basis
         self.side = side
-        self.source = source
+        self.projected = _renamed("source", "projected", projected, source)
         self.residual = residual
         self.prev_basis = prev_basis
 
+    @property
+    def source(self) -> Any:
+        """Deprecated: :attr:`projected`."""
+        return self.projected
+
     def tree_flatten(self):
-        return (self.value, self.basis, self.source, self.residual, self.prev_basis), self.side
+        return (self.value, self.basis, self.projected, self.residual, self.prev_basis), self.side
 
     @classmethod
     def tree_unflatten(cls, side, children):
-        value, basis, source, residual, prev_basis = children
-        return cls(value, basis, side, source=source, residual=residual, prev_basis=prev_basis)
+        value, basis, projected, residual, prev_basis = children
+        return cls(value, basis, side, projected=projected, residual=residual, prev_basis=prev_basis)
 
     def __repr__(self) -> str:
         shape = getattr(self.value, "shape", None)

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 import optax
 
-from moara_jax._adam import decay_after_step, dtype_arg, inner_adam, pytorch_adam
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
 from moara_jax._chain import scale_by_galore, scale_by_moara
-from moara_jax._decomposition import _check_block_size
-from moara_jax._hosts import OSD, Host, LDAdam, QGaLore, resolve_host
 from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
-from moara_jax._qgalore import quantize_weights
-from moara_jax._quant import adam8bit
+from moara_jax._validate import check_block_size, dtype_arg
+from moara_jax.hosts import Host, resolve_host
 
 TARGET = "target"
 
@@ -108,9 +104,11 @@ def moara_adamw(
       canonical_signs: make each basis vector's largest entry positive (backend-independent).
       label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``.
       host: the low-rank method: ``'galore'``, ``'fira'``, ``'q_galore'``, ``'osd'``, ``'ldadam'``,
-        ``'subtrack_pp'`` or a settings object (:mod:`moara_jax._hosts`). Under Q-GaLore the
-        non-target AdamW is bitsandbytes' 8-bit one, with its weight decay before the step; under
-        LDAdam every Adam is PyTorch's ``AdamW`` formula and all weight decay comes before the step.
+        ``'subtrack_pp'``, a registered host's name or a settings object
+        (:mod:`moara_jax.hosts`); the host says what the other parameters get and where weight
+        decay goes. Under Q-GaLore the non-target AdamW is bitsandbytes' 8-bit one, with its
+        weight decay before the step; under LDAdam every Adam is PyTorch's ``AdamW`` formula and
+        all weight decay comes before the step.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -125,11 +123,11 @@ def moara_adamw(
     """
     dtype_arg("mu_dtype", mu_dtype)
     dtype_arg("mag_dtype", mag_dtype)
-    host = _with_basis_lr(resolve_host(host), learning_rate, update_proj_gap)
+    host = resolve_host(host).with_learning_rate(learning_rate, update_proj_gap)
     if decompose:
         if block_size is None:
             raise ValueError("block_size is required when decompose=True")
-        _check_block_size(block_size)
+        check_block_size(block_size)
     common = dict(
         update_proj_gap=update_proj_gap,
         scale=scale,
@@ -161,9 +159,6 @@ def moara_adamw(
         if unknown:
             raise ValueError(f"ranks: unknown module types {unknown}; known: {list(MODULE_TYPES)}")
 
-    q_galore = isinstance(host, QGaLore)
-    ld = isinstance(host, LDAdam)
-
     def build(tree) -> optax.GradientTransformation:
         labels, module_ranks = tree_ranks(tree, label_fn, **allocation)
         # One transform over all target matrices (ranks per leaf): one refresh cond per step and
@@ -176,14 +171,7 @@ def moara_adamw(
         else:
             target = scale_by_galore(rank_of, name=label_fn, host=host, **common)
         groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)
-        if q_galore:  # bitsandbytes' AdamW8bit: decoupled decay before the step
-            other = adam8bit(b1, b2, eps, min_8bit_size=host.min_8bit_size)
-            if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
-                other = optax.chain(other, optax.add_decayed_weights(weight_decay))
-        elif ld:  # LDAdamW's full-rank path: PyTorch's AdamW
-            other = pytorch_adam(b1, b2, eps, mu_dtype=mu_dtype)
-        else:
-            other = inner_adam(b1, b2, eps, mu_dtype=mu_dtype)
+        other = host.other_adam(b1, b2, eps, mu_dtype, weight_decay)
         return optax.partition({TARGET: target, OTHER: other}, groups)
 
     def init_fn(params):
@@ -192,46 +180,8 @@ def moara_adamw(
     def update_fn(updates, state, params=None):
         return build(updates).update(updates, state, params)
 
-    stages = [optax.GradientTransformation(init_fn, update_fn)]
-    if ld:  # LDAdamW: decoupled decay of every parameter before the step
-        if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
-            stages.append(optax.add_decayed_weights(weight_decay))
-        return optax.chain(*stages, optax.scale_by_learning_rate(learning_rate))
-    stages.append(optax.scale_by_learning_rate(learning_rate))
-    if not q_galore:
-        stages.append(decay_after_step(learning_rate, weight_decay))
-    else:
-        # Target matrices: decay after the back-projected step, then back onto the INT8 grid.
-        def targets(tree):
-            return jax.tree.map(lambda lab: lab != OTHER, label_tree(tree, label_fn))
+    def targets(tree):
+        return jax.tree.map(lambda lab: lab != OTHER, label_tree(tree, label_fn))
 
-        stages.append(optax.masked(decay_after_step(learning_rate, weight_decay), targets))
-        if host.weight_bits is not None:
-            weights = quantize_weights(
-                host.weight_group_size, host.weight_bits, stochastic=host.stochastic_round, seed=seed
-            )
-            stages.append(optax.masked(weights, targets))
-    return optax.chain(*stages)
-
-
-def _with_basis_lr(host: Host, learning_rate: optax.ScalarOrSchedule, update_proj_gap: int) -> Host:
-    """OSD's basis step size as the reference sets it, ``lr_t / (peak_lr * T)``, unless given."""
-    if not isinstance(host, OSD) or host.basis_lr is not None:
-        return host
-    peak = host.peak_lr
-    if peak is None:
-        # Only a Python number is its own peak (an injected or scheduled rate changes).
-        number = isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool)
-        if not (number and learning_rate > 0):
-            raise ValueError(
-                f"host OSD with learning_rate={learning_rate!r} (a schedule, an injected array or "
-                "not positive) needs OSD(peak_lr=...) (its basis steps lr_t / (peak_lr * "
-                "update_proj_gap)) or OSD(basis_lr=...)"
-            )
-        peak = learning_rate
-
-    def basis_lr(count):
-        lr = learning_rate(count) if callable(learning_rate) else learning_rate
-        return lr / (peak * update_proj_gap)
-
-    return dataclasses.replace(host, basis_lr=basis_lr)
+    directions = optax.GradientTransformation(init_fn, update_fn)
+    return optax.chain(directions, *host.finish(learning_rate, weight_decay, targets, seed))

@@ -20,8 +20,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._decomposition import FAN_IN_AXIS, _is_int, decompose_along
+from moara_jax._bases import (  # noqa: F401 - _orthonormal, _per_matrix: re-exported for the hosts
+    _orthonormal,
+    _per_matrix,
+    canonicalize_signs,
+    top_basis,
+)
+from moara_jax._decomposition import FAN_IN_AXIS, decompose_along
 from moara_jax._nodes import Decomposed, LowRank, is_node
+from moara_jax._validate import is_int
 
 PROJ_TYPES = ("std",)
 SVD_METHODS = ("exact", "eigh", "randomized")
@@ -54,9 +61,9 @@ def effective_rank(shape: tuple[int, ...], rank: int) -> int:
 
 
 def _check_args(rank: int, update_proj_gap: int, proj_type: str, svd: str) -> None:
-    if not _is_int(rank):
+    if not is_int(rank):
         raise ValueError(f"rank must be a positive integer, got {rank!r}")
-    if not _is_int(update_proj_gap):
+    if not is_int(update_proj_gap):
         raise ValueError(f"update_proj_gap must be a positive integer, got {update_proj_gap!r}")
     if proj_type not in PROJ_TYPES:
         raise ValueError(f"proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
@@ -75,125 +82,9 @@ def _refresh_matrix(u: Any) -> jax.Array:
     values). Called inside the refresh branch, whose operands are then the gradients (alive
     anyway) rather than every direction at once; on plain steps each direction lives only
     until its projection."""
-    if isinstance(u, Decomposed) and u.source is not None and u.eps is not None:
-        return decompose_along(u.source, u.block_size, FAN_IN_AXIS, u.eps)[1]
+    if isinstance(u, Decomposed) and u.gradient is not None and u.eps is not None:
+        return decompose_along(u.gradient, u.block_size, FAN_IN_AXIS, u.eps)[1]
     return _matrix_of(u)
-
-
-def _per_matrix(fn, x: jax.Array):
-    """Applies a LAPACK-backed ``fn`` to a batch of matrices ``(B, a, b)``.
-
-    On CPU the batch is looped with ``lax.map``: jaxlib's batched LAPACK kernels fan a batch out
-    over the intra-op thread pool and wait for it, and several CPU devices doing that at once
-    (a sharded run under ``--xla_force_host_platform_device_count``) can deadlock the pool. On GPU
-    the batched cuSOLVER call is kept.
-    """
-    if x.ndim > 2 and x.shape[0] > 1 and jax.default_backend() == "cpu":
-        return jax.lax.map(fn, x)
-    return fn(x)
-
-
-def _svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return _per_matrix(lambda x: jnp.linalg.svd(x, full_matrices=False), w)
-
-
-def _exact_basis(g: jax.Array, side: str, r: int) -> jax.Array:
-    """Top-``r`` singular vectors of the projected side, float32, like galore-torch.
-
-    The SVD is taken of the paper-orientation matrix ``W = g^T`` (as galore-torch does), so that
-    the sign conventions of LAPACK's factors match the reference's.
-    """
-    w = jnp.swapaxes(g.astype(jnp.float32), -1, -2)  # (..., fan_out, fan_in)
-    u, _, vh = _svd(w)
-    if side == "in":
-        return jnp.swapaxes(vh[..., :r, :], -1, -2)  # (..., fan_in, r)
-    return u[..., :, :r]  # (..., fan_out, r)
-
-
-def _top_eigvecs(gram: jax.Array, r: int) -> jax.Array:
-    """Eigenvectors of the symmetric ``gram`` for its ``r`` largest eigenvalues, descending."""
-    vecs, _ = _per_matrix(lambda x: jax.lax.linalg.eigh(x), gram)  # ascending eigenvalues
-    return vecs[..., ::-1][..., :r]
-
-
-def _gram(a: jax.Array) -> jax.Array:
-    """``a a^T`` in full float32 precision (no TF32 / bf16 passes on accelerators)."""
-    return jnp.einsum("...ij,...kj->...ik", a, a, precision=jax.lax.Precision.HIGHEST)
-
-
-def _eigh_basis(g: jax.Array, side: str, r: int) -> jax.Array:
-    """Top-``r`` left singular vectors of the projected side from the eigendecomposition of the
-    float32 Gram matrix ``A A^T`` (``d x d``, d the smaller side).
-
-    The same subspace as :func:`_exact_basis` wherever singular values are above ~1e-3 of the
-    largest (the Gram squares them; directions below that carry < 1e-6 of the energy each). On GPU
-    cuSOLVER's ``syevd`` on the small Gram matrix is far faster than its ``gesvd`` on ``A``.
-    """
-    a = g.astype(jnp.float32)
-    if side == "out":
-        a = jnp.swapaxes(a, -1, -2)  # (..., fan_out, fan_in)
-    return _top_eigvecs(_gram(a), r)
-
-
-def _householder(x: jax.Array) -> jax.Array:
-    return _per_matrix(lambda m: jnp.linalg.qr(m)[0], x)
-
-
-def _cholesky_qr(y: jax.Array) -> jax.Array:
-    """One shifted CholeskyQR pass: ``y L^-T`` with ``L L^T = y^T y + shift I``."""
-    gram = _gram(jnp.swapaxes(y, -1, -2))  # y^T y
-    k = gram.shape[-1]
-    shift = 1e-6 * jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None] / k + 1e-30
-    chol = jnp.linalg.cholesky(gram + shift * jnp.eye(k, dtype=gram.dtype))
-    return jax.lax.linalg.triangular_solve(chol, y, left_side=False, lower=True, transpose_a=True)
-
-
-def _orthonormal(x: jax.Array) -> jax.Array:
-    """Orthonormal basis of the columns of ``x``.
-
-    On CPU: Householder QR. On accelerators, where the QR runs matrix by matrix in cuSOLVER:
-    CholeskyQR2 (two shifted CholeskyQR passes: batched matrix products, Cholesky and triangular
-    solves), falling back to Householder QR for the whole batch if any result is not orthonormal
-    to 1e-3 (rank-deficient input).
-    """
-    if jax.default_backend() == "cpu":
-        return _householder(x)
-    q = _cholesky_qr(_cholesky_qr(x))
-    eye = jnp.eye(q.shape[-1], dtype=q.dtype)
-    err = jnp.abs(jnp.swapaxes(q, -1, -2) @ q - eye)
-    ok = jnp.all(jnp.isfinite(q)) & (jnp.max(err) < 1e-3)
-    return jax.lax.cond(ok, lambda: q, lambda: _householder(x))
-
-
-def _randomized_basis(
-    g: jax.Array, side: str, r: int, key: jax.Array, oversample: int, power_iters: int
-) -> jax.Array:
-    """Randomized range finder with subspace (power) iteration, then a small exact SVD.
-
-    Halko, Martinsson & Tropp (2011), Algorithms 4.4 and 5.1: ``Q = orth(A Omega)``, a few rounds of
-    ``Q = orth(A orth(A^T Q))``, then the top-``r`` left singular vectors of ``A`` from the SVD of
-    the small ``Q^T A`` (from the eigendecomposition of its ``k x k`` Gram matrix). ``A`` is the
-    leaf with the projected side first.
-    """
-    a = g.astype(jnp.float32)
-    if side == "out":
-        a = jnp.swapaxes(a, -1, -2)  # (..., fan_out, fan_in)
-    d, e = a.shape[-2], a.shape[-1]
-    k = min(r + oversample, d, e)
-    omega = jax.random.normal(key, a.shape[:-2] + (e, k), jnp.float32)
-    q = _orthonormal(a @ omega)
-    for _ in range(power_iters):
-        z = _orthonormal(jnp.swapaxes(a, -1, -2) @ q)
-        q = _orthonormal(a @ z)
-    small = jnp.swapaxes(q, -1, -2) @ a  # (..., k, e)
-    return q @ _top_eigvecs(_gram(small), r)  # left singular vectors of the small k x e
-
-
-def canonicalize_signs(basis: jax.Array) -> jax.Array:
-    """Flips each basis vector (column) so that its largest-magnitude entry is positive."""
-    idx = jnp.argmax(jnp.abs(basis), axis=-2, keepdims=True)
-    sign = jnp.sign(jnp.take_along_axis(basis, idx, axis=-2))
-    return basis * jnp.where(sign == 0, 1.0, sign)
 
 
 def refresh_bases(
@@ -222,13 +113,8 @@ def refresh_bases(
         r_max = max(ranks[i] for i in idx)
         flat = [mats[i].reshape((-1,) + shape2) for i in idx]
         batch = flat[0] if len(flat) == 1 else jnp.concatenate(flat, axis=0)
-        if svd == "exact":
-            bases = _exact_basis(batch, side, r_max)
-        elif svd == "eigh":
-            bases = _eigh_basis(batch, side, r_max)
-        else:
-            sub = jax.random.fold_in(key, gi)
-            bases = _randomized_basis(batch, side, r_max, sub, oversample, power_iters)
+        sub = jax.random.fold_in(key, gi) if svd == "randomized" else None
+        bases = top_basis(batch, side, r_max, svd, sub, oversample, power_iters)
         if canonical_signs:
             bases = canonicalize_signs(bases)
         offset = 0
@@ -283,7 +169,7 @@ def basis_shape(stage: str, path, u: Any, requested: int, module: str | None) ->
             f"{stage}: parameter {_path_str(path)} has shape {m.shape}; only matrices "
             "(..., fan_in, fan_out) can be projected (label it as a non-target)"
         )
-    if not _is_int(requested):
+    if not is_int(requested):
         raise ValueError(f"rank must be a positive integer, got {requested!r}")
     r = effective_rank(m.shape, requested)
     rank_warning(path, m.shape, requested, r, module)
@@ -324,7 +210,8 @@ def project(
     power_iters: int = 2,
     canonical_signs: bool = False,
     name: str | Callable[[Any], str] | None = None,
-    keep_source: bool = False,
+    keep_projected: bool = False,
+    keep_source: bool | None = None,
 ) -> optax.GradientTransformation:
     """Projects every leaf (or the direction of a ``Decomposed`` leaf) onto a rank-``rank`` basis.
 
@@ -346,16 +233,20 @@ def project(
         the raw signs (the default here).
       name: module type named in the clipping warning (e.g. ``'down'``), or a function of the
         key path giving it.
-      keep_source: also carry the projected matrix in each :class:`LowRank` (``source``), for a
-        following stage that works outside the subspace (:func:`fira_adam`).
+      keep_projected: also carry the projected matrix in each :class:`LowRank` (``projected``),
+        for a following stage that works outside the subspace (:func:`fira_adam`).
+      keep_source: deprecated name of ``keep_projected``.
 
     Returns:
       A transform that emits :class:`LowRank` nodes (inside ``Decomposed`` when given one).
     """
     _check_args(rank if not callable(rank) else 1, update_proj_gap, proj_type, svd)
-    if not _is_int(oversample, minimum=0):
+    if keep_source is not None:
+        warnings.warn("keep_source= is deprecated; use keep_projected=", DeprecationWarning, stacklevel=2)
+        keep_projected = keep_source
+    if not is_int(oversample, minimum=0):
         raise ValueError(f"oversample must be a non-negative integer, got {oversample!r}")
-    if not _is_int(power_iters, minimum=0):
+    if not is_int(power_iters, minimum=0):
         raise ValueError(f"power_iters must be a non-negative integer, got {power_iters!r}")
     rank_fn = rank if callable(rank) else (lambda path: rank)
     name_fn = name if callable(name) else (lambda path: name)
@@ -384,8 +275,8 @@ def project(
         out = []
         for u, m, b in zip(leaves, mats, bases, strict=True):
             side = projection_side(m.shape)
-            low = LowRank(project_value(m, b, side), b, side, source=m if keep_source else None)
-            out.append(u.replace(direction=low, source=None) if isinstance(u, Decomposed) else low)
+            low = LowRank(project_value(m, b, side), b, side, projected=m if keep_projected else None)
+            out.append(u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low)
         new_state = ProjectState(
             count=optax.safe_increment(state.count),
             basis=jax.tree.unflatten(treedef, bases),

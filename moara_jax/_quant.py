@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from moara_jax._adam import MAG, PLAIN, _check, node_adam
+from moara_jax._adam import MAG, PLAIN, node_adam
 from moara_jax._labels import path_names
+from moara_jax._validate import check_adam
 
 BLOCK_SIZE = 256
 MIN_8BIT_SIZE = 4096
@@ -267,7 +268,7 @@ def adam8bit(
     ``min_8bit_size`` entries keeps float32 moments, as bitsandbytes does. ``mag_bits=32``
     keeps the block magnitudes' moments in float32 (the paper's Q-GaLore precision ablation).
     """
-    _check(b1, b2, eps)
+    check_adam(b1, b2, eps)
     if mag_bits not in (8, 32):
         raise ValueError(f"mag_bits must be 8 or 32, got {mag_bits!r}")
     if not isinstance(min_8bit_size, int) or min_8bit_size < 0:

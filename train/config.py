@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from moara_jax import HOSTS, MODULE_TYPES
+from moara_jax import MODULE_TYPES
+from moara_jax.hosts import host_class
 from train.errors import UserError
 
 
@@ -39,7 +40,8 @@ class OptimizerSection:
     scale: float = 0.25
     svd: str = "exact"  # exact | eigh | randomized
     # The low-rank method the target modules run (galore | fira | q_galore | osd | ldadam |
-    # subtrack_pp) and its settings (the fields of moara_jax.Fira, QGaLore, OSD, LDAdam, SubTrackPP).
+    # subtrack_pp, or package.module:Class of a moara_jax.Host) and its settings (the fields of
+    # moara_jax.Fira, QGaLore, OSD, LDAdam, SubTrackPP or that class).
     host: str = "galore"
     host_options: dict = field(default_factory=dict)
     b1: float = 0.9
@@ -319,7 +321,10 @@ def validate(cfg: RunConfig) -> None:
         finite(o.weight_decay) and o.weight_decay >= 0,
         f"optimizer.weight_decay must be >= 0, got {o.weight_decay}",
     )
-    need(o.host in HOSTS, f"optimizer.host must be one of {', '.join(HOSTS)}, got {o.host!r}")
+    try:
+        host_class(o.host)
+    except ValueError as e:
+        raise UserError(f"optimizer.host: {e}") from None
     host_settings(o)
     need(
         o.host == "galore" or o.name != "adamw",
@@ -339,10 +344,10 @@ def validate(cfg: RunConfig) -> None:
 
 def host_settings(o: OptimizerSection, peak_lr: float | None = None):
     """The host's settings object (``moara_jax.GaLore``, ``Fira``, ``QGaLore``, ``OSD``, ``LDAdam``,
-    ``SubTrackPP``) from ``optimizer.host`` and ``optimizer.host_options`` (OSD's ``peak_lr``
-    defaults to ``peak_lr``, the schedule's peak); a ``UserError`` naming an unknown or
-    out-of-range option."""
-    cls = HOSTS[o.host]
+    ``SubTrackPP`` or a registered one) from ``optimizer.host`` and ``optimizer.host_options``,
+    over the host's ``trainer_defaults(peak_lr)`` (OSD's ``peak_lr``: the schedule's peak); a
+    ``UserError`` naming an unknown or out-of-range option."""
+    cls = host_class(o.host)
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(o.host_options) - set(known))
     if unknown:
@@ -351,8 +356,8 @@ def host_settings(o: OptimizerSection, peak_lr: float | None = None):
             f"optimizer.host_options: unknown option(s) {unknown} for host {o.host} (known: {known_text})"
         )
     options = dict(o.host_options)
-    if o.host == "osd" and peak_lr is not None:
-        options.setdefault("peak_lr", peak_lr)
+    if peak_lr is not None:
+        options = {**cls.trainer_defaults(peak_lr), **options}
     try:
         return cls(**options)
     except ValueError as e:

@@ -15,16 +15,17 @@ Both follow the reference package ``q_galore_torch`` (its ``GaLoreProjector`` an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._decomposition import _is_int
+from moara_jax._adam import decay_after_step
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
     _check_args,
@@ -36,7 +37,9 @@ from moara_jax._projection import (
     projection_side,
     refresh_bases,
 )
-from moara_jax._quant import group_dequantize, group_quantize, unit_flat, unit_restore
+from moara_jax._quant import adam8bit, group_dequantize, group_quantize, unit_flat, unit_restore
+from moara_jax._validate import is_int
+from moara_jax.hosts._base import Host, StageOptions, is_zero, real
 
 
 @jax.tree_util.register_pytree_node_class
@@ -115,11 +118,11 @@ def q_galore_project(
     take theirs. ``bits=None`` keeps float bases. ``group_size`` must divide each basis's size.
     """
     _check_args(rank if not callable(rank) else 1, update_proj_gap, "std", svd)
-    if bits is not None and not (_is_int(bits) and bits <= 8):
+    if bits is not None and not (is_int(bits) and bits <= 8):
         raise ValueError(f"bits must be an integer in [1, 8] or None, got {bits!r}")
-    if not _is_int(group_size):
+    if not is_int(group_size):
         raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
-    if not _is_int(queue_size):
+    if not is_int(queue_size):
         raise ValueError(f"queue_size must be a positive integer, got {queue_size!r}")
     if not gamma >= 1:
         raise ValueError(f"gamma must be >= 1, got {gamma!r}")
@@ -212,7 +215,7 @@ def q_galore_project(
             side = projection_side(m.shape)
             b = dequantized(basis).astype(m.dtype)
             low = LowRank(project_value(m, b, side), b, side)
-            out.append(u.replace(direction=low, source=None) if isinstance(u, Decomposed) else low)
+            out.append(u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low)
         if leaves:
             columns = [treedef.unflatten([f[i] for f in fields]) for i in range(5)]
         else:
@@ -240,9 +243,9 @@ def quantize_weights(
     round-to-nearest. The parameters stay float arrays holding grid values (q-galore-torch's
     simulated INT8 weights). ``group_size`` must divide each matrix's size.
     """
-    if not (_is_int(bits) and bits <= 8):
+    if not (is_int(bits) and bits <= 8):
         raise ValueError(f"bits must be an integer in [1, 8], got {bits!r}")
-    if not _is_int(group_size):
+    if not is_int(group_size):
         raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
 
     def unit(x):
@@ -277,3 +280,99 @@ def quantize_weights(
         return treedef.unflatten(out), QuantizeWeightsState(optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class QGaLore(Host):
+    """Q-GaLore (Zhang et al., https://arxiv.org/abs/2407.08296), q-galore-torch's defaults.
+
+    Attributes:
+      basis_bits, basis_group_size: the projection basis stored in ``basis_bits``-bit groups
+        (``None``: float).
+      cos_threshold, gamma, queue_size: layer-adaptive refresh: a matrix whose last
+        ``queue_size`` first-vector cosines average at least ``cos_threshold`` multiplies its
+        refresh interval by ``gamma``.
+      min_8bit_size: Adam moments of units with at least this many entries are 8-bit blockwise
+        (bitsandbytes' ``AdamW8bit``), smaller ones float32.
+      mag_bits: 8 or 32: the block magnitudes' moments under decomposition (the paper's
+        precision ablation uses 32).
+      weight_bits, weight_group_size, stochastic_round: target weights kept on a
+        ``weight_bits``-bit group grid after every step (``None``: off), with stochastic rounding.
+
+    As a host: :func:`q_galore_project` and :func:`moara_jax.adam8bit` for the targets (8-bit or
+    float32 moments, so no ``mu_dtype``); bitsandbytes' 8-bit AdamW, decay before the step, for
+    every other parameter; after the step, the targets' decay and their INT8 grid
+    (:func:`quantize_weights`).
+    """
+
+    name: ClassVar[str] = "q_galore"
+    state_types: ClassVar[tuple[type, ...]] = (QGaLoreProjectState,)
+    basis_states: ClassVar[dict] = {QGaLoreProjectState: projection_side}
+
+    basis_bits: int | None = 4
+    basis_group_size: int = 256
+    cos_threshold: float = 0.4
+    gamma: float = 2.0
+    queue_size: int = 5
+    min_8bit_size: int = 4096
+    mag_bits: int = 8
+    weight_bits: int | None = 8
+    weight_group_size: int = 256
+    stochastic_round: bool = True
+
+    def __post_init__(self):
+        for field in ("basis_bits", "weight_bits"):
+            value = getattr(self, field)
+            if value is not None and not (is_int(value) and value <= 8):
+                raise ValueError(f"{field} must be an integer in [1, 8] or None, got {value!r}")
+        for field in ("basis_group_size", "weight_group_size", "queue_size"):
+            if not is_int(getattr(self, field)):
+                raise ValueError(f"{field} must be a positive integer, got {getattr(self, field)!r}")
+        if not is_int(self.min_8bit_size, minimum=0):
+            raise ValueError(f"min_8bit_size must be a non-negative integer, got {self.min_8bit_size!r}")
+        if self.mag_bits not in (8, 32):
+            raise ValueError(f"mag_bits must be 8 or 32, got {self.mag_bits!r}")
+        if not (real(self.gamma) and 1 <= self.gamma < 2**20):
+            raise ValueError(f"gamma must be a number in [1, 2^20), got {self.gamma!r}")
+        if not real(self.cos_threshold):
+            raise ValueError(f"cos_threshold must be a finite number, got {self.cos_threshold!r}")
+        if not isinstance(self.stochastic_round, bool):
+            raise ValueError(f"stochastic_round must be True or False, got {self.stochastic_round!r}")
+
+    def stages(self, o: StageOptions):
+        if o.mu_dtype is not None:
+            raise ValueError(
+                f"mu_dtype={o.mu_dtype!r}: the q_galore host keeps 8-bit or float32 moments "
+                "(QGaLore.min_8bit_size, mag_bits)"
+            )
+        projection = q_galore_project(
+            o.rank,
+            o.update_proj_gap,
+            bits=self.basis_bits,
+            group_size=self.basis_group_size,
+            cos_threshold=self.cos_threshold,
+            gamma=self.gamma,
+            queue_size=self.queue_size,
+            **o.basis,
+        )
+        return projection, adam8bit(
+            o.b1, o.b2, o.eps, min_8bit_size=self.min_8bit_size, mag_bits=self.mag_bits
+        )
+
+    def other_adam(self, b1, b2, eps, mu_dtype, weight_decay):
+        # bitsandbytes' AdamW8bit: decoupled decay before the step.
+        other = adam8bit(b1, b2, eps, min_8bit_size=self.min_8bit_size)
+        return other if is_zero(weight_decay) else optax.chain(other, optax.add_decayed_weights(weight_decay))
+
+    def finish(self, learning_rate, weight_decay, targets, seed):
+        # Target matrices: decay after the back-projected step, then back onto the INT8 grid.
+        out = [
+            optax.scale_by_learning_rate(learning_rate),
+            optax.masked(decay_after_step(learning_rate, weight_decay), targets),
+        ]
+        if self.weight_bits is not None:
+            grid = quantize_weights(
+                self.weight_group_size, self.weight_bits, stochastic=self.stochastic_round, seed=seed
+            )
+            out.append(optax.masked(grid, targets))
+        return out

@@ -33,14 +33,15 @@ may otherwise lay them out differently from the inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._adam import _check, _torch_adam_from, dtype_arg, torch_adam_direction
+from moara_jax._adam import _torch_adam_from, pytorch_adam, torch_adam_direction
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
     _check_args,
@@ -53,6 +54,8 @@ from moara_jax._projection import (
     refresh_bases,
     transport,
 )
+from moara_jax._validate import check_adam, dtype_arg
+from moara_jax.hosts._base import Host, StageOptions, is_zero, real
 
 
 class LDAdamState(NamedTuple):
@@ -117,7 +120,7 @@ def ldadam(
         power iteration's orthonormalisation is sign-free: the update does not depend on it).
     """
     _check_args(rank if not callable(rank) else 1, 1, "std", svd)
-    _check(b1, b2, eps)
+    check_adam(b1, b2, eps)
     if not (isinstance(rho, (int, float)) and 0 <= rho < 1):
         raise ValueError(f"rho must be in [0, 1), got {rho!r}")
     if not isinstance(error_feedback, bool):
@@ -147,7 +150,7 @@ def ldadam(
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
-        old, mus, nus, gmus, gnus, errors = (treedef.flatten_up_to(f) for f in state[1:])
+        old, mus, nus, mag_mus, mag_nus, errors = (treedef.flatten_up_to(f) for f in state[1:])
         count_inc = optax.safe_increment(state.count)
         t = count_inc.astype(jnp.float32)
         first = state.count == 0
@@ -180,8 +183,8 @@ def ldadam(
 
         bases = jax.lax.cond(first, svd_bases, power_bases) if leaves else []
         out, new = [], {k: [] for k in LDAdamState._fields[1:]}
-        for u, g, m_back, q, p, mu, nu, gmu, gnu, e, side in zip(
-            leaves, grads, carried, bases, old, mus, nus, gmus, gnus, errors, sides, strict=True
+        for u, g, m_back, q, p, mu, nu, mag_mu, mag_nu, e, side in zip(
+            leaves, grads, carried, bases, old, mus, nus, mag_mus, mag_nus, errors, sides, strict=True
         ):
             q = q.astype(p.dtype).astype(jnp.float32)  # the basis as stored
             low = project_value(g, q, side)
@@ -200,12 +203,66 @@ def ldadam(
             d, mu, nu = _torch_adam_from(mu32, nu32, count_inc, b1, b2, eps, m.dtype, mu.dtype, nu.dtype)
             node = LowRank(d, q.astype(p.dtype), side)
             if isinstance(u, Decomposed):
-                dm, gmu, gnu = torch_adam_direction(u.mag, gmu, gnu, count_inc, b1, b2, eps)
-                node = u.replace(mag=dm, direction=node, source=None)
+                dm, mag_mu, mag_nu = torch_adam_direction(u.mag, mag_mu, mag_nu, count_inc, b1, b2, eps)
+                node = u.replace(mag=dm, direction=node, gradient=None)
             out.append(node)
-            for k_, v in zip(new, (q.astype(p.dtype), mu, nu, gmu, gnu, e), strict=True):
+            for k_, v in zip(new, (q.astype(p.dtype), mu, nu, mag_mu, mag_nu, e), strict=True):
                 new[k_].append(v)
         new_state = LDAdamState(count_inc, *(treedef.unflatten(new[k]) for k in new))
         return jax.tree.unflatten(treedef, out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class LDAdam(Host):
+    """LDAdam (Robert et al., https://arxiv.org/abs/2410.16103), its official ``LDAdamW``: the
+    basis moves every step (one warm-started power-iteration step on the gradient mixed with
+    the back-projected first moment), the moments move with it, and what projection and
+    transport drop is fed back into the next step (:func:`moara_jax.ldadam`, one stage:
+    projection and Adam each need the other; ``update_proj_gap`` unused). Its Adam, for
+    the target matrices and every other parameter, is PyTorch ``AdamW``'s (``eps`` added to the
+    bias-corrected root, weight decay before the step); the reference applies no ``scale``
+    (``scale=1``) and defaults to ``b1, b2, eps = 0.908, 0.99, 1e-8``. Gradient clipping (the
+    trainer's ``train.grad_clip``) clips the fresh gradient; the reference, whose error lives in
+    the gradient buffer, would clip gradient plus error.
+
+    Attributes:
+      rho: weight of the back-projected first moment in the matrix the basis follows.
+      error_feedback: carry the dropped part of each step into the next.
+    """
+
+    name: ClassVar[str] = "ldadam"
+    state_types: ClassVar[tuple[type, ...]] = (LDAdamState,)
+    basis_states: ClassVar[dict] = {LDAdamState: ldadam_side}  # a square matrix: its fan_out side
+
+    rho: float = 0.908
+    error_feedback: bool = True
+
+    def __post_init__(self):
+        if not (real(self.rho) and 0 <= self.rho < 1):
+            raise ValueError(f"rho must be a number in [0, 1), got {self.rho!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+
+    def stages(self, o: StageOptions):
+        stage = ldadam(
+            o.rank,
+            rho=self.rho,
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            error_feedback=self.error_feedback,
+            mu_dtype=o.mu_dtype,
+            mag_dtype=o.mag_dtype,
+            **o.basis,
+        )
+        return (stage,)
+
+    def other_adam(self, b1, b2, eps, mu_dtype, weight_decay):
+        return pytorch_adam(b1, b2, eps, mu_dtype=mu_dtype)  # LDAdamW's full-rank path
+
+    def finish(self, learning_rate, weight_decay, targets, seed):
+        # LDAdamW: decoupled decay of every parameter before the step.
+        decay = [] if is_zero(weight_decay) else [optax.add_decayed_weights(weight_decay)]
+        return [*decay, optax.scale_by_learning_rate(learning_rate)]

@@ -30,21 +30,21 @@ where the transport's ``v - m^2`` can cancel to exactly zero).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from moara_jax._adam import InnerAdamState
-from moara_jax._decomposition import _is_int
+from moara_jax._bases import _svd
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
     _check_args,
     _matrix_of,
     _refresh_matrix,
-    _svd,
     _swap,
     project_value,
     projection_side,
@@ -52,6 +52,9 @@ from moara_jax._projection import (
     transport,
     zero_bases,
 )
+from moara_jax._validate import is_int
+from moara_jax.hosts._base import Host, StageOptions, real
+from moara_jax.hosts.fira import DEFAULT_GROWTH_LIMIT, fira_stage
 
 
 class SubTrackProjectState(NamedTuple):
@@ -145,8 +148,8 @@ def subtrack_project(
             bases = []
         out = []
         for u, m, b, b0, side in zip(leaves, mats, bases, initial, sides, strict=True):
-            low = LowRank(project_value(m, b, side), b, side, source=m, prev_basis=b0)
-            out.append(u.replace(direction=low, source=None) if isinstance(u, Decomposed) else low)
+            low = LowRank(project_value(m, b, side), b, side, projected=m, prev_basis=b0)
+            out.append(u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low)
         new_state = SubTrackProjectState(
             optax.safe_increment(state.count), treedef.unflatten(bases), treedef.unflatten(initial)
         )
@@ -163,7 +166,7 @@ def transport_moments(
     the subspace moments of every :class:`LowRank` that carries a ``prev_basis`` ``P_0`` move into
     its ``basis`` ``P`` (``C = P^T P_0``): ``m <- C m``, ``v <- |(1 - b2) (C*C (v - m^2) + (C m)^2)|``
     (the reference's formula). The state is the wrapped stage's."""
-    if not _is_int(every):
+    if not is_int(every):
         raise ValueError(f"every must be a positive integer, got {every!r}")
 
     def update_fn(updates, state, params=None):
@@ -198,3 +201,41 @@ def transport_moments(
         return out, new_state
 
     return optax.GradientTransformation(adam.init, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class SubTrackPP(Host):
+    """SubTrack++ (Rajabi et al., https://arxiv.org/abs/2502.01586), as its official code runs
+    it: an SVD basis at step 0, then every ``T`` steps one Grassmann geodesic step toward the
+    gradient's subspace, Adam moments moved into the current basis (from the initial one) every
+    ``T`` steps, and Fira's recovery scaling of the dropped gradient
+    (:func:`moara_jax.subtrack_project`, :func:`moara_jax.transport_moments`, :func:`moara_jax.fira_adam`).
+
+    Attributes:
+      step_size: the geodesic's ``eta`` (the reference's Llama scripts: 10).
+      growth_limit: the recovery term's norm-growth limit per step (Fira's ``gamma``).
+      track_all: also move the bases of the fan_in side; the reference code leaves them at the
+        step-0 SVD (its tangent there is zero up to rounding), which ``False`` reproduces.
+    """
+
+    name: ClassVar[str] = "subtrack_pp"
+    state_types: ClassVar[tuple[type, ...]] = (SubTrackProjectState,)
+    basis_states: ClassVar[dict] = {SubTrackProjectState: projection_side}
+
+    step_size: float = 10.0
+    growth_limit: float = DEFAULT_GROWTH_LIMIT
+    track_all: bool = False
+
+    def __post_init__(self):
+        if not (real(self.step_size) and self.step_size >= 0):
+            raise ValueError(f"step_size must be a non-negative number, got {self.step_size!r}")
+        if not (real(self.growth_limit) and self.growth_limit > 0):
+            raise ValueError(f"growth_limit must be positive, got {self.growth_limit!r}")
+        if not isinstance(self.track_all, bool):
+            raise ValueError(f"track_all must be True or False, got {self.track_all!r}")
+
+    def stages(self, o: StageOptions):
+        projection = subtrack_project(
+            o.rank, o.update_proj_gap, step_size=self.step_size, track_all=self.track_all, **o.basis
+        )
+        return projection, transport_moments(fira_stage(o, self.growth_limit), o.update_proj_gap, o.b2)

@@ -21,7 +21,8 @@ repeated block magnitudes' Adam step. Rank allocation only changes each module's
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,8 @@ import optax
 
 from moara_jax._adam import InnerAdamState, inner_adam
 from moara_jax._nodes import Decomposed, LowRank, is_node
-from moara_jax._projection import _matrix_of, project_back
+from moara_jax._projection import _matrix_of, project, project_back
+from moara_jax.hosts._base import Host, StageOptions, real
 
 # Fira's constants: the norm-growth limit and the stabiliser of its two norm ratios.
 DEFAULT_GROWTH_LIMIT = 1.01
@@ -51,10 +53,10 @@ def _residual_norm_init(path, u) -> jax.Array | None:
     core = _matrix_of(u)
     if not isinstance(core, LowRank):
         return None
-    if core.source is None:
+    if core.projected is None:
         raise ValueError(
-            f"fira_adam: the low-rank value at {jax.tree_util.keystr(path)} carries no source "
-            "matrix; place fira_adam after project(..., keep_source=True)"
+            f"fira_adam: the low-rank value at {jax.tree_util.keystr(path)} carries no projected "
+            "matrix; place fira_adam after project(..., keep_projected=True) (formerly keep_source=True)"
         )
     return jnp.zeros(core.value.shape[:-2], jnp.float32)
 
@@ -75,7 +77,7 @@ def fira_adam(
 ) -> optax.GradientTransformation:
     """:func:`inner_adam` plus Fira's norm-scaled, growth-limited full-rank residual.
 
-    Takes the output of ``project(..., keep_source=True)`` (optionally inside ``Decomposed``
+    Takes the output of ``project(..., keep_projected=True)`` (optionally inside ``Decomposed``
     nodes) and emits what ``inner_adam`` emits, each :class:`LowRank` also carrying
     ``residual = step_size * S`` (see the module docstring), which ``recompose`` adds after the
     back-projection. ``scale`` must be the ``recompose`` scale (Fira's ``alpha``). Leaves that are
@@ -115,7 +117,7 @@ def fira_adam(
             rank_axis = -2 if low_in.side == "in" else -1
             # ||N|| = ||step_size * N|| / step_size: inner_adam's output has the step size folded in.
             phi = _norm(low_out.value, rank_axis) / (step_size * (_norm(low_in.value, rank_axis) + _NORM_EPS))
-            dropped = low_in.source.astype(jnp.float32) - scale * project_back(
+            dropped = low_in.projected.astype(jnp.float32) - scale * project_back(
                 low_in.value, low_in.basis, low_in.side
             )
             residual = dropped * phi
@@ -127,7 +129,7 @@ def fira_adam(
                 low_out.value,
                 low_out.basis,
                 low_out.side,
-                residual=(step_size * residual).astype(low_in.source.dtype),
+                residual=(step_size * residual).astype(low_in.projected.dtype),
             )
             new_out.append(_with_core(o, core))
             new_norms.append(norm / limiter)
@@ -135,3 +137,36 @@ def fira_adam(
         return treedef.unflatten(new_out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fira(Host):
+    """Fira (Chen et al., https://arxiv.org/abs/2410.01623): GaLore plus the dropped part of the
+    gradient, scaled per row by Adam's norm ratio, its norm growth limited to ``growth_limit``
+    per step (``fira.FiraAdamW``; :func:`moara_jax.fira_adam`)."""
+
+    name: ClassVar[str] = "fira"
+    proj_types: ClassVar[tuple[str, ...] | None] = None
+
+    growth_limit: float = DEFAULT_GROWTH_LIMIT
+
+    def __post_init__(self):
+        if not (real(self.growth_limit) and self.growth_limit > 0):
+            raise ValueError(f"growth_limit must be positive, got {self.growth_limit!r}")
+
+    def stages(self, o: StageOptions):
+        projection = project(o.rank, o.update_proj_gap, o.proj_type, keep_projected=True, **o.basis)
+        return projection, fira_stage(o, self.growth_limit)
+
+
+def fira_stage(o: StageOptions, growth_limit: float) -> optax.GradientTransformation:
+    """:func:`fira_adam` with the options of a host's stages (Fira's, SubTrack++'s)."""
+    return fira_adam(
+        o.b1,
+        o.b2,
+        o.eps,
+        scale=o.scale,
+        growth_limit=growth_limit,
+        mu_dtype=o.mu_dtype,
+        mag_dtype=o.mag_dtype,
+    )

@@ -15,14 +15,15 @@ and its moments stored in the leaf's dtype (the reference computes in bf16 for b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._adam import torch_adam_direction
+from moara_jax._adam import inner_adam, torch_adam_direction
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
     _check_args,
@@ -33,6 +34,7 @@ from moara_jax._projection import (
     refresh_bases,
     zero_bases,
 )
+from moara_jax.hosts._base import Host, StageOptions, real
 
 
 class OSDProjectState(NamedTuple):
@@ -117,7 +119,7 @@ def osd_project(
         for u, m, b, mu, nu in zip(leaves, mats, bases, mus, nus, strict=True):
             side = projection_side(m.shape)
             low = LowRank(project_value(m, b, side), b, side)
-            out.append(u.replace(direction=low, source=None) if isinstance(u, Decomposed) else low)
+            out.append(u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low)
             # The basis steps after this step's projection (none at step 0, where it was made).
             grad = jax.grad(pca_loss)(b, m, side)
             # (At step 0 the result is discarded; step 1 keeps the bias correction finite.)
@@ -134,3 +136,86 @@ def osd_project(
         return jax.tree.unflatten(treedef, out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class OSD(Host):
+    """Online Subspace Descent (Liang et al., https://arxiv.org/abs/2408.12857), its official
+    implementation's default (``continuous``): an SVD basis at step 0, then one AdamW step a
+    step on the online-PCA loss of the normalised gradient (:func:`moara_jax.osd_project`;
+    ``update_proj_gap`` unused: its basis moves every step), and :func:`moara_jax.inner_adam`.
+
+    Attributes:
+      basis_lr: the basis's step size, a number or a schedule; ``None`` (the reference's):
+        ``lr_t / (peak_lr * update_proj_gap)``, the model's learning rate ``lr_t``.
+      peak_lr: the learning rate that schedule is divided by; with a constant learning rate
+        ``None`` takes it, with a schedule it must be given (the trainer passes ``train.lr``).
+      b1, b2, eps, weight_decay: the basis's AdamW (PyTorch's defaults).
+    """
+
+    name: ClassVar[str] = "osd"
+    state_types: ClassVar[tuple[type, ...]] = (OSDProjectState,)
+    basis_states: ClassVar[dict] = {OSDProjectState: projection_side}
+
+    basis_lr: Any = None
+    peak_lr: float | None = None
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    def __post_init__(self):
+        if self.peak_lr is not None and not (real(self.peak_lr) and self.peak_lr > 0):
+            raise ValueError(f"peak_lr must be a positive number, got {self.peak_lr!r}")
+        if self.basis_lr is not None and not (
+            callable(self.basis_lr) or (real(self.basis_lr) and self.basis_lr >= 0)
+        ):
+            raise ValueError(f"basis_lr must be a non-negative number or a schedule, got {self.basis_lr!r}")
+        for field in ("b1", "b2"):
+            if not (real(getattr(self, field)) and 0 <= getattr(self, field) < 1):
+                raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)!r}")
+        for field in ("eps", "weight_decay"):
+            if not (real(getattr(self, field)) and getattr(self, field) >= 0):
+                raise ValueError(f"{field} must be a non-negative number, got {getattr(self, field)!r}")
+
+    def stages(self, o: StageOptions):
+        if self.basis_lr is None:
+            raise ValueError(
+                "the osd host needs OSD(basis_lr=...) here (moara_adamw derives it from its learning rate)"
+            )
+        projection = osd_project(
+            o.rank,
+            self.basis_lr,
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            **o.basis,
+        )
+        return projection, inner_adam(o.b1, o.b2, o.eps, mu_dtype=o.mu_dtype, mag_dtype=o.mag_dtype)
+
+    def with_learning_rate(self, learning_rate, update_proj_gap):
+        """The basis step size as the reference sets it, ``lr_t / (peak_lr * T)``, unless given."""
+        if self.basis_lr is not None:
+            return self
+        peak = self.peak_lr
+        if peak is None:
+            # Only a Python number is its own peak (an injected or scheduled rate changes).
+            number = isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool)
+            if not (number and learning_rate > 0):
+                raise ValueError(
+                    f"host OSD with learning_rate={learning_rate!r} (a schedule, an injected array or "
+                    "not positive) needs OSD(peak_lr=...) (its basis steps lr_t / (peak_lr * "
+                    "update_proj_gap)) or OSD(basis_lr=...)"
+                )
+            peak = learning_rate
+
+        def basis_lr(count):
+            lr = learning_rate(count) if callable(learning_rate) else learning_rate
+            return lr / (peak * update_proj_gap)
+
+        return dataclasses.replace(self, basis_lr=basis_lr)
+
+    @classmethod
+    def trainer_defaults(cls, peak_lr):
+        return {"peak_lr": peak_lr}

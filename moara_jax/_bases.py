@@ -1,0 +1,145 @@
+"""How a projection basis is computed: the top-``r`` singular vectors of a batch of matrices on
+the projected side, exactly (SVD), from the Gram matrix's eigendecomposition (fast on GPU), or
+by a randomized range finder with CholeskyQR2 orthonormalisation; and sign canonicalisation.
+
+``top_basis`` is what :func:`moara_jax._projection.refresh_bases` calls per same-shaped batch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _per_matrix(fn, x: jax.Array):
+    """Applies a LAPACK-backed ``fn`` to a batch of matrices ``(B, a, b)``.
+
+    On CPU the batch is looped with ``lax.map``: jaxlib's batched LAPACK kernels fan a batch out
+    over the intra-op thread pool and wait for it, and several CPU devices doing that at once
+    (a sharded run under ``--xla_force_host_platform_device_count``) can deadlock the pool. On GPU
+    the batched cuSOLVER call is kept.
+    """
+    if x.ndim > 2 and x.shape[0] > 1 and jax.default_backend() == "cpu":
+        return jax.lax.map(fn, x)
+    return fn(x)
+
+
+def _svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return _per_matrix(lambda x: jnp.linalg.svd(x, full_matrices=False), w)
+
+
+def _exact_basis(g: jax.Array, side: str, r: int) -> jax.Array:
+    """Top-``r`` singular vectors of the projected side, float32, like galore-torch.
+
+    The SVD is taken of the paper-orientation matrix ``W = g^T`` (as galore-torch does), so that
+    the sign conventions of LAPACK's factors match the reference's.
+    """
+    w = jnp.swapaxes(g.astype(jnp.float32), -1, -2)  # (..., fan_out, fan_in)
+    u, _, vh = _svd(w)
+    if side == "in":
+        return jnp.swapaxes(vh[..., :r, :], -1, -2)  # (..., fan_in, r)
+    return u[..., :, :r]  # (..., fan_out, r)
+
+
+def _top_eigvecs(gram: jax.Array, r: int) -> jax.Array:
+    """Eigenvectors of the symmetric ``gram`` for its ``r`` largest eigenvalues, descending."""
+    vecs, _ = _per_matrix(lambda x: jax.lax.linalg.eigh(x), gram)  # ascending eigenvalues
+    return vecs[..., ::-1][..., :r]
+
+
+def _gram(a: jax.Array) -> jax.Array:
+    """``a a^T`` in full float32 precision (no TF32 / bf16 passes on accelerators)."""
+    return jnp.einsum("...ij,...kj->...ik", a, a, precision=jax.lax.Precision.HIGHEST)
+
+
+def _eigh_basis(g: jax.Array, side: str, r: int) -> jax.Array:
+    """Top-``r`` left singular vectors of the projected side from the eigendecomposition of the
+    float32 Gram matrix ``A A^T`` (``d x d``, d the smaller side).
+
+    The same subspace as :func:`_exact_basis` wherever singular values are above ~1e-3 of the
+    largest (the Gram squares them; directions below that carry < 1e-6 of the energy each). On GPU
+    cuSOLVER's ``syevd`` on the small Gram matrix is far faster than its ``gesvd`` on ``A``.
+    """
+    a = g.astype(jnp.float32)
+    if side == "out":
+        a = jnp.swapaxes(a, -1, -2)  # (..., fan_out, fan_in)
+    return _top_eigvecs(_gram(a), r)
+
+
+def _householder(x: jax.Array) -> jax.Array:
+    return _per_matrix(lambda m: jnp.linalg.qr(m)[0], x)
+
+
+def _cholesky_qr(y: jax.Array) -> jax.Array:
+    """One shifted CholeskyQR pass: ``y L^-T`` with ``L L^T = y^T y + shift I``."""
+    gram = _gram(jnp.swapaxes(y, -1, -2))  # y^T y
+    k = gram.shape[-1]
+    shift = 1e-6 * jnp.trace(gram, axis1=-2, axis2=-1)[..., None, None] / k + 1e-30
+    chol = jnp.linalg.cholesky(gram + shift * jnp.eye(k, dtype=gram.dtype))
+    return jax.lax.linalg.triangular_solve(chol, y, left_side=False, lower=True, transpose_a=True)
+
+
+def _orthonormal(x: jax.Array) -> jax.Array:
+    """Orthonormal basis of the columns of ``x``.
+
+    On CPU: Householder QR. On accelerators, where the QR runs matrix by matrix in cuSOLVER:
+    CholeskyQR2 (two shifted CholeskyQR passes: batched matrix products, Cholesky and triangular
+    solves), falling back to Householder QR for the whole batch if any result is not orthonormal
+    to 1e-3 (rank-deficient input).
+    """
+    if jax.default_backend() == "cpu":
+        return _householder(x)
+    q = _cholesky_qr(_cholesky_qr(x))
+    eye = jnp.eye(q.shape[-1], dtype=q.dtype)
+    err = jnp.abs(jnp.swapaxes(q, -1, -2) @ q - eye)
+    ok = jnp.all(jnp.isfinite(q)) & (jnp.max(err) < 1e-3)
+    return jax.lax.cond(ok, lambda: q, lambda: _householder(x))
+
+
+def _randomized_basis(
+    g: jax.Array, side: str, r: int, key: jax.Array, oversample: int, power_iters: int
+) -> jax.Array:
+    """Randomized range finder with subspace (power) iteration, then a small exact SVD.
+
+    Halko, Martinsson & Tropp (2011), Algorithms 4.4 and 5.1: ``Q = orth(A Omega)``, a few rounds of
+    ``Q = orth(A orth(A^T Q))``, then the top-``r`` left singular vectors of ``A`` from the SVD of
+    the small ``Q^T A`` (from the eigendecomposition of its ``k x k`` Gram matrix). ``A`` is the
+    leaf with the projected side first.
+    """
+    a = g.astype(jnp.float32)
+    if side == "out":
+        a = jnp.swapaxes(a, -1, -2)  # (..., fan_out, fan_in)
+    d, e = a.shape[-2], a.shape[-1]
+    k = min(r + oversample, d, e)
+    omega = jax.random.normal(key, a.shape[:-2] + (e, k), jnp.float32)
+    q = _orthonormal(a @ omega)
+    for _ in range(power_iters):
+        z = _orthonormal(jnp.swapaxes(a, -1, -2) @ q)
+        q = _orthonormal(a @ z)
+    small = jnp.swapaxes(q, -1, -2) @ a  # (..., k, e)
+    return q @ _top_eigvecs(_gram(small), r)  # left singular vectors of the small k x e
+
+
+def canonicalize_signs(basis: jax.Array) -> jax.Array:
+    """Flips each basis vector (column) so that its largest-magnitude entry is positive."""
+    idx = jnp.argmax(jnp.abs(basis), axis=-2, keepdims=True)
+    sign = jnp.sign(jnp.take_along_axis(basis, idx, axis=-2))
+    return basis * jnp.where(sign == 0, 1.0, sign)
+
+
+def top_basis(
+    batch: jax.Array,
+    side: str,
+    r: int,
+    svd: str = "exact",
+    key: jax.Array | None = None,
+    oversample: int = 8,
+    power_iters: int = 2,
+) -> jax.Array:
+    """Float32 bases ``(B, d, r)`` of a batch ``(B, ...)`` by ``svd``: ``exact``, ``eigh`` or
+    ``randomized`` (seeded by ``key``)."""
+    if svd == "exact":
+        return _exact_basis(batch, side, r)
+    if svd == "eigh":
+        return _eigh_basis(batch, side, r)
+    return _randomized_basis(batch, side, r, key, oversample, power_iters)

@@ -1,0 +1,82 @@
+"""The low-rank methods MoARa runs on ("hosts", the paper's cross-method study), one module each.
+
+A host is a frozen dataclass of its settings subclassing :class:`Host`, whose methods tell the
+core what it needs: the stages its target matrices run between ``decompose`` and ``recompose``
+(:meth:`Host.stages`), the Adam of the other parameters (:meth:`Host.other_adam`), the learning
+rate and weight decay after the direction (:meth:`Host.finish`), any coupling to the learning
+rate (:meth:`Host.with_learning_rate`), its state types for ``state_bytes``
+(``state_types``) and where its bases are for the alignment diagnostic (``basis_states``).
+Adding a host is one module and one line of :data:`HOSTS`; from outside the package,
+:func:`register_host` (or ``"package.module:Class"`` where a host name is asked for).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from moara_jax.hosts._base import Host, StageOptions
+from moara_jax.hosts.fira import Fira
+from moara_jax.hosts.galore import GaLore
+from moara_jax.hosts.ldadam import LDAdam
+from moara_jax.hosts.osd import OSD
+from moara_jax.hosts.q_galore import QGaLore
+from moara_jax.hosts.subtrack_pp import SubTrackPP
+
+HOSTS: dict[str, type[Host]] = {cls.name: cls for cls in (GaLore, Fira, QGaLore, OSD, LDAdam, SubTrackPP)}
+
+
+def register_host(cls: type[Host]) -> type[Host]:
+    """Adds a :class:`Host` subclass to :data:`HOSTS` under its ``name`` (usable as a class
+    decorator); ``moara_adamw(host=name)`` and the trainer's ``optimizer.host`` then take it."""
+    if not (isinstance(cls, type) and issubclass(cls, Host)):
+        raise TypeError(f"register_host takes a Host subclass, got {cls!r}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{cls.__name__} needs a class attribute name (a non-empty string)")
+    if name in HOSTS and HOSTS[name] is not cls:
+        raise ValueError(f"a host named {name!r} is already registered ({HOSTS[name].__name__})")
+    HOSTS[name] = cls
+    return cls
+
+
+def host_class(spec: str) -> type[Host]:
+    """The host class of a registered name, or of ``"package.module:Class"`` (imported and
+    registered: how a host defined outside this package reaches the trainer's
+    ``optimizer.host``); ``ValueError`` naming what is wrong."""
+    if spec in HOSTS:
+        return HOSTS[spec]
+    if not (isinstance(spec, str) and ":" in spec):
+        raise ValueError(f"unknown host {spec!r}: one of {', '.join(HOSTS)}, or package.module:Class")
+    module_name, _, attr = spec.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"host {spec!r} cannot be imported: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Host)):
+        raise ValueError(f"host {spec!r} is not a moara_jax.Host subclass")
+    return register_host(cls)
+
+
+def resolve_host(host: str | Host) -> Host:
+    """A host's settings from its name (with defaults) or as given; ``ValueError`` otherwise."""
+    if isinstance(host, Host):
+        return host
+    if isinstance(host, str) and (host in HOSTS or ":" in host):
+        return host_class(host)()
+    raise ValueError(f"host must be one of {tuple(HOSTS)} or a host settings object, got {host!r}")
+
+
+__all__ = [
+    "HOSTS",
+    "OSD",
+    "Fira",
+    "GaLore",
+    "Host",
+    "LDAdam",
+    "QGaLore",
+    "StageOptions",
+    "SubTrackPP",
+    "host_class",
+    "register_host",
+    "resolve_host",
+]
