@@ -132,7 +132,7 @@ def decompose(
     the node (``Decomposed.gradient``), from which a directly following
     ``project`` recomputes the direction inside its refresh branch (so a plain step never keeps
     every direction alive at once; :func:`scale_by_moara` sets it). Leave it off when other
-    transforms sit between ``decompose`` and ``project``: they would see, and change, the source.
+    transforms sit between ``decompose`` and ``project``: they would see, and change, the gradient.
     """
     block_size = check_block_size(block_size)
     if keep_source is not None:

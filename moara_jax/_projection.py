@@ -77,7 +77,7 @@ def _matrix_of(u: Any) -> jax.Array:
 
 
 def _refresh_matrix(u: Any) -> jax.Array:
-    """The matrix whose SVD gives the basis: for a ``Decomposed`` that carries its source, the
+    """The matrix whose SVD gives the basis: for a ``Decomposed`` that carries its gradient, the
     direction recomputed from it (the same expression ``decompose`` evaluated, so the same
     values). Called inside the refresh branch, whose operands are then the gradients (alive
     anyway) rather than every direction at once; on plain steps each direction lives only
