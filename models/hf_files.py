@@ -178,11 +178,17 @@ def weight_files(directory) -> dict[str, pathlib.Path]:
     """
     directory = pathlib.Path(directory)
     if (directory / INDEX).is_file():
-        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        try:
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{directory / INDEX} is not a safetensors index (no weight_map)") from None
         found = {name: directory / file for name, file in weight_map.items()}
     elif (directory / WEIGHTS).is_file():
-        with _safetensors().safe_open(str(directory / WEIGHTS), framework="numpy") as f:
-            found = {name: directory / WEIGHTS for name in f.keys()}
+        try:
+            with _safetensors().safe_open(str(directory / WEIGHTS), framework="numpy") as f:
+                found = {name: directory / WEIGHTS for name in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+            raise ValueError(f"{directory / WEIGHTS} cannot be read: {e}") from None
     else:
         other = sorted(p.name for p in directory.glob("*.bin")) + sorted(
             p.name for p in directory.glob("*.pt")

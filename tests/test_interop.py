@@ -95,7 +95,9 @@ def test_bf16_export_stores_bf16_and_loads_as_bf16(tmp_path):
     got = model.model.embed_tokens.weight.detach().float().numpy()
     np.testing.assert_array_equal(got, want)
     loaded = models.load_hf_params(tmp_path, cfg.replace(param_dtype="bfloat16"))
-    assert loaded["embed_tokens"]["embedding"].dtype == jnp.bfloat16
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
 
 
 def test_bad_directories_are_named(tmp_path):
@@ -115,6 +117,18 @@ def test_bad_directories_are_named(tmp_path):
         models.load_hf_params(tmp_path, cfg.replace(attention_bias=True))
     with pytest.raises(ValueError, match="has shape"):
         models.load_hf_params(tmp_path, cfg.replace(intermediate_size=64))
+    # A tied model whose file holds its own, different LM head.
+    from safetensors.numpy import load_file, save_file
+
+    tied_cfg = models.get_config("llama3.2-tiny")
+    tied = tmp_path / "tied"
+    write_hf_dir(tied, tied_cfg, models.init_params(tied_cfg, jax.random.PRNGKey(0)))
+    tensors = load_file(str(tied / "model.safetensors"))
+    models.load_hf_params(tied, tied_cfg)  # without lm_head.weight: fine
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] + 1
+    save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        models.load_hf_params(tied, tied_cfg)
 
 
 # ------------------------------------------------------------- a trained run, exported and back
@@ -193,6 +207,21 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
     _, params = read_params(run["dir"], 2)
     loaded = models.load_hf_params(older, models.read_hf_config(older))
     np.testing.assert_array_equal(np.asarray(loaded["norm"]["scale"]), np.asarray(params["norm"]["scale"]))
+    # --overwrite of a sharded export by a one-file one leaves no stale index or shard behind
+    shards = ["--run-dir", str(run["dir"]), "--out", str(older), "--overwrite"]
+    assert exporting.main([*shards, "--max-shard-gb", "0.0001"]) == 0
+    assert (older / "model.safetensors.index.json").is_file()
+    assert exporting.main(shards) == 0
+    assert sorted(p.name for p in older.glob("*.safetensors*")) == ["model.safetensors"]
+    # a run dir from before runs wrote model.json: the model is rebuilt from config.yaml
+    import shutil
+
+    from train.model import run_model_config
+
+    legacy = run["root"] / "legacy"
+    shutil.copytree(run["dir"], legacy)
+    (legacy / "model.json").unlink()
+    assert run_model_config(legacy) == run_model_config(run["dir"])
     capsys.readouterr()
     for argv, message in [
         (["--out", str(exported)], "exists and is not empty"),
@@ -240,7 +269,7 @@ def test_init_from_mismatches_are_one_line_errors(run, exported, tmp_path):
 
     text = error("model.overrides={hidden_size: 128, num_hidden_layers: 2}")
     assert "hidden_size 128 in the config, 64 in" in text and "num_hidden_layers" not in text
-    assert "model.name" in error("model.name=qwen3-tiny")
+    assert "model_type 'qwen3' in the config, 'llama' in" in error("model.name=qwen3-tiny")
     assert "the tokenizer has 70000 ids" in error(vocab=70000)
     assert "is not a directory" in error(f"model.init_from={tmp_path / 'none'}")
     # Through the CLI: exit 2, one line, no run dir files; a missing weights file is named.
@@ -374,8 +403,8 @@ def test_evaluate_agrees_with_transformers(run, exported, tmp_path):
                 spaces = len(context) - len(context.rstrip())
                 if spaces:
                     context, continuation = context[:-spaces], context[-spaces:] + continuation
-                whole = encode(context + continuation)
-                ctx, cont = whole[: len(encode(context))], whole[len(encode(context)) :]
+                ctx = encode(context)  # the harness: the context alone, the pair whole
+                cont = encode(context + continuation)[len(ctx) :]
             else:
                 ctx, cont = [tok.eos_token_id], encode(continuation)
             ids = torch.tensor([ctx + cont])
@@ -397,11 +426,16 @@ def test_evaluate_errors_name_the_problem(tmp_path, capsys):
     bad.write_text(
         json.dumps(TASK[0]) + "\n" + json.dumps({"context": "x", "choices": ["a", "b"], "label": 2})
     )
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"context": "caf\u00e9"}'.encode("latin-1"))
     for argv, message in [
         (["--hf", str(tmp_path), "--tasks", f"bad={bad}"], f"{bad}:2: 'label' must be the index"),
         (["--hf", str(tmp_path)], "nothing to evaluate"),
         (["--tasks", f"bad={bad}"], "give one of --run-dir and --hf"),
         (["--hf", str(tmp_path), "--ppl-files", "x=nope.txt"], "holds no config.json"),
+        (["--hf", str(tmp_path), "--tasks", f"bad={bad}", "--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--hf", str(tmp_path), "--tasks", f"a/b={bad}"], "name 'a/b' must be letters"),
+        (["--hf", str(tmp_path), "--tasks", f"latin={latin}"], "is not UTF-8 text"),
     ]:
         assert evaluation.main(argv) == 2
         err = capsys.readouterr().err.strip()

@@ -147,8 +147,12 @@ def read_task(path: str) -> list[dict]:
     p = pathlib.Path(path)
     if not p.is_file():
         raise UserError(f"task file not found: {path}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"task file {path} is not UTF-8 text") from None
     examples = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -182,8 +186,8 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = list(tokenizer.encode(context + continuation))
-    head = len(tokenizer.encode(context))
-    return whole[:head], whole[head:]
+    head = list(tokenizer.encode(context))
+    return head, whole[len(head) :]
 
 
 def choice_rows(
@@ -239,7 +243,10 @@ def parse_named(text: str | None, what: str) -> dict[str, list[str]]:
         paths_list = [p for p in paths.split("+") if p]
         if not paths_list:
             raise UserError(f"{what}: {item!r} names no file")
-        out[name or pathlib.Path(paths_list[0]).name.split(".")[0]] = paths_list
+        name = name or pathlib.Path(paths_list[0]).name.split(".")[0]
+        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise UserError(f"{what}: name {name!r} must be letters, digits, '-', '_' or '.'")
+        out[name] = paths_list
     return out
 
 
@@ -307,6 +314,8 @@ def markdown(report: dict) -> str:
 def evaluate(args) -> dict:
     if bool(args.run_dir) == bool(args.hf):
         raise UserError("give one of --run-dir and --hf")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     texts, tasks = parse_named(args.ppl_files, "--ppl-files"), parse_named(args.tasks, "--tasks")
     if not texts and not tasks:
         raise UserError("nothing to evaluate: give --ppl-files and/or --tasks")
@@ -359,7 +368,7 @@ def main(argv=None) -> int:
         "--target-delimiter", default=" ", help="put between context and choice (default: a space)"
     )
     parser.add_argument("--seq-len", type=int, default=None, help="default: the run's train.seq_len")
-    parser.add_argument("--batch-size", type=int, default=32, help="rows per device step")
+    parser.add_argument("--batch-size", type=int, default=32, help="rows per step, over all devices")
     parser.add_argument(
         "--tokenizer", default=None, help="a sentencepiece model or bytes (default: the model's)"
     )

@@ -95,6 +95,8 @@ def export(
     tok = run_tokenizer(run_dir, tokenizer)
     step, params = read_params(run_dir, step)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+        stale.unlink()  # --overwrite: no weights file of an earlier export may stay
     pad = tok._sp.pad_id() if isinstance(tok, SentencePieceTokenizer) else -1
     ids = {"bos_token_id": None, "eos_token_id": tok.eos_id, "pad_token_id": pad if pad >= 0 else None}
     try:

@@ -25,7 +25,7 @@ from train.data import describe as describe_data
 from train.errors import UserError
 from train.metrics import DivergenceGuard, MetricsWriter, make_sinks
 from train.metrics import perplexity as ppl
-from train.model import MODEL_FILE, init_from_params, model_config
+from train.model import DEFAULT_MODEL, MODEL_FILE, init_from_params, model_config
 from train.rundir import RunLock, banner, plot_curves, write_summary
 from train.sharding import batch_sharding, make_mesh, param_shardings, state_shardings
 from train.step import TrainState, make_eval_step, make_optimizer, make_train_step, schedule
@@ -82,6 +82,8 @@ def _run(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, quiet: bool, main:
     profiling_mode = cfg.mode == "profile"
     total_steps = min(t.steps, cfg.profile.steps) if profiling_mode else t.steps
 
+    if cfg.model.init_from is not None:
+        model_config(cfg, 0)  # a bad directory or a mismatch is reported before any data work
     data = build_data(cfg.data, t.seq_len, quiet=quiet)
     startup = {"data_s": time.perf_counter() - entered}
     model_cfg = model_config(cfg, data.vocab_size)
@@ -396,6 +398,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def _check_resumable(saved: dict, new: dict) -> None:
     """Refuses a resume whose config changes what the checkpoint or the data order depend on."""
     old_flat, new_flat = _flatten(saved or {}), _flatten(new)
+    for flat in (old_flat, new_flat):  # an unnamed model is the default one
+        if flat.get("model.name") is None and flat.get("model.init_from") is None:
+            flat["model.name"] = DEFAULT_MODEL
     changed = sorted(
         k
         for k in set(old_flat) | set(new_flat)

@@ -42,6 +42,7 @@ def _init_from_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
     except (ImportError, ValueError) as e:
         raise UserError(f"model.init_from: {e}") from None
     framework = {k: v for k, v in m.overrides.items() if k in FRAMEWORK_FIELDS}
+    name = framework.pop("name", directory.name)
     stated = {k: v for k, v in m.overrides.items() if k not in FRAMEWORK_FIELDS}
     try:
         if m.name is not None:  # the preset's architecture, but the vocabulary (the tokenizer's)
@@ -50,7 +51,7 @@ def _init_from_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
             named["num_key_value_heads"], named["head_dim"] = preset.num_key_value_heads, preset.head_dim
             stated = {**named, **stated}
         wanted = found.replace(**stated)
-        result = found.replace(param_dtype=t.param_dtype, dtype=t.dtype, name=directory.name, **framework)
+        result = found.replace(param_dtype=t.param_dtype, dtype=t.dtype, name=name, **framework)
     except (ValueError, TypeError) as e:
         raise UserError(f"model: {e}") from None
     have, want = architecture(found), architecture(wanted)
@@ -79,12 +80,26 @@ def init_from_params(cfg: RunConfig, model_cfg: models.ModelConfig, shardings):
 
 
 def run_model_config(run_dir: pathlib.Path) -> models.ModelConfig:
-    """The ``ModelConfig`` a run built, from its run dir."""
-    path = pathlib.Path(run_dir) / MODEL_FILE
-    if not path.is_file():
-        raise UserError(f"{run_dir} holds no {MODEL_FILE}: not a run dir of python -m train")
-    fields = json.loads(path.read_text())
-    try:
-        return models.ModelConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{path}: {e}") from None
+    """The ``ModelConfig`` a run built: its ``model.json``, or for a run made before runs wrote
+    one, rebuilt from its ``config.yaml`` and the tokenizer its summary records."""
+    run_dir = pathlib.Path(run_dir)
+    path = run_dir / MODEL_FILE
+    if path.is_file():
+        try:
+            return models.ModelConfig(**json.loads(path.read_text()))
+        except (TypeError, ValueError) as e:
+            raise UserError(f"{path}: {e}") from None
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(
+            f"{run_dir} holds neither {MODEL_FILE} nor config.yaml: not a run dir of python -m train"
+        )
+    from train.config import load_config
+
+    cfg = load_config(run_dir / "config.yaml")
+    summary = run_dir / "summary.json"
+    recorded = json.loads(summary.read_text()).get("data", {}).get("tokenizer") if summary.is_file() else None
+    if recorded is None:
+        from train.sources import make_tokenizer
+
+        recorded = {"vocab_size": make_tokenizer(cfg.data.tokenizer).vocab_size}
+    return model_config(cfg, int(recorded["vocab_size"]))
