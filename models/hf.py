@@ -72,6 +72,18 @@ def _as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def unexpected_keys(cfg: ModelConfig, names, used: set[str]) -> list[str]:
+    """The HF names among ``names`` that ``cfg``'s parameters did not use (sorted), leaving out
+    parameter-free buffers and a tied model's copy of the LM head."""
+    return sorted(
+        k
+        for k in names
+        if k not in used
+        and not k.endswith(_IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and k == "lm_head.weight")
+    )
+
+
 def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Flax parameters from an HF state dict: numpy arrays, torch tensors (any dtype or device,
     e.g. ``model.state_dict()`` of a bf16 model) or anything ``np.asarray`` takes.
@@ -106,15 +118,9 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
                 f"from_hf: config {cfg.name!r} ties the embeddings, but the state dict has its own "
                 "lm_head.weight (load it with tie_word_embeddings=False)"
             )
-    extra = [
-        k
-        for k in state_dict
-        if k not in used
-        and not k.endswith(_IGNORED_SUFFIXES)
-        and not (cfg.tie_word_embeddings and k == "lm_head.weight")
-    ]
+    extra = unexpected_keys(cfg, state_dict, used)
     if extra:
-        raise ValueError(f"from_hf: unexpected keys for config {cfg.name!r}: {sorted(extra)[:8]}")
+        raise ValueError(f"from_hf: unexpected keys for config {cfg.name!r}: {extra[:8]}")
     return params
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from models.configs import ModelConfig, replace_config
-from models.hf import _IGNORED_SUFFIXES, _hf_entries, _names, config_from_hf, to_hf_config
+from models.hf import _hf_entries, _names, config_from_hf, to_hf_config, unexpected_keys
 from models.model import abstract_params
 
 WEIGHTS = "model.safetensors"
@@ -268,7 +268,7 @@ def load_hf_params(directory, cfg: ModelConfig, shardings=None) -> dict[str, Any
                     f"{directory}: the config ties the embeddings, but lm_head.weight differs from "
                     "model.embed_tokens.weight"
                 )
-    extra = sorted(k for k in files if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+    extra = unexpected_keys(cfg, files, used)
     if extra:
         raise ValueError(f"{directory}: unexpected tensors for a {cfg.model_type} model: {extra[:8]}")
     return params

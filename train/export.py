@@ -18,6 +18,7 @@ import models
 from train.checkpoint import read_params
 from train.errors import EXIT_USER_ERROR, UserError
 from train.model import run_model_config
+from train.rundir import recorded_tokenizer
 from train.sources import SentencePieceTokenizer, describe_tokenizer, make_tokenizer
 
 
@@ -34,8 +35,7 @@ def run_tokenizer(run_dir: pathlib.Path, override: str | None = None):
     e.g. when the run dir moved), checked against the one its summary records."""
     spec = override or run_setting(run_dir, "data", "tokenizer") or "bytes"
     tok = make_tokenizer(spec)
-    summary = run_dir / "summary.json"
-    recorded = json.loads(summary.read_text()).get("data", {}).get("tokenizer") if summary.is_file() else None
+    recorded = recorded_tokenizer(run_dir)
     if recorded and {**recorded, "name": None} != {**tok.identity(), "name": None}:
         raise UserError(
             f"the tokenizer {spec} is {describe_tokenizer(tok.identity())}, but the run in {run_dir} "

@@ -94,10 +94,10 @@ def run_model_config(run_dir: pathlib.Path) -> models.ModelConfig:
             f"{run_dir} holds neither {MODEL_FILE} nor config.yaml: not a run dir of python -m train"
         )
     from train.config import load_config
+    from train.rundir import recorded_tokenizer
 
     cfg = load_config(run_dir / "config.yaml")
-    summary = run_dir / "summary.json"
-    recorded = json.loads(summary.read_text()).get("data", {}).get("tokenizer") if summary.is_file() else None
+    recorded = recorded_tokenizer(run_dir)
     if recorded is None:
         from train.sources import make_tokenizer
 

@@ -57,6 +57,12 @@ class RunLock:
         self.release()
 
 
+def recorded_tokenizer(run_dir: pathlib.Path) -> dict | None:
+    """The tokenizer identity a run's ``summary.json`` records (None without one)."""
+    path = pathlib.Path(run_dir) / "summary.json"
+    return json.loads(path.read_text()).get("data", {}).get("tokenizer") if path.is_file() else None
+
+
 def write_summary(run_dir: pathlib.Path, summary: dict) -> pathlib.Path:
     """``summary.json``, unless it records a completed run and this attempt did not complete:
     then ``summary.STATUS.json`` beside it (the completed record is kept)."""
