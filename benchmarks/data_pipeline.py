@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from train import store as token_store  # noqa: E402
 from train.config import DataSection  # noqa: E402
 from train.data import Data  # noqa: E402
+from train.rundir import RunDir  # noqa: E402
 
 # Runs ``python -m train`` in this process and reports its peak RSS (the child's own, not the
 # benchmark's) as the last line.
@@ -102,7 +103,7 @@ def train_run(directory: pathlib.Path, tokenizer: str, run_dir: pathlib.Path, st
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
     rss_kb = int(proc.stdout.strip().splitlines()[-1].split()[1])
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = RunDir(run_dir).summary()
     return {
         "train_tokens_in_store": summary["data"]["tokens"]["train"],
         "peak_rss_mb": rss_kb / 1024,

@@ -182,9 +182,9 @@ def test_sentencepiece_run_trains(run):
 
 def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(run, exported):
     from train.checkpoint import read_params
-    from train.model import run_model_config
+    from train.rundir import RunDir
 
-    cfg = run_model_config(run["dir"])
+    cfg = RunDir(run["dir"]).model_config()
     step, params = read_params(run["dir"])
     assert step == 4
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11))
@@ -216,12 +216,12 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
     # a run dir from before runs wrote model.json: the model is rebuilt from config.yaml
     import shutil
 
-    from train.model import run_model_config
+    from train.rundir import RunDir
 
     legacy = run["root"] / "legacy"
     shutil.copytree(run["dir"], legacy)
     (legacy / "model.json").unlink()
-    assert run_model_config(legacy) == run_model_config(run["dir"])
+    assert RunDir(legacy).model_config() == RunDir(run["dir"]).model_config()
     capsys.readouterr()
     for argv, message in [
         (["--out", str(exported)], "exists and is not empty"),

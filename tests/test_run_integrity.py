@@ -16,7 +16,8 @@ from test_train import FAST, ROOT, TINY, losses, run_cli
 
 from train.compare import compare
 from train.errors import EXIT_PREEMPTED, UserError
-from train.metrics import DivergenceGuard, read_metrics
+from train.metrics import DivergenceGuard
+from train.rundir import read_metrics
 
 
 def start_cli(run_dir, *sets, extra=()):
@@ -99,12 +100,13 @@ def delete_data_metadata(step_dir):
 
 def test_verification_names_each_kind_of_damage(finished_run, tmp_path):
     from train.checkpoint import Checkpointer
+    from train.rundir import RunDir
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     damages = {4: flip_bytes, 6: delete_data_metadata, 8: delete_state_metadata}
     reasons = {step: damage(run / "checkpoints" / str(step)) for step, damage in damages.items()}
-    ckpt = Checkpointer(run / "checkpoints", keep=3, every=2)
+    ckpt = Checkpointer(RunDir(run), keep=3, every=2)
     assert ckpt.verify(4) == "files changed since it was written: " + str(
         largest_array_file(run / "checkpoints" / "4").relative_to(run / "checkpoints" / "4")
     )
@@ -130,13 +132,14 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finish
 
 def test_no_usable_checkpoint_is_one_error_naming_each_tried(finished_run, tmp_path):
     from train.checkpoint import Checkpointer
+    from train.rundir import RunDir
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     for step in (4, 6, 8):
         truncate(run / "checkpoints" / str(step))
     said = []
-    ckpt = Checkpointer(run / "checkpoints", keep=3, every=2)
+    ckpt = Checkpointer(RunDir(run), keep=3, every=2)
     with pytest.raises(UserError) as e:
         ckpt.restore_latest(None, lambda state: None, say=said.append)  # verification refuses all
     message = str(e.value)

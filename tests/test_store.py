@@ -402,7 +402,7 @@ SHARDED = textwrap.dedent(
     import sys, types, numpy as np, jax
     from train.config import DataSection, MeshSection
     from train.data import build_data
-    from train.loop import global_batch, process_rows
+    from train.sharding import global_batch, process_rows
     from train.sharding import batch_sharding, make_mesh
     data = build_data(DataSection(source="store", store=sys.argv[1]), seq_len=15)
     mesh = make_mesh(MeshSection(data=2, fsdp=2, tensor=2))

@@ -16,7 +16,7 @@ import pytest
 from train.config import load_config
 from train.data import Counts, file_documents
 from train.errors import EXIT_PREEMPTED, UserError
-from train.metrics import dedupe_by_step, read_metrics
+from train.rundir import dedupe_by_step, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -267,11 +267,16 @@ def test_sweep_then_compare(tmp_path):
         ),
     ],
 )
-def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message):
-    proc = run_cli(tmp_path / "bad", *sets, check=False)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message, capsys):
+    # In-process through the CLI's main (the same code path as python -m train, without starting
+    # a JAX process per case); test_missing_config_file_is_a_clean_error runs the real command.
+    from train.__main__ import main
+
+    argv = ["--config", TINY, "--run-dir", str(tmp_path / "bad"), "--quiet"]
+    code = main(argv + [x for s in sets for x in ("--set", s)])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
 def test_micro_batches_off_the_data_split_name_the_numbers(tmp_path):
@@ -353,7 +358,7 @@ def test_paper_configs_reproduce_paper_optimizer_state(condition, mib):
 
     import moara_jax as mj
     import models
-    from train.loop import model_config
+    from train.model import model_config
     from train.step import make_optimizer
 
     paper = ROOT / "configs" / "paper"
@@ -374,7 +379,7 @@ def test_paper_host_configs_build_the_host(host, condition, mib):
 
     import moara_jax as mj
     import models
-    from train.loop import model_config
+    from train.model import model_config
     from train.step import make_optimizer
 
     paper = ROOT / "configs" / "paper"

@@ -21,6 +21,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from train.errors import UserError
+from train.rundir import CHECKPOINTS, RunDir
 
 
 def _file_sums(directory: pathlib.Path) -> dict[str, str]:
@@ -52,13 +53,15 @@ def _verify(directory: pathlib.Path, sums: pathlib.Path) -> str | None:
 
 
 class Checkpointer:
-    def __init__(self, directory: pathlib.Path, keep: int, every: int, enabled: bool = True):
-        """``enabled``: this process records checksums (the first process of a multi-host run)."""
-        self.directory = directory.resolve()
+    def __init__(self, run: RunDir, keep: int, every: int, enabled: bool = True):
+        """The checkpoints of ``run`` (its ``checkpoints/``, ``checksums/`` and
+        ``rejected_checkpoints/``); ``enabled``: this process records checksums and moves
+        rejected checkpoints (the first process of a multi-host run)."""
+        self.directory = run.checkpoints.resolve()
         self.every = every
         self.enabled = enabled
-        self.sums_dir = self.directory.parent / "checksums"
-        self.rejected_dir = self.directory.parent / "rejected_checkpoints"
+        self.sums_dir = run.checksums.resolve()
+        self.rejected_dir = run.rejected.resolve()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._unrecorded: list[int] = []
@@ -182,9 +185,10 @@ def read_params(run_dir: pathlib.Path, step: int | None = None, shardings=None) 
     Raises:
       UserError: no checkpoint, no checkpoint of that step, or one that fails verification.
     """
-    ckpt_dir = (pathlib.Path(run_dir) / "checkpoints").resolve()
+    run = RunDir(run_dir)
+    ckpt_dir = run.checkpoints.resolve()
     if not ckpt_dir.is_dir():
-        raise UserError(f"{run_dir} holds no checkpoints/ (not a run dir, or no checkpoint was saved)")
+        raise UserError(f"{run_dir} holds no {CHECKPOINTS}/ (not a run dir, or no checkpoint was saved)")
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
     manager = ocp.CheckpointManager(ckpt_dir, item_handlers=handlers)
     try:
@@ -194,7 +198,7 @@ def read_params(run_dir: pathlib.Path, step: int | None = None, shardings=None) 
         step = steps[-1] if step is None else step
         if step not in steps:
             raise UserError(f"{ckpt_dir} has no checkpoint of step {step} (it has steps {steps})")
-        reason = _verify(ckpt_dir / str(step), ckpt_dir.parent / "checksums" / f"{step}.json")
+        reason = _verify(ckpt_dir / str(step), run.checksums / f"{step}.json")
         if reason is not None:
             raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}")
         meta = manager.item_metadata(step)["state"]

@@ -15,22 +15,20 @@ import pathlib
 import sys
 
 from train.errors import UserError
-from train.metrics import dedupe_by_step, read_metrics
 from train.plots import pyplot
+from train.rundir import METRICS, SUMMARY, RunDir
 
 
 def load_run(run_dir: pathlib.Path) -> dict:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(f"no metrics.jsonl in {run_dir}")
-    evals = dedupe_by_step(read_metrics(path), "eval_ppl")
+    run = RunDir(run_dir)
+    if not run.metrics_file.is_file():
+        raise UserError(f"no {METRICS} in {run_dir}")
+    evals = run.evals()
     if not evals:
         raise UserError(f"{run_dir} has no evaluation rows")
-    summary = {}
-    if (run_dir / "summary.json").is_file():
-        summary = json.loads((run_dir / "summary.json").read_text())
-    status = summary.get("status", "running or killed (no summary.json)")
-    return {"name": run_dir.name, "dir": str(run_dir), "evals": evals, "summary": summary, "status": status}
+    summary = run.summary() or {}
+    status = summary.get("status", f"running or killed (no {SUMMARY})")
+    return {"name": run.name, "dir": str(run_dir), "evals": evals, "summary": summary, "status": status}
 
 
 def problems(runs: list[dict]) -> tuple[list[str], list[str]]:

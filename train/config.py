@@ -18,6 +18,7 @@ import yaml
 from moara_jax import MODULE_TYPES
 from moara_jax.hosts import host_class
 from train.errors import UserError
+from train.rundir import CONFIG
 
 
 @dataclass(frozen=True)
@@ -238,86 +239,60 @@ def load_config(path, overrides: list[str] = ()) -> RunConfig:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Range and choice checks that types alone do not express."""
+    """Range and choice checks that types alone do not express (every refusal that needs only
+    the config), section by section; a ``UserError`` naming the first key that fails."""
+    _need(cfg.mode in ("train", "profile"), f"mode must be train or profile, got {cfg.mode!r}")
+    _validate_optimizer(cfg.optimizer)
+    _validate_train(cfg.train)
+    _validate_data(cfg.data)
+    _need(
+        cfg.checkpoint.keep >= 1 and cfg.checkpoint.every >= 0,
+        "checkpoint.keep must be >= 1 and checkpoint.every >= 0",
+    )
+    unknown_writers = [w for w in cfg.metrics.writers if w not in WRITERS]
+    _need(not unknown_writers, f"metrics.writers: unknown {unknown_writers} (known: {', '.join(WRITERS)})")
+    p = cfg.profile
+    _need(p.every >= 1 and p.steps >= 1, "profile.steps and profile.every must be >= 1")
+    if cfg.mode == "profile":
+        _need(
+            cfg.optimizer.name != "adamw",
+            "mode profile needs optimizer.name galore or moara (it profiles projections)",
+        )
+        profiled = min(cfg.train.steps, p.steps)
+        _need(p.every <= profiled, f"profile.every ({p.every}) must be <= the profiled steps ({profiled})")
+        _need(p.num_receivers >= 1, f"profile.num_receivers must be >= 1, got {p.num_receivers}")
+        _need(0 <= p.ema < 1, f"profile.ema must be in [0, 1), got {p.ema}")
+        unknown = [x for x in p.donors if x not in MODULE_TYPES]
+        _need(bool(p.donors) and not unknown, f"profile.donors must be module types {list(MODULE_TYPES)}")
 
-    def need(ok: bool, message: str):
-        if not ok:
-            raise UserError(message)
 
-    o, t, d = cfg.optimizer, cfg.train, cfg.data
-    need(cfg.mode in ("train", "profile"), f"mode must be train or profile, got {cfg.mode!r}")
-    need(
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise UserError(message)
+
+
+def _validate_optimizer(o: OptimizerSection) -> None:
+    finite = math.isfinite
+    _need(
         o.name in ("adamw", "galore", "moara"),
         f"optimizer.name must be adamw, galore or moara, got {o.name!r}",
     )
-    need(o.r_base >= 1, f"optimizer.r_base must be >= 1, got {o.r_base}")
-    need(o.block_size >= 1, f"optimizer.block_size must be >= 1, got {o.block_size}")
-    need(o.update_proj_gap >= 1, f"optimizer.update_proj_gap must be >= 1, got {o.update_proj_gap}")
-    need(
+    _need(o.r_base >= 1, f"optimizer.r_base must be >= 1, got {o.r_base}")
+    _need(o.block_size >= 1, f"optimizer.block_size must be >= 1, got {o.block_size}")
+    _need(o.update_proj_gap >= 1, f"optimizer.update_proj_gap must be >= 1, got {o.update_proj_gap}")
+    _need(
         o.svd in ("exact", "eigh", "randomized"),
         f"optimizer.svd must be exact, eigh or randomized, got {o.svd!r}",
     )
     if o.rank_allocation not in ("uniform", "default"):
-        need(
+        _need(
             pathlib.Path(o.rank_allocation).is_file(),
             f"optimizer.rank_allocation: allocation file not found: {o.rank_allocation}",
         )
-    need(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
-    need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
-    mb = t.micro_batch_size or t.batch_size
-    need(
-        mb >= 1 and t.batch_size % mb == 0,
-        f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({mb})",
-    )
-    need(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
-    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
-    need(0 <= t.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
-    need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    need(t.eval_every >= 1 and t.log_every >= 1, "train.eval_every and train.log_every must be >= 1")
-    need(
-        t.param_dtype in ("float32", "bfloat16") and t.dtype in ("float32", "bfloat16"),
-        "train.param_dtype and train.dtype must be float32 or bfloat16",
-    )
-    need(
-        d.source in ("builtin", "files", "tfds", "store"),
-        f"data.source must be builtin, files, tfds or store, got {d.source!r}",
-    )
-    need(d.source != "files" or bool(d.paths), "data.source is files but data.paths is empty")
-    need(d.source != "store" or bool(d.store), "data.source is store but data.store is not set")
-    need(d.workers is None or d.workers >= 1, f"data.workers must be >= 1 (or null), got {d.workers}")
-    need(0 < d.validation_fraction < 1, "data.validation_fraction must be in (0, 1)")
-    need(
-        cfg.checkpoint.keep >= 1 and cfg.checkpoint.every >= 0,
-        "checkpoint.keep must be >= 1 and checkpoint.every >= 0",
-    )
-    need(cfg.profile.every >= 1 and cfg.profile.steps >= 1, "profile.steps and profile.every must be >= 1")
-    unknown_writers = [w for w in cfg.metrics.writers if w not in WRITERS]
-    need(not unknown_writers, f"metrics.writers: unknown {unknown_writers} (known: {', '.join(WRITERS)})")
-    finite = math.isfinite
-    need(finite(t.lr), f"train.lr must be finite, got {t.lr}")
-    need(
-        finite(t.grad_clip) and t.grad_clip >= 0,
-        f"train.grad_clip must be >= 0 (0: off), got {t.grad_clip}",
-    )
-    need(
-        t.micro_batch_size is None or t.micro_batch_size >= 1,
-        f"train.micro_batch_size must be >= 1 (or null), got {t.micro_batch_size}",
-    )
-    need(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
-    need(
-        t.divergence_factor == 0 or (finite(t.divergence_factor) and t.divergence_factor > 1),
-        f"train.divergence_factor must be > 1 (or 0: off), got {t.divergence_factor}",
-    )
-    need(t.zero_grad_steps >= 0, f"train.zero_grad_steps must be >= 0 (0: off), got {t.zero_grad_steps}")
-    need(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32), got {t.seed}")
-    need(
-        d.max_documents is None or d.max_documents >= 1,
-        f"data.max_documents must be >= 1 (or null), got {d.max_documents}",
-    )
-    need(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optimizer.b1 and b2 must be in [0, 1), got {o.b1}, {o.b2}")
-    need(finite(o.eps) and o.eps >= 0, f"optimizer.eps must be >= 0, got {o.eps}")
-    need(finite(o.scale) and o.scale > 0, f"optimizer.scale must be > 0, got {o.scale}")
-    need(
+    _need(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optimizer.b1 and b2 must be in [0, 1), got {o.b1}, {o.b2}")
+    _need(finite(o.eps) and o.eps >= 0, f"optimizer.eps must be >= 0, got {o.eps}")
+    _need(finite(o.scale) and o.scale > 0, f"optimizer.scale must be > 0, got {o.scale}")
+    _need(
         finite(o.weight_decay) and o.weight_decay >= 0,
         f"optimizer.weight_decay must be >= 0, got {o.weight_decay}",
     )
@@ -326,20 +301,60 @@ def validate(cfg: RunConfig) -> None:
     except ValueError as e:
         raise UserError(f"optimizer.host: {e}") from None
     host_settings(o)
-    need(
+    _need(
         o.host == "galore" or o.name != "adamw",
         f"optimizer.host {o.host} needs optimizer.name galore or moara (adamw projects nothing)",
     )
-    if cfg.mode == "profile":
-        p = cfg.profile
-        need(
-            p.every <= min(t.steps, p.steps),
-            f"profile.every ({p.every}) must be <= the profiled steps ({min(t.steps, p.steps)})",
-        )
-        need(p.num_receivers >= 1, f"profile.num_receivers must be >= 1, got {p.num_receivers}")
-        need(0 <= p.ema < 1, f"profile.ema must be in [0, 1), got {p.ema}")
-        unknown = [x for x in p.donors if x not in MODULE_TYPES]
-        need(bool(p.donors) and not unknown, f"profile.donors must be module types {list(MODULE_TYPES)}")
+
+
+def _validate_train(t: TrainSection) -> None:
+    finite = math.isfinite
+    _need(t.steps >= 1, f"train.steps must be >= 1, got {t.steps}")
+    _need(t.batch_size >= 1, f"train.batch_size must be >= 1, got {t.batch_size}")
+    _need(
+        t.micro_batch_size is None or t.micro_batch_size >= 1,
+        f"train.micro_batch_size must be >= 1 (or null), got {t.micro_batch_size}",
+    )
+    mb = t.micro_batch_size or t.batch_size
+    _need(
+        t.batch_size % mb == 0,
+        f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({mb})",
+    )
+    _need(t.seq_len >= 2, f"train.seq_len must be >= 2, got {t.seq_len}")
+    _need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _need(finite(t.lr), f"train.lr must be finite, got {t.lr}")
+    _need(0 <= t.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+    _need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    _need(t.eval_every >= 1 and t.log_every >= 1, "train.eval_every and train.log_every must be >= 1")
+    _need(
+        t.param_dtype in ("float32", "bfloat16") and t.dtype in ("float32", "bfloat16"),
+        "train.param_dtype and train.dtype must be float32 or bfloat16",
+    )
+    _need(
+        finite(t.grad_clip) and t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0: off), got {t.grad_clip}"
+    )
+    _need(t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}")
+    _need(
+        t.divergence_factor == 0 or (finite(t.divergence_factor) and t.divergence_factor > 1),
+        f"train.divergence_factor must be > 1 (or 0: off), got {t.divergence_factor}",
+    )
+    _need(t.zero_grad_steps >= 0, f"train.zero_grad_steps must be >= 0 (0: off), got {t.zero_grad_steps}")
+    _need(0 <= t.seed < 2**32, f"train.seed must be in [0, 2**32), got {t.seed}")
+
+
+def _validate_data(d: DataSection) -> None:
+    _need(
+        d.source in ("builtin", "files", "tfds", "store"),
+        f"data.source must be builtin, files, tfds or store, got {d.source!r}",
+    )
+    _need(d.source != "files" or bool(d.paths), "data.source is files but data.paths is empty")
+    _need(d.source != "store" or bool(d.store), "data.source is store but data.store is not set")
+    _need(d.workers is None or d.workers >= 1, f"data.workers must be >= 1 (or null), got {d.workers}")
+    _need(0 < d.validation_fraction < 1, "data.validation_fraction must be in (0, 1)")
+    _need(
+        d.max_documents is None or d.max_documents >= 1,
+        f"data.max_documents must be >= 1 (or null), got {d.max_documents}",
+    )
 
 
 def host_settings(o: OptimizerSection, peak_lr: float | None = None):
@@ -366,3 +381,40 @@ def host_settings(o: OptimizerSection, peak_lr: float | None = None):
 
 def to_dict(cfg: RunConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+DEFAULT_MODEL = "tiny"  # the model of a config that names none (and has no init_from)
+
+# Settings a resumed run must share with the run it continues (they shape the state or the data
+# order); everything else (steps, learning rate, logging, mesh, ...) may change.
+_FIXED_ON_RESUME = ("mode", "model", "data", "optimizer", "train.batch_size", "train.seq_len", "train.seed")
+_FREE_ON_RESUME = ("optimizer.svd", "data.workers", "data.cache_dir")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def check_resumable(saved: dict, new: dict) -> None:
+    """Refuses a resume whose config (``new``, a mapping) changes, against the run's ``saved``
+    one, what the checkpoint or the data order depend on."""
+    old_flat, new_flat = _flatten(saved or {}), _flatten(new)
+    for flat in (old_flat, new_flat):  # an unnamed model is the default one
+        if flat.get("model.name") is None and flat.get("model.init_from") is None:
+            flat["model.name"] = DEFAULT_MODEL
+    changed = sorted(
+        k
+        for k in set(old_flat) | set(new_flat)
+        if any(k == f or k.startswith(f + ".") for f in _FIXED_ON_RESUME)
+        and k not in _FREE_ON_RESUME
+        and old_flat.get(k) != new_flat.get(k)
+    )
+    if changed:
+        details = ", ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
+        raise UserError(
+            f"--resume: the run's {CONFIG} differs in settings a resume cannot change ({details})"
+        )

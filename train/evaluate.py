@@ -37,7 +37,7 @@ import optax
 import models
 from train.config import MeshSection
 from train.errors import EXIT_USER_ERROR, UserError
-from train.export import run_setting, run_tokenizer
+from train.rundir import EVAL, RunDir
 from train.sharding import make_mesh, param_shardings
 from train.sources import Counts, check_file, file_documents, make_tokenizer
 
@@ -281,16 +281,15 @@ def load_model(args, mesh) -> tuple[models.ModelConfig, dict, object, int, str]:
         seq_len = min(cfg.max_position_embeddings, 2048)
         return cfg, params, _hf_tokenizer(directory, args.tokenizer), seq_len, str(directory)
     from train.checkpoint import read_params
-    from train.model import run_model_config
 
-    run_dir = pathlib.Path(args.run_dir)
-    cfg = run_model_config(run_dir).replace(**dtypes)
+    run = RunDir(args.run_dir)
+    cfg = run.model_config().replace(**dtypes)
     shardings = param_shardings(models.logical_axes(cfg), models.abstract_params(cfg), mesh)
-    step, params = read_params(run_dir, args.step, shardings)
+    step, params = read_params(run, args.step, shardings)
     if args.dtype:
         params = jax.tree.map(lambda x: x.astype(args.dtype), params)
-    seq_len = int(run_setting(run_dir, "train", "seq_len") or cfg.max_position_embeddings)
-    return cfg, params, run_tokenizer(run_dir, args.tokenizer), seq_len, f"{run_dir} step {step}"
+    seq_len = int(run.setting("train", "seq_len") or cfg.max_position_embeddings)
+    return cfg, params, run.tokenizer(args.tokenizer), seq_len, f"{run} step {step}"
 
 
 def markdown(report: dict) -> str:
@@ -331,7 +330,7 @@ def evaluate(args) -> dict:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids, the model {model_cfg.vocab_size}")
     scorer = Scorer(model_cfg, params, mesh, args.batch_size, seq_len + 1)
-    out = pathlib.Path(args.out or (pathlib.Path(args.run_dir) / "eval" if args.run_dir else "eval"))
+    out = pathlib.Path(args.out or (pathlib.Path(args.run_dir) / EVAL if args.run_dir else EVAL))
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "model": source,

@@ -12,36 +12,11 @@ import pathlib
 import shutil
 import sys
 
-import yaml
-
 import models
 from train.checkpoint import read_params
 from train.errors import EXIT_USER_ERROR, UserError
-from train.model import run_model_config
-from train.rundir import recorded_tokenizer
-from train.sources import SentencePieceTokenizer, describe_tokenizer, make_tokenizer
-
-
-def run_setting(run_dir: pathlib.Path, section: str, key: str):
-    """One setting of a run's ``config.yaml``."""
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise UserError(f"{run_dir} holds no config.yaml: not a run dir of python -m train")
-    return (yaml.safe_load(path.read_text()).get(section) or {}).get(key)
-
-
-def run_tokenizer(run_dir: pathlib.Path, override: str | None = None):
-    """The tokenizer a run trained with (``override``: another path to the same model file,
-    e.g. when the run dir moved), checked against the one its summary records."""
-    spec = override or run_setting(run_dir, "data", "tokenizer") or "bytes"
-    tok = make_tokenizer(spec)
-    recorded = recorded_tokenizer(run_dir)
-    if recorded and {**recorded, "name": None} != {**tok.identity(), "name": None}:
-        raise UserError(
-            f"the tokenizer {spec} is {describe_tokenizer(tok.identity())}, but the run in {run_dir} "
-            f"trained with {describe_tokenizer(recorded)}; pass --tokenizer with that model file"
-        )
-    return tok
+from train.rundir import RunDir
+from train.sources import SentencePieceTokenizer
 
 
 def write_tokenizer(tok, out: pathlib.Path, max_length: int) -> list[str]:
@@ -91,8 +66,9 @@ def export(
         raise UserError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise UserError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
-    model_cfg = run_model_config(run_dir)
-    tok = run_tokenizer(run_dir, tokenizer)
+    run = RunDir(run_dir)
+    model_cfg = run.model_config()
+    tok = run.tokenizer(tokenizer)
     step, params = read_params(run_dir, step)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
@@ -105,7 +81,7 @@ def export(
         )
     except ImportError as e:
         raise UserError(str(e)) from None
-    seq_len = run_setting(run_dir, "train", "seq_len") or model_cfg.max_position_embeddings
+    seq_len = run.setting("train", "seq_len") or model_cfg.max_position_embeddings
     tokenizer_files = write_tokenizer(tok, out, int(seq_len))
     provenance = {"run_dir": str(run_dir.resolve()), "step": step, "model": model_cfg.name}
     (out / "training_run.json").write_text(json.dumps(provenance, indent=2) + "\n")

@@ -14,22 +14,16 @@ import models
 from train.config import load_config
 from train.errors import UserError
 from train.model import model_config
-from train.step import make_optimizer, read_allocation
+from train.step import Allocation, make_optimizer
 
 
 def describe(cfg, vocab_size: int = 32000) -> str:
     model_cfg = model_config(cfg, vocab_size)
     params = models.abstract_params(model_cfg)
     opt = cfg.optimizer
-    ranks = None
-    if opt.rank_allocation not in ("uniform", "default"):
-        ranks = read_allocation(opt.rank_allocation)
     rows = {}
     if opt.name != "adamw":
-        for r in mj.rank_table(
-            params, r_base=opt.r_base, ranks=ranks, rank_allocation=opt.rank_allocation == "default"
-        ):
-            rows[r["path"]] = r
+        rows = {r["path"]: r for r in Allocation.of(opt).table(opt, params)}
     lines = [
         f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}"
         + ("" if opt.name == "adamw" or opt.host == "galore" else f" on {opt.host}"),

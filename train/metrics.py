@@ -8,8 +8,10 @@ import os
 import pathlib
 import sys
 import time
+from typing import NamedTuple
 
 from train.errors import UserError
+from train.rundir import METRICS, TENSORBOARD, RunDir
 
 
 def perplexity(loss: float) -> float:
@@ -28,7 +30,7 @@ class TensorBoardSink:
                 "metrics.writers names tensorboard but tensorboardX is not installed: "
                 "pip install 'moara-jax[tensorboard]'"
             ) from None
-        self.writer = SummaryWriter(logdir=str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(logdir=str(run_dir / TENSORBOARD))
 
     def scalars(self, step: int, values: dict) -> None:
         for tag, value in values.items():
@@ -100,7 +102,7 @@ class MetricsWriter:
         """``resume_step``: the checkpoint's step when resuming; the rows of later steps (written
         after that checkpoint by the interrupted run) are dropped, so no step appears twice.
         ``enabled=False`` (processes other than the first of a multi-host run) writes nothing."""
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self.enabled = enabled
         self.sinks = list(sinks) if enabled else []
         quiet = quiet or not enabled
@@ -113,7 +115,7 @@ class MetricsWriter:
         if resume_step is None:
             self.path.unlink()
             return
-        rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+        rows = [r for r in RunDir(run_dir).rows(None) if r.get("step", 0) <= resume_step]
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(self.path)
@@ -168,27 +170,12 @@ class MetricsWriter:
             sys.stderr.write("\n")
 
 
-def read_metrics(path: pathlib.Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl``; a line cut short (a process killed while writing it) is
-    left out."""
-    rows = []
-    for line in pathlib.Path(path).read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
-    return rows
+class Stop(NamedTuple):
+    """Why a run stops before its last step, and the first step whose result it does not keep."""
 
-
-def dedupe_by_step(rows: list[dict], key: str) -> list[dict]:
-    """Rows holding ``key``, one per step (the last written wins: a resumed run rewrites the
-    steps after its checkpoint)."""
-    by_step = {}
-    for r in rows:
-        if key in r:
-            by_step[r["step"]] = r
-    return [by_step[s] for s in sorted(by_step)]
+    status: str  # nan | diverged
+    reason: str
+    first_bad_step: int
 
 
 class DivergenceGuard:
@@ -202,12 +189,12 @@ class DivergenceGuard:
         self.min_loss = math.inf
         self.zero_since: int | None = None
 
-    def check(self, step: int, loss: float, grad_norm: float, lr: float) -> tuple[str, str, int] | None:
-        """``(status, reason, first bad step)`` when the run must stop, else None."""
+    def check(self, step: int, loss: float, grad_norm: float, lr: float) -> Stop | None:
+        """Why the run must stop after ``step``, or None."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            return "nan", f"loss is {loss} (gradient norm {grad_norm}) at step {step}", step
+            return Stop("nan", f"loss is {loss} (gradient norm {grad_norm}) at step {step}", step)
         if self.factor and loss > self.factor * self.min_loss:
-            return (
+            return Stop(
                 "diverged",
                 f"loss {loss:.4g} at step {step} is above {self.factor:g} x its running minimum "
                 f"{self.min_loss:.4g} (train.divergence_factor)",
@@ -220,7 +207,7 @@ class DivergenceGuard:
             self.zero_since = None
         streak = 0 if self.zero_since is None else step - self.zero_since + 1
         if self.zero_grad_steps and streak >= self.zero_grad_steps:
-            return (
+            return Stop(
                 "diverged",
                 f"the gradient norm has been exactly 0 since step {self.zero_since} ({streak} steps, "
                 f"train.zero_grad_steps) while the learning rate is {lr:.3g}",

@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import models
 from models.hf_files import FRAMEWORK_FIELDS, architecture
-from train.config import RunConfig
+from train.config import DEFAULT_MODEL, RunConfig
 from train.errors import UserError
-
-DEFAULT_MODEL = "tiny"
-MODEL_FILE = "model.json"  # in the run dir: the ModelConfig the run built
 
 
 def model_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
@@ -77,29 +73,3 @@ def init_from_params(cfg: RunConfig, model_cfg: models.ModelConfig, shardings):
         return models.load_hf_params(pathlib.Path(cfg.model.init_from).expanduser(), model_cfg, shardings)
     except (ImportError, ValueError) as e:
         raise UserError(f"model.init_from: {e}") from None
-
-
-def run_model_config(run_dir: pathlib.Path) -> models.ModelConfig:
-    """The ``ModelConfig`` a run built: its ``model.json``, or for a run made before runs wrote
-    one, rebuilt from its ``config.yaml`` and the tokenizer its summary records."""
-    run_dir = pathlib.Path(run_dir)
-    path = run_dir / MODEL_FILE
-    if path.is_file():
-        try:
-            return models.ModelConfig(**json.loads(path.read_text()))
-        except (TypeError, ValueError) as e:
-            raise UserError(f"{path}: {e}") from None
-    if not (run_dir / "config.yaml").is_file():
-        raise UserError(
-            f"{run_dir} holds neither {MODEL_FILE} nor config.yaml: not a run dir of python -m train"
-        )
-    from train.config import load_config
-    from train.rundir import recorded_tokenizer
-
-    cfg = load_config(run_dir / "config.yaml")
-    recorded = recorded_tokenizer(run_dir)
-    if recorded is None:
-        from train.sources import make_tokenizer
-
-        recorded = {"vocab_size": make_tokenizer(cfg.data.tokenizer).vocab_size}
-    return model_config(cfg, int(recorded["vocab_size"]))

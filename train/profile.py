@@ -13,6 +13,7 @@ import numpy as np
 import moara_jax as mj
 from train.config import RunConfig
 from train.plots import pyplot
+from train.rundir import ALIGNMENT, ALIGNMENT_PLOT, ALLOCATION
 
 
 class AlignmentRecorder:
@@ -83,18 +84,18 @@ def write_outputs(rec: AlignmentRecorder, run_dir: pathlib.Path, cfg: RunConfig)
         "block_size": cfg.optimizer.block_size,
         "r_base": cfg.optimizer.r_base,
     }
-    (run_dir / "alignment.json").write_text(json.dumps(alignment, indent=2))
+    (run_dir / ALIGNMENT).write_text(json.dumps(alignment, indent=2))
     allocation = choose_allocation(s_tau, cfg)
-    (run_dir / "allocation.json").write_text(json.dumps(allocation, indent=2))
-    _plot(rec, run_dir / "alignment.png")
+    (run_dir / ALLOCATION).write_text(json.dumps(allocation, indent=2))
+    _plot(rec, run_dir / ALIGNMENT_PLOT)
     order = sorted(s_tau, key=s_tau.get)
     print("S_tau (lowest first): " + ", ".join(f"{k} {s_tau[k]:.4f}" for k in order))
-    print(f"allocation -> {run_dir / 'allocation.json'}: {allocation['ranks']}")
+    print(f"allocation -> {run_dir / ALLOCATION}: {allocation['ranks']}")
     return {"s_tau": s_tau, "allocation": allocation}
 
 
 def _plot(rec: AlignmentRecorder, path: pathlib.Path) -> None:
-    plt = pyplot("alignment.png")
+    plt = pyplot(ALIGNMENT_PLOT)
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))

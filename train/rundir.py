@@ -1,5 +1,22 @@
-"""A run directory's bookkeeping: one writer at a time (a lock), the summary (a failed attempt
-never overwrites a completed run's), the training-curve plot and the start-up banner."""
+"""A run directory: its layout (the one place that names its files), its readers, one writer at a
+time (a lock), the summary (a failed attempt never overwrites a completed run's), the
+training-curve plot and the start-up banner.
+
+Layout of ``RUN_DIR`` (``python -m train --run-dir RUN_DIR``)::
+
+    config.yaml            the run's config, as validated
+    model.json             the models.ModelConfig the run built
+    metrics.jsonl          one object per logged step and per evaluation
+    summary.json           written when the run ends (summary.STATUS.json beside a completed one)
+    curves.png             training loss and eval ppl against step
+    checkpoints/STEP/      orbax checkpoints
+    checksums/STEP.json    sha256 of every file of a finished checkpoint
+    rejected_checkpoints/  checkpoints that failed verification or held diverging weights
+    alignment.json, allocation.json, alignment.png    a profiling run's outputs
+    tensorboard/, wandb/   metric writers' files
+    eval/                  python -m train.evaluate's default output
+    .lock                  held by the process that writes the run dir
+"""
 
 from __future__ import annotations
 
@@ -8,12 +25,227 @@ import json
 import os
 import pathlib
 import socket
+from dataclasses import dataclass
+
+import yaml
 
 from train.errors import UserError
-from train.metrics import dedupe_by_step, read_metrics
 from train.plots import pyplot
 
+CONFIG = "config.yaml"
+MODEL = "model.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+CURVES = "curves.png"
+CHECKPOINTS = "checkpoints"
+CHECKSUMS = "checksums"
+REJECTED = "rejected_checkpoints"
+ALIGNMENT = "alignment.json"
+ALLOCATION = "allocation.json"
+ALIGNMENT_PLOT = "alignment.png"
+TENSORBOARD = "tensorboard"
+EVAL = "eval"
 LOCK = ".lock"
+
+# The files that say what a run did (no checkpoints): what a results archive keeps.
+RECORD_FILES = (CONFIG, MODEL, METRICS, SUMMARY, CURVES, ALIGNMENT, ALLOCATION, ALIGNMENT_PLOT)
+
+
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``; a line cut short (a process killed while writing it) is
+    left out."""
+    rows = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
+def dedupe_by_step(rows: list[dict], key: str) -> list[dict]:
+    """Rows holding ``key``, one per step (the last written wins: a resumed run rewrites the
+    steps after its checkpoint)."""
+    by_step = {}
+    for r in rows:
+        if key in r:
+            by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """A run directory's paths and readers (nothing is read until asked)."""
+
+    path: pathlib.Path
+
+    def __init__(self, path):
+        object.__setattr__(self, "path", pathlib.Path(path))
+
+    def __truediv__(self, name: str) -> pathlib.Path:
+        return self.path / name
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    # ------------------------------------------------------------------------------- paths
+
+    @property
+    def config_file(self) -> pathlib.Path:
+        return self.path / CONFIG
+
+    @property
+    def model_file(self) -> pathlib.Path:
+        return self.path / MODEL
+
+    @property
+    def metrics_file(self) -> pathlib.Path:
+        return self.path / METRICS
+
+    @property
+    def summary_file(self) -> pathlib.Path:
+        return self.path / SUMMARY
+
+    @property
+    def checkpoints(self) -> pathlib.Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def checksums(self) -> pathlib.Path:
+        return self.path / CHECKSUMS
+
+    @property
+    def rejected(self) -> pathlib.Path:
+        return self.path / REJECTED
+
+    # ----------------------------------------------------------------------------- readers
+
+    def has_checkpoints(self) -> bool:
+        """Whether ``checkpoints/`` holds a checkpoint (a run to resume, not to start)."""
+        d = self.checkpoints
+        return d.is_dir() and any(p.name.isdigit() for p in d.iterdir())
+
+    def config(self) -> dict:
+        """The run's ``config.yaml`` as a mapping."""
+        if not self.config_file.is_file():
+            raise UserError(f"{self.path} holds no {CONFIG}: not a run dir of python -m train")
+        return yaml.safe_load(self.config_file.read_text()) or {}
+
+    def setting(self, section: str, key: str):
+        """One setting of the run's ``config.yaml``."""
+        return (self.config().get(section) or {}).get(key)
+
+    def summary(self) -> dict | None:
+        """``summary.json`` (None without one, or when it is not valid JSON)."""
+        try:
+            return json.loads(self.summary_file.read_text()) if self.summary_file.is_file() else None
+        except ValueError:
+            return None
+
+    def status(self) -> str | None:
+        """The status its ``summary.json`` records (None without one)."""
+        return (self.summary() or {}).get("status")
+
+    def state(self) -> str:
+        """``completed``, ``resumable`` (checkpoints of an unfinished run), ``failed`` or ``new``."""
+        status = self.status()
+        if status == "completed":
+            return "completed"
+        if self.has_checkpoints():
+            return "resumable"
+        return "failed" if status in ("nan", "diverged", "io_error") else "new"
+
+    def sessions(self) -> list:
+        """The ``(start, end, host)`` of the run's earlier sessions, for overlap checks."""
+        return list((self.summary() or {}).get("sessions", []))
+
+    def recorded_tokenizer(self) -> dict | None:
+        """The tokenizer identity the run's summary records (None without one)."""
+        return ((self.summary() or {}).get("data") or {}).get("tokenizer")
+
+    def rows(self, key: str | None) -> list[dict]:
+        """The ``metrics.jsonl`` rows that hold ``key``, one per step (``None``: every row as
+        written); none without the file."""
+        if not self.metrics_file.is_file():
+            return []
+        rows = read_metrics(self.metrics_file)
+        return rows if key is None else dedupe_by_step(rows, key)
+
+    def evals(self) -> list[dict]:
+        return self.rows("eval_ppl")
+
+    def tokenizer(self, override: str | None = None):
+        """The tokenizer the run trained with (``override``: another path to the same model file,
+        e.g. when the run dir moved), checked against the one its summary records."""
+        from train.sources import describe_tokenizer, make_tokenizer
+
+        spec = override or self.setting("data", "tokenizer") or "bytes"
+        tok = make_tokenizer(spec)
+        recorded = self.recorded_tokenizer()
+        if recorded and {**recorded, "name": None} != {**tok.identity(), "name": None}:
+            raise UserError(
+                f"the tokenizer {spec} is {describe_tokenizer(tok.identity())}, but the run in "
+                f"{self.path} trained with {describe_tokenizer(recorded)}; pass --tokenizer with that "
+                "model file"
+            )
+        return tok
+
+    def model_config(self):
+        """The ``models.ModelConfig`` the run built: its ``model.json``, or for a run made before
+        runs wrote one, rebuilt from its ``config.yaml`` and the tokenizer its summary records."""
+        import models
+        from train.config import load_config
+        from train.model import model_config
+
+        if self.model_file.is_file():
+            try:
+                return models.ModelConfig(**json.loads(self.model_file.read_text()))
+            except (TypeError, ValueError) as e:
+                raise UserError(f"{self.model_file}: {e}") from None
+        if not self.config_file.is_file():
+            raise UserError(
+                f"{self.path} holds neither {MODEL} nor {CONFIG}: not a run dir of python -m train"
+            )
+        cfg = load_config(self.config_file)
+        recorded = self.recorded_tokenizer()
+        if recorded is None:
+            from train.sources import make_tokenizer
+
+            recorded = {"vocab_size": make_tokenizer(cfg.data.tokenizer).vocab_size}
+        return model_config(cfg, int(recorded["vocab_size"]))
+
+    def check_resumable(self, config: dict) -> None:
+        """Refuses a resume whose config changes what the checkpoint or the data order depend on
+        (``config``: the new run's, as a mapping)."""
+        from train.config import check_resumable
+
+        if self.config_file.is_file():
+            check_resumable(self.config(), config)
+
+    # ----------------------------------------------------------------------------- writers
+
+    def write_config(self, config: dict) -> None:
+        self.config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def write_model(self, model_config: dict) -> None:
+        self.model_file.write_text(json.dumps(model_config, indent=1) + "\n")
+
+    def write_summary(self, summary: dict) -> pathlib.Path:
+        """``summary.json``, unless it records a completed run and this attempt did not complete:
+        then ``summary.STATUS.json`` beside it (the completed record is kept)."""
+        path = self.summary_file
+        if summary["status"] != "completed" and self.status() == "completed":
+            path = self.path / f"summary.{summary['status']}.json"
+        path.write_text(json.dumps(summary, indent=2, default=str))
+        return path
 
 
 class RunLock:
@@ -21,8 +253,8 @@ class RunLock:
     it when the process ends, however it ends, so a lock left by a dead process never blocks;
     the file names the holder (pid, host) for the error a second process gets."""
 
-    def __init__(self, run_dir: pathlib.Path):
-        self.path = run_dir / LOCK
+    def __init__(self, run_dir):
+        self.path = pathlib.Path(run_dir) / LOCK
         self.file = None
 
     def acquire(self) -> RunLock:
@@ -57,34 +289,12 @@ class RunLock:
         self.release()
 
 
-def recorded_tokenizer(run_dir: pathlib.Path) -> dict | None:
-    """The tokenizer identity a run's ``summary.json`` records (None without one)."""
-    path = pathlib.Path(run_dir) / "summary.json"
-    return json.loads(path.read_text()).get("data", {}).get("tokenizer") if path.is_file() else None
-
-
-def write_summary(run_dir: pathlib.Path, summary: dict) -> pathlib.Path:
-    """``summary.json``, unless it records a completed run and this attempt did not complete:
-    then ``summary.STATUS.json`` beside it (the completed record is kept)."""
-    path = run_dir / "summary.json"
-    if summary["status"] != "completed" and path.is_file():
-        try:
-            previous = json.loads(path.read_text()).get("status")
-        except ValueError:
-            previous = None
-        if previous == "completed":
-            path = run_dir / f"summary.{summary['status']}.json"
-    path.write_text(json.dumps(summary, indent=2, default=str))
-    return path
-
-
-def plot_curves(run_dir: pathlib.Path) -> pathlib.Path | None:
+def plot_curves(run: RunDir) -> pathlib.Path | None:
     """``curves.png``: training loss and eval ppl against step (when matplotlib is installed)."""
-    plt = pyplot("curves.png", quiet=True)
+    plt = pyplot(CURVES, quiet=True)
     if plt is None:
         return None
-    rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    train, evals = dedupe_by_step(rows, "loss"), dedupe_by_step(rows, "eval_ppl")
+    train, evals = run.rows("loss"), run.evals()
     if not train:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -96,9 +306,9 @@ def plot_curves(run_dir: pathlib.Path) -> pathlib.Path | None:
     axes[1].set_ylabel("eval ppl")
     for ax in axes:
         ax.set_xlabel("step")
-    fig.suptitle(run_dir.name)
+    fig.suptitle(run.name)
     fig.tight_layout()
-    path = run_dir / "curves.png"
+    path = run / CURVES
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -113,7 +323,7 @@ def banner(
     ranks: dict | None,
     data: str,
     tokens_per_step: int,
-    run_dir: pathlib.Path,
+    run_dir,
 ) -> list[str]:
     """The lines printed when a run starts (a warning when the embedding and LM head hold most
     of the parameters: the step's cost is then mostly theirs, not the blocks')."""

@@ -157,3 +157,26 @@ def batch_sharding(mesh: Mesh, global_batch: int) -> NamedSharding:
             f"train.batch_size ({global_batch}) is not divisible by the mesh's data x fsdp = {shards}"
         )
     return NamedSharding(mesh, P(("data", "fsdp"), None))
+
+
+def process_rows(sharding, shape: tuple[int, int]) -> np.ndarray | None:
+    """The rows of a global batch that this process's devices hold (None: all of them)."""
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[0].indices(shape[0])))
+    return None if len(rows) == shape[0] else np.asarray(sorted(rows))
+
+
+def global_batch(local: np.ndarray, sharding, rows: np.ndarray | None, shape: tuple[int, int]) -> jax.Array:
+    """The global batch as a sharded array, from this process's ``rows`` of it (``local``: those
+    rows in order; all rows when ``rows`` is None). Every process draws the same seeded index
+    stream, so the processes' rows fit together into one global batch."""
+    if rows is None:
+        return jax.make_array_from_callback(shape, sharding, lambda idx: local[idx])
+    position = {int(r): i for i, r in enumerate(rows)}
+
+    def shard(idx):
+        wanted = [position[r] for r in range(*idx[0].indices(shape[0]))]
+        return local[wanted][:, idx[1]]
+
+    return jax.make_array_from_callback(shape, sharding, shard)

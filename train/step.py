@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -46,33 +47,49 @@ def read_allocation(path: str) -> dict[str, int]:
     return ranks
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """``optimizer.rank_allocation``, interpreted (the one place that reads it)."""
+
+    rule: bool  # the default rule: q/k donate half their rank to down
+    ranks: dict[str, int] | None  # per-module ranks of a profiling run's allocation file
+
+    @classmethod
+    def of(cls, opt: OptimizerSection, profiling: bool = False) -> Allocation:
+        """``uniform``, ``default`` or the path of an allocation file; a profiling run (which
+        measures uniform-rank GaLore) always gets uniform ranks."""
+        if profiling or opt.rank_allocation == "uniform":
+            return cls(False, None)
+        if opt.rank_allocation == "default":
+            return cls(True, None)
+        return cls(False, read_allocation(opt.rank_allocation))
+
+    def table(self, opt: OptimizerSection, abstract_params) -> list[dict]:
+        """``moara_jax.rank_table`` of a model's parameters under this allocation."""
+        return mj.rank_table(abstract_params, r_base=opt.r_base, rank_allocation=self.rule, ranks=self.ranks)
+
+
 def make_optimizer(
     opt: OptimizerSection,
     lr: optax.ScalarOrSchedule,
     grad_clip: float,
     *,
-    force_uniform_galore: bool = False,
+    profiling: bool = False,
     peak_lr: float | None = None,
 ) -> optax.GradientTransformation:
     """AdamW, or GaLore/MoARa on the configured host (GaLore, Fira, Q-GaLore, OSD, LDAdam or
-    SubTrack++), per the config."""
+    SubTrack++), per the config; ``profiling``: uniform-rank GaLore (what a profile measures)."""
     if opt.name == "adamw":
         tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay)
     else:
-        ranks = None
-        allocate = opt.rank_allocation == "default"
-        if opt.rank_allocation not in ("uniform", "default"):
-            ranks = read_allocation(opt.rank_allocation)
-        decompose = opt.name == "moara" and opt.decompose
-        if force_uniform_galore:
-            ranks, allocate, decompose = None, False, False
+        allocation = Allocation.of(opt, profiling)
         tx = mj.moara_adamw(
             lr,
             r_base=opt.r_base,
             block_size=opt.block_size,
-            decompose=decompose,
-            rank_allocation=allocate,
-            ranks=ranks,
+            decompose=opt.name == "moara" and opt.decompose and not profiling,
+            rank_allocation=allocation.rule,
+            ranks=allocation.ranks,
             update_proj_gap=opt.update_proj_gap,
             scale=opt.scale,
             b1=opt.b1,

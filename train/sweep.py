@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from train.compare import reach
 from train.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
-from train.metrics import dedupe_by_step, read_metrics
 from train.plots import pyplot
+from train.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -67,18 +67,6 @@ def expand(base: pathlib.Path, axes: list[str], seeds: list[int]) -> list[Run]:
     return runs
 
 
-def state_of(run_dir: pathlib.Path) -> str:
-    """``completed``, ``resumable`` (checkpoints of an unfinished run), ``failed`` or ``new``."""
-    summary = run_dir / "summary.json"
-    status = json.loads(summary.read_text()).get("status") if summary.is_file() else None
-    if status == "completed":
-        return "completed"
-    checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
-        return "resumable"
-    return "failed" if status in ("nan", "diverged") else "new"
-
-
 def launch(args: list[str]) -> int:
     """Runs ``python -m train ARGS`` and returns its exit status (the sweep's one side effect)."""
     return subprocess.call([sys.executable, "-m", "train", *args], env=os.environ.copy())
@@ -89,7 +77,7 @@ def run_grid(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[
     outcomes = {}
     for run in runs:
         run_dir = out / run.name
-        state = state_of(run_dir)
+        state = RunDir(run_dir).state()
         if state in ("completed", "failed"):
             say(f"{run.name}: {state}, skipped")
             outcomes[run.name] = state
@@ -124,11 +112,6 @@ def _stats(values: list[float]) -> dict:
     }
 
 
-def load_evals(run_dir: pathlib.Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return dedupe_by_step(read_metrics(path), "eval_ppl") if path.is_file() else []
-
-
 def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> dict:
     """The sweep's statistics from its run dirs (only completed runs count; the rest are listed)."""
     points = list(dict.fromkeys(r.point for r in runs))
@@ -137,9 +120,9 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
         raise UserError(f"--baseline {baseline} is not a grid point ({', '.join(points)})")
     done, excluded = {p: [] for p in points}, []
     for run in runs:
-        run_dir = out / run.name
-        status = state_of(run_dir)
-        evals = load_evals(run_dir)
+        run_dir = RunDir(out / run.name)
+        status = run_dir.state()
+        evals = run_dir.evals()
         if status != "completed" or not evals:
             excluded.append({"run": run.name, "status": status if evals else f"{status}, no evaluation"})
             continue
