@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from train import sweep
-from train.errors import EXIT_PREEMPTED, UserError
+from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAPER = ROOT / "configs" / "paper" / "llama2-60m.yaml"
@@ -82,9 +82,11 @@ def test_finished_and_failed_runs_are_skipped_interrupted_ones_resumed(tmp_path,
     ]
     assert "train.steps=20" in calls[1] and "train.seed=0" in calls[1]
     assert "full-seed0: failed with exit status 1; the sweep goes on without it" in said
-    monkeypatch.setattr(sweep, "launch", lambda args: EXIT_PREEMPTED)
-    with pytest.raises(sweep.SweepPreempted, match="rank-seed0"):  # the first run still to do
-        sweep.run_grid(PAPER, runs, tmp_path, [], say=said.append)
+    for code in (EXIT_PREEMPTED, EXIT_IO_ERROR):  # preempted, or a fault of the machine: stop
+        monkeypatch.setattr(sweep, "launch", lambda args, code=code: code)
+        with pytest.raises(sweep.SweepStopped, match="rank-seed0") as stopped:  # the first still to do
+            sweep.run_grid(PAPER, runs, tmp_path, [], say=said.append)
+        assert stopped.value.code == code
 
 
 def test_report_statistics_on_hand_made_runs(tmp_path):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shlex
 import sys
 
-from train.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR, IOFault, UserError
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m train",
         description="Pretrain a models config with AdamW, GaLore or MoARa (or profile module alignment).",
@@ -32,28 +33,27 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    stem = "-".join(pathlib.Path(c).stem for c in args.config)
+    run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / stem)
     try:
         from train.config import load_config
 
         cfg = load_config(args.config, args.overrides)
-        if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_JOB_ID"):
-            import jax
-
-            env = {
-                k: int(os.environ[v])
-                for k, v in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
-                if v in os.environ
-            }
-            jax.distributed.initialize(**env)
+        _start_distributed()
         from train.loop import train_and_evaluate
 
-        stem = "-".join(pathlib.Path(c).stem for c in args.config)
-        run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / stem)
         summary = train_and_evaluate(cfg, run_dir, resume=args.resume, quiet=args.quiet)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except IOFault as e:
+        print(f"error: {e}; once that is fixed, continue with: {_resume_command(argv)}", file=sys.stderr)
+        return EXIT_IO_ERROR
     except Exception as e:
         from train.store import Interrupted
 
@@ -63,6 +63,30 @@ def main(argv=None) -> int:
             f"interrupted while building the token store ({e}): run the same command again", file=sys.stderr
         )
         return EXIT_PREEMPTED
+    return _report(summary, run_dir)
+
+
+def _start_distributed() -> None:
+    """``jax.distributed.initialize`` for a multi-process run (``JAX_COORDINATOR_ADDRESS`` with
+    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, or SLURM)."""
+    if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_JOB_ID")):
+        return
+    import jax
+
+    env = {
+        k: int(os.environ[v])
+        for k, v in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
+        if v in os.environ
+    }
+    jax.distributed.initialize(**env)
+
+
+def _resume_command(argv) -> str:
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join(["python", "-m", "train", *args, *([] if "--resume" in args else ["--resume"])])
+
+
+def _report(summary: dict, run_dir: pathlib.Path) -> int:
     if summary["status"] in ("nan", "diverged"):
         return 1
     ppl = summary["final_eval_ppl"]

@@ -10,8 +10,11 @@ older one is tried.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -20,8 +23,22 @@ from collections.abc import Callable
 import jax
 import orbax.checkpoint as ocp
 
-from train.errors import UserError
+from train.errors import IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
 from train.rundir import CHECKPOINTS, RunDir
+
+
+class _MachineFaultRecords(logging.Filter):
+    """Drops the error records orbax's writer threads log when a save fails for a fault of the
+    machine (no space, ...): the trainer reports that failure itself, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        return errno_in_text(record.getMessage()) is None and (error is None or machine_errno(error) is None)
+
+
+logging.getLogger("absl").addFilter(_MachineFaultRecords())
 
 
 def _file_sums(directory: pathlib.Path) -> dict[str, str]:
@@ -52,6 +69,10 @@ def _verify(directory: pathlib.Path, sums: pathlib.Path) -> str | None:
     return None
 
 
+# Room left beside a checkpoint's arrays: orbax's metadata and the checksums file.
+SPACE_MARGIN_BYTES = 1 << 20
+
+
 class Checkpointer:
     def __init__(self, run: RunDir, keep: int, every: int, enabled: bool = True):
         """The checkpoints of ``run`` (its ``checkpoints/``, ``checksums/`` and
@@ -63,7 +84,8 @@ class Checkpointer:
         self.sums_dir = run.checksums.resolve()
         self.rejected_dir = run.rejected.resolve()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        with io_operation("creating the checkpoint directory", self.directory):
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._unrecorded: list[int] = []
         self._skipped: set[int] = set()  # rejected by another process that moves them
 
@@ -77,26 +99,76 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return
         self._record_finished()
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
-            force=force,
+        self._check_space(step, state, data_state)
+        self._unrecorded.append(step)  # a fault of this save may surface at the next wait
+        with io_operation(f"saving checkpoint {step} to", self.directory):
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
+                ),
+                force=force,
+            )
+
+    def _check_space(self, step: int, state, data_state: dict) -> None:
+        """Refuses a save the filesystem has no room for before orbax starts writing it (a save
+        that runs out of space midway fails too, but through orbax's writer threads, which
+        print their own tracebacks). The bytes are this process's share of the state."""
+        need = (
+            SPACE_MARGIN_BYTES
+            + len(json.dumps(data_state))
+            + sum(
+                shard.data.nbytes
+                for x in jax.tree.leaves(state)
+                for shard in x.addressable_shards
+                if shard.replica_id == 0
+            )
         )
-        self._unrecorded.append(step)
+        with io_operation(f"saving checkpoint {step} to", self.directory):
+            free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise IOFault(
+                f"saving checkpoint {step} to",
+                self.directory,
+                f"{cause(errno.ENOSPC)} (it needs {need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free)",
+            )
 
     def _record_finished(self) -> None:
         """Checksums of the checkpoints saved so far (waits for an asynchronous save to end)."""
         if not self._unrecorded:
             return
-        self.manager.wait_until_finished()
+        with io_operation(f"saving checkpoint {self._unrecorded[-1]} to", self.directory):
+            self.manager.wait_until_finished()
         if self.enabled:
-            self.sums_dir.mkdir(exist_ok=True)
-            for step in self._unrecorded:
-                if (self.directory / str(step)).is_dir():
-                    tmp = self.sums_dir / f"{step}.json.tmp"
-                    tmp.write_text(json.dumps(_file_sums(self.directory / str(step)), indent=0))
-                    os.replace(tmp, self.sums_dir / f"{step}.json")
+            with io_operation("writing checkpoint checksums to", self.sums_dir):
+                self.sums_dir.mkdir(exist_ok=True)
+                for step in self._unrecorded:
+                    if (self.directory / str(step)).is_dir():
+                        tmp = self.sums_dir / f"{step}.json.tmp"
+                        tmp.write_text(json.dumps(_file_sums(self.directory / str(step)), indent=0))
+                        os.replace(tmp, self.sums_dir / f"{step}.json")
         self._unrecorded.clear()
+
+    def abandon(self) -> None:
+        """After a fault of the machine: ends the manager without waiting on the failed save,
+        and removes what an unfinished save left (orbax's ``*.orbax-checkpoint-tmp*``
+        directories; a checkpoint without checksums is also one whose save failed after
+        orbax finished it: it fails nothing, so it stays, as after a crash)."""
+        with contextlib.suppress(Exception):  # the failed save raises again here
+            self.manager.wait_until_finished()
+        with contextlib.suppress(Exception):
+            self.manager.close()
+        self._unrecorded.clear()
+        if self.enabled and self.directory.is_dir():
+            for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+
+    def complete_steps(self) -> list[int]:
+        """The checkpoints on disk (orbax renames a save into place once it is complete), read
+        from the directory: also after ``abandon``."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
 
     def should_save(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -147,6 +219,11 @@ class Checkpointer:
         if not self.enabled:
             self._skipped.add(step)
             return
+        with io_operation(f"moving checkpoint {step} to", self.rejected_dir):
+            self._move_aside(step)
+        self.manager.reload()
+
+    def _move_aside(self, step: int) -> None:
         self.rejected_dir.mkdir(exist_ok=True)
         target = self.rejected_dir / str(step)
         if target.exists():
@@ -155,7 +232,6 @@ class Checkpointer:
         sums = self.sums_dir / f"{step}.json"
         if sums.is_file():
             shutil.move(str(sums), str(target) + ".checksums.json")
-        self.manager.reload()
 
     def reject_from(self, step: int) -> None:
         """Rejects every checkpoint at ``step`` or later (saved while a run was diverging)."""

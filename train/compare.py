@@ -14,7 +14,7 @@ import json
 import pathlib
 import sys
 
-from train.errors import UserError
+from train.errors import UserError, cli, io_operation
 from train.plots import pyplot
 from train.rundir import METRICS, SUMMARY, RunDir
 
@@ -106,11 +106,12 @@ def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None, f
     notes = [f"- not comparable (--force): {r}" for r in refusals] + [f"- warning: {w}" for w in warnings]
     text = "\n".join(lines + ([""] + notes if notes else [])) + "\n"
     out_dir = out_dir or run_dirs[0].parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "compare.md").write_text(text)
     report = {"target_ppl": target, "runs": rows, "not_comparable": refusals, "warnings": warnings}
-    (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
-    _plot(runs, target, out_dir / "compare.png")
+    with io_operation("writing the comparison to", out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "compare.md").write_text(text)
+        (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
+        _plot(runs, target, out_dir / "compare.png")
     return text
 
 
@@ -142,12 +143,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=None, help="where compare.md/png go")
     parser.add_argument("--force", action="store_true", help="compare runs that do not compare, marked")
     args = parser.parse_args(argv)
-    try:
-        print(compare(args.runs, args.out, args.force), end="")
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    def body() -> int:
+        text = compare(args.runs, args.out, args.force)
+        print(text, end="")
+        return 0
+
+    return cli(body)
 
 
 if __name__ == "__main__":

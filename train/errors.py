@@ -1,11 +1,98 @@
-"""User-facing errors and the exit statuses of the command-line programs."""
+"""User-facing errors, faults of the machine, and the exit statuses of the command-line programs."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
 
 # Exit statuses: a user error (config, files, environment) is 2; a run stopped by SIGTERM/SIGINT
 # after saving what it had done is EXIT_PREEMPTED (sysexits' EX_TEMPFAIL: "try again later"),
-# which a scheduler can requeue on.
+# which a scheduler can requeue on; a write the machine refused (no space, I/O error, read-only
+# filesystem, permission) is EXIT_IO_ERROR (sysexits' EX_IOERR), after keeping what was complete.
 EXIT_USER_ERROR = 2
+EXIT_IO_ERROR = 74
 EXIT_PREEMPTED = 75
 
 
 class UserError(Exception):
     """A problem with the user's config, files or environment (not a bug)."""
+
+
+class IOFault(Exception):
+    """The machine failed an operation on a file (no space, I/O error, read-only filesystem,
+    permission): the program stops with one line naming the operation, the path and the cause.
+    ``note`` adds what was kept and how to continue."""
+
+    def __init__(self, operation: str, path, cause: str, note: str = ""):
+        super().__init__(operation, str(path), cause, note)
+        self.operation, self.path, self.cause, self.note = operation, str(path), cause, note
+
+    def with_note(self, note: str) -> IOFault:
+        return IOFault(self.operation, self.path, self.cause, "; ".join(filter(None, [self.note, note])))
+
+    def __str__(self) -> str:
+        text = f"{self.operation} {self.path} failed: {self.cause}"
+        return f"{text}; {self.note}" if self.note else text
+
+
+# The errno values that are the machine's fault, not the program's (ENOENT and the like are not:
+# a missing input is a user error, a missing file the program wrote itself is a bug).
+MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+# Libraries that write through their own I/O layer (orbax through tensorstore) raise their own
+# exception types; the system error is in the message as "[os_error_code='28']" or as strerror.
+_OS_ERROR_CODE = re.compile(r"os_error_code\s*=\s*'?(\d+)")
+_STRERRORS = {os.strerror(code): code for code in MACHINE_ERRNOS}
+
+
+def machine_errno(e: BaseException) -> int | None:
+    """The errno of a machine fault that ``e`` reports (an ``OSError``, or a library's error
+    whose message carries one), else None."""
+    if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:
+        return e.errno
+    return None if isinstance(e, OSError) else errno_in_text(str(e))
+
+
+def errno_in_text(text: str) -> int | None:
+    """The errno of a machine fault named in a library's error message, else None."""
+    match = _OS_ERROR_CODE.search(text)
+    if match and int(match.group(1)) in MACHINE_ERRNOS:
+        return int(match.group(1))
+    return next((code for message, code in _STRERRORS.items() if message in text), None)
+
+
+def cause(code: int) -> str:
+    """``no space left on device``, ``read-only file system``, ... for an errno."""
+    return os.strerror(code)[0].lower() + os.strerror(code)[1:]
+
+
+@contextlib.contextmanager
+def io_operation(operation: str, path) -> Iterator[None]:
+    """Turns a machine fault inside the block into an ``IOFault`` naming ``operation`` and
+    ``path``; every other exception passes through."""
+    try:
+        yield
+    except IOFault:
+        raise
+    except Exception as e:
+        code = machine_errno(e)
+        if code is None:
+            raise
+        raise IOFault(operation, path, cause(code)) from None
+
+
+def cli(body: Callable[[], int]) -> int:
+    """Runs a command's body: a ``UserError`` or an ``IOFault`` becomes one ``error:`` line on
+    stderr and the status ``EXIT_USER_ERROR`` or ``EXIT_IO_ERROR``."""
+    try:
+        return body()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except IOFault as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_IO_ERROR

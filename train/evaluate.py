@@ -36,7 +36,7 @@ import optax
 
 import models
 from train.config import MeshSection
-from train.errors import EXIT_USER_ERROR, UserError
+from train.errors import UserError, cli, io_operation
 from train.rundir import EVAL, RunDir
 from train.sharding import make_mesh, param_shardings
 from train.sources import Counts, check_file, file_documents, make_tokenizer
@@ -331,7 +331,8 @@ def evaluate(args) -> dict:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids, the model {model_cfg.vocab_size}")
     scorer = Scorer(model_cfg, params, mesh, args.batch_size, seq_len + 1)
     out = pathlib.Path(args.out or (pathlib.Path(args.run_dir) / EVAL if args.run_dir else EVAL))
-    out.mkdir(parents=True, exist_ok=True)
+    with io_operation("writing the evaluation to", out):
+        out.mkdir(parents=True, exist_ok=True)
     report = {
         "model": source,
         "seq_len": seq_len,
@@ -345,11 +346,12 @@ def evaluate(args) -> dict:
     for name, (path,) in tasks.items():
         result, per_example = multiple_choice(scorer, path, tokenizer, args.target_delimiter)
         report["tasks"][name] = {**result, "file": path}
-        with open(out / f"scores-{name}.jsonl", "w") as f:
+        with io_operation("writing the evaluation to", out), open(out / f"scores-{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in per_example)
     report["wall_s"] = time.perf_counter() - started
-    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "eval.md").write_text(markdown(report))
+    with io_operation("writing the evaluation to", out):
+        (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "eval.md").write_text(markdown(report))
     return {**report, "out": str(out)}
 
 
@@ -378,11 +380,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tensor", type=int, default=1, help="mesh tensor axis")
     parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR/eval or ./eval)")
     args = parser.parse_args(argv)
-    try:
-        report = evaluate(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    return cli(lambda: _evaluate_and_report(args))
+
+
+def _evaluate_and_report(args) -> int:
+    report = evaluate(args)
     print(markdown(report))
     print(f"wrote {report['out']}/eval.json and eval.md")
     return 0

@@ -14,7 +14,7 @@ import sys
 
 import models
 from train.checkpoint import read_params
-from train.errors import EXIT_USER_ERROR, UserError
+from train.errors import IOFault, UserError, cli, io_operation
 from train.rundir import RunDir
 from train.sources import SentencePieceTokenizer
 
@@ -70,6 +70,15 @@ def export(
     model_cfg = run.model_config()
     tok = run.tokenizer(tokenizer)
     step, params = read_params(run_dir, step)
+    try:
+        with io_operation("exporting to", out):
+            written, tokenizer_files = _write(out, run, model_cfg, tok, step, params, dtype, max_shard_bytes)
+    except IOFault as e:
+        raise e.with_note("the export there is incomplete: run the same command with --overwrite") from None
+    return {**written, "step": step, "tokenizer_files": tokenizer_files, "tokenizer": tok.identity()}
+
+
+def _write(out: pathlib.Path, run: RunDir, model_cfg, tok, step: int, params, dtype, max_shard_bytes: int):
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
         stale.unlink()  # --overwrite: no weights file of an earlier export may stay
@@ -83,9 +92,9 @@ def export(
         raise UserError(str(e)) from None
     seq_len = run.setting("train", "seq_len") or model_cfg.max_position_embeddings
     tokenizer_files = write_tokenizer(tok, out, int(seq_len))
-    provenance = {"run_dir": str(run_dir.resolve()), "step": step, "model": model_cfg.name}
+    provenance = {"run_dir": str(run.path.resolve()), "step": step, "model": model_cfg.name}
     (out / "training_run.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    return {**written, "step": step, "tokenizer_files": tokenizer_files, "tokenizer": tok.identity()}
+    return written, tokenizer_files
 
 
 def main(argv=None) -> int:
@@ -108,19 +117,19 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     args = parser.parse_args(argv)
-    try:
-        done = export(
-            args.run_dir,
-            args.out,
-            args.step,
-            args.dtype,
-            args.tokenizer,
-            int(args.max_shard_gb * 10**9),
-            args.overwrite,
-        )
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    return cli(lambda: _export_and_report(args))
+
+
+def _export_and_report(args) -> int:
+    done = export(
+        args.run_dir,
+        args.out,
+        args.step,
+        args.dtype,
+        args.tokenizer,
+        int(args.max_shard_gb * 10**9),
+        args.overwrite,
+    )
     print(
         f"wrote {args.out}: step {done['step']}, {done['tensors']} tensors, {done['bytes'] / 1e6:.1f} MB "
         f"in {', '.join(f for f in done['files'] if f.endswith('.safetensors'))}"

@@ -12,7 +12,7 @@ import jax
 import moara_jax as mj
 import models
 from train.config import load_config
-from train.errors import UserError
+from train.errors import cli
 from train.model import model_config
 from train.step import Allocation, make_optimizer
 
@@ -54,12 +54,12 @@ def main(argv=None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--vocab-size", type=int, default=32000)
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
         print(describe(load_config(args.config, args.overrides), args.vocab_size))
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return cli(body)
 
 
 if __name__ == "__main__":

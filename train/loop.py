@@ -30,7 +30,7 @@ from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
 from train.data import Data, build_data
 from train.data import describe as describe_data
-from train.errors import UserError
+from train.errors import IOFault, UserError, io_operation
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
 from train.metrics import perplexity as ppl
 from train.model import init_from_params, model_config
@@ -219,8 +219,9 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool) 
 def write_run_files(run: RunDir, setup: Setup) -> None:
     """``config.yaml`` and ``model.json``: the model as built (for ``train.export`` and
     ``train.evaluate``; with ``init_from``, its directory may not stay where it is)."""
-    run.write_config(to_dict(setup.cfg))
-    run.write_model(dataclasses.asdict(setup.model_cfg))
+    with io_operation("writing the run's config to", run.path):
+        run.write_config(to_dict(setup.cfg))
+        run.write_model(dataclasses.asdict(setup.model_cfg))
 
 
 def banner_lines(setup: Setup, run: RunDir) -> list[str]:
@@ -316,9 +317,10 @@ class Batches:
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # completed | interrupted | the stop's
+    status: str  # completed | interrupted | io_error | the stop's (nan, diverged)
     steps: int  # the steps whose results passed the checks
     stop: Stop | None
+    fault: IOFault | None = None  # the failed write of an io_error
 
 
 class StepLoop:
@@ -369,42 +371,53 @@ class StepLoop:
         self._cpu = jax.local_devices(backend="cpu")[0]
 
     def run(self, state: TrainState, step: int) -> Outcome:
-        total, t = self.setup.total_steps, self.setup.cfg.train
-        stop, status, pending = None, "completed", None  # pending: (step, metrics) not read yet
-        batch = self.batches.next() if step < total else None
-        self.last_done = time.perf_counter()  # the first step's time includes its compilation
+        """Steps from ``step`` to the last; a fault of the machine (a write that fails) ends
+        them with the status ``io_error``."""
+        self.step, fault = step, None
         try:
             with _Signals() as signals:
-                while step < total:
-                    self.clock.mark("first_step_s")  # everything before it but its compilation
-                    state, metrics = self.step_fn(state, batch)
-                    step += 1
-                    batch = self.batches.next() if step < total else None
-                    if pending is not None:
-                        stop, pending = self.read_metrics(*pending), None
-                    evaluating = step % t.eval_every == 0 or step == total
-                    saving = self.ckpt.should_save(step) or step == total or signals.requested
-                    if stop is None and (evaluating or saving):
-                        stop = self.read_metrics(step, metrics)
-                    elif stop is None:
-                        pending = (step, metrics)
-                    if stop is not None:
-                        break
-                    if evaluating:
-                        self.evaluate(step, state.params)
-                    if saving and (stop := self.save(step, state, drawn_ahead=batch is not None)):
-                        break
-                    if signals.requested:
-                        status = "interrupted"
-                        break
-                if pending is not None and stop is None:
-                    stop = self.read_metrics(*pending)
+                outcome = self._steps(state, signals)
+        except IOFault as e:
+            outcome, fault = Outcome("io_error", self.step, None), e
         finally:
             self.writer.end_progress()
-            self.writer.close()
+        try:
+            self.writer.close()  # sinks flush their files
+        except IOFault as e:
+            fault = fault or e
+        return Outcome("io_error", outcome.steps, None, fault) if fault else outcome
+
+    def _steps(self, state: TrainState, signals: _Signals) -> Outcome:
+        total, t = self.setup.total_steps, self.setup.cfg.train
+        stop, pending = None, None  # pending: (step, metrics) not read yet
+        batch = self.batches.next() if self.step < total else None
+        self.last_done = time.perf_counter()  # the first step's time includes its compilation
+        while self.step < total:
+            self.clock.mark("first_step_s")  # everything before it but its compilation
+            state, metrics = self.step_fn(state, batch)
+            self.step = step = self.step + 1
+            batch = self.batches.next() if step < total else None
+            if pending is not None:
+                stop, pending = self.read_metrics(*pending), None
+            evaluating = step % t.eval_every == 0 or step == total
+            saving = self.ckpt.should_save(step) or step == total or signals.requested
+            if stop is None and (evaluating or saving):
+                stop = self.read_metrics(step, metrics)
+            elif stop is None:
+                pending = (step, metrics)
+            if stop is not None:
+                break
+            if evaluating:
+                self.evaluate(step, state.params)
+            if saving and (stop := self.save(step, state, drawn_ahead=batch is not None)):
+                break
+            if signals.requested:
+                return Outcome("interrupted", step, None)
+        if pending is not None and stop is None:
+            stop = self.read_metrics(*pending)
         if stop is not None:
             return Outcome(stop.status, stop.first_bad_step - 1, stop)
-        return Outcome(status, step, None)
+        return Outcome("completed", self.step, None)
 
     def host_lr(self, count: int) -> float:
         """The schedule's value, computed on the host's CPU: on an accelerator it would queue
@@ -477,29 +490,56 @@ def finish(
     clock: Clock,
 ) -> dict:
     """What a stop leaves (diverged checkpoints rejected, one error line), then the summary,
-    the profile's outputs (a completed profile) and the plots."""
+    the profile's outputs (a completed profile) and the plots. After a fault of the machine
+    the partial checkpoint is removed, the summary written if it can be, and the fault raised
+    with what was kept."""
     if outcome.stop is not None:
-        if outcome.status == "diverged":
-            # Checkpoints saved from the step before the first bad one on hold diverging weights.
-            ckpt.reject_from(outcome.stop.first_bad_step - 1)
-        kept = ckpt.steps()
-        where = (
-            f"the last checkpoint before it, step {kept[-1]}, is kept in {ckpt.directory}"
-            if kept
-            else "no checkpoint was saved before it"
-        )
-        print(f"error: {outcome.stop.reason}; stopping ({outcome.status}); {where}")
-    ckpt.close()
+        _report_stop(outcome, ckpt)
+    if outcome.fault is None:
+        try:
+            ckpt.close()  # waits for the last save
+        except IOFault as e:
+            outcome = Outcome("io_error", outcome.steps, None, e)
+    if outcome.fault is not None:
+        ckpt.abandon()
     summary = make_summary(setup, run, start, loop, outcome, clock)
-    if loop.recorder is not None:  # a partial profile gives no allocation; --resume finishes it
-        done = outcome.status == "completed" and main
-        summary["profile"] = profiling.write_outputs(loop.recorder, run.path, setup.cfg) if done else None
-    if main:  # one writer per run dir in a multi-host run
-        written = run.write_summary(summary)
-        if written != run.summary_file:
-            print(f"{run} holds a completed run; this attempt's summary is {written.name}")
-        plot_curves(run)
-    return summary
+    unwritten = None
+    try:
+        if loop.recorder is not None:  # a partial profile gives no allocation; --resume finishes it
+            done = outcome.status == "completed" and main
+            summary["profile"] = profiling.write_outputs(loop.recorder, run.path, setup.cfg) if done else None
+        if main:  # one writer per run dir in a multi-host run
+            with io_operation("writing the summary", run.summary_file):
+                written = run.write_summary(summary)
+            if written != run.summary_file:
+                print(f"{run} holds a completed run; this attempt's summary is {written.name}")
+            plot_curves(run)
+    except IOFault as e:
+        unwritten = e
+    if outcome.fault is None and unwritten is None:
+        return summary
+    fault = outcome.fault or unwritten
+    kept = ckpt.complete_steps()
+    notes = [
+        f"the last complete checkpoint, step {kept[-1]}, is in {ckpt.directory}"
+        if kept
+        else "no checkpoint was saved",
+        f"{run.summary_file.name} was not written" if unwritten and outcome.fault else "",
+    ]
+    raise fault.with_note("; ".join(filter(None, notes)))
+
+
+def _report_stop(outcome: Outcome, ckpt: Checkpointer) -> None:
+    if outcome.status == "diverged":
+        # Checkpoints saved from the step before the first bad one on hold diverging weights.
+        ckpt.reject_from(outcome.stop.first_bad_step - 1)
+    kept = ckpt.steps()
+    where = (
+        f"the last checkpoint before it, step {kept[-1]}, is kept in {ckpt.directory}"
+        if kept
+        else "no checkpoint was saved before it"
+    )
+    print(f"error: {outcome.stop.reason}; stopping ({outcome.status}); {where}")
 
 
 def make_summary(setup: Setup, run: RunDir, start: Start, loop: StepLoop, outcome: Outcome, clock) -> dict:
@@ -507,7 +547,7 @@ def make_summary(setup: Setup, run: RunDir, start: Start, loop: StepLoop, outcom
     earlier = run.sessions() if start.resumed_from is not None else []
     return {
         "status": outcome.status,
-        "stop_reason": stop.reason if stop else None,
+        "stop_reason": stop.reason if stop else (str(outcome.fault) if outcome.fault else None),
         "first_bad_step": stop.first_bad_step if stop else None,
         "mode": cfg.mode,
         "steps": outcome.steps,

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from train.errors import UserError
+from train.errors import IOFault, UserError, io_operation
 from train.rundir import METRICS, TENSORBOARD, RunDir
 
 
@@ -22,6 +22,8 @@ def perplexity(loss: float) -> float:
 class TensorBoardSink:
     """Scalars as TensorBoard event files in ``RUN_DIR/tensorboard`` (tensorboardX)."""
 
+    name = "TensorBoard events"
+
     def __init__(self, run_dir: pathlib.Path, config: dict):
         try:
             from tensorboardX import SummaryWriter
@@ -30,7 +32,8 @@ class TensorBoardSink:
                 "metrics.writers names tensorboard but tensorboardX is not installed: "
                 "pip install 'moara-jax[tensorboard]'"
             ) from None
-        self.writer = SummaryWriter(logdir=str(run_dir / TENSORBOARD))
+        self.path = run_dir / TENSORBOARD
+        self.writer = SummaryWriter(logdir=str(self.path))
 
     def scalars(self, step: int, values: dict) -> None:
         for tag, value in values.items():
@@ -44,6 +47,8 @@ class WandbSink:
     """Scalars to Weights & Biases: offline (files under ``RUN_DIR/wandb``) unless ``WANDB_MODE``
     says otherwise; the run config goes with them."""
 
+    name = "Weights & Biases files"
+
     def __init__(self, run_dir: pathlib.Path, config: dict, project: str = "moara-jax"):
         try:
             import wandb
@@ -51,6 +56,7 @@ class WandbSink:
             raise UserError(
                 "metrics.writers names wandb but wandb is not installed: pip install 'moara-jax[wandb]'"
             ) from None
+        self.path = run_dir
         self.run = wandb.init(
             project=project,
             name=run_dir.name,
@@ -112,13 +118,14 @@ class MetricsWriter:
         self.wall_offset = 0.0
         if not enabled or not self.path.exists():
             return
-        if resume_step is None:
-            self.path.unlink()
-            return
-        rows = [r for r in RunDir(run_dir).rows(None) if r.get("step", 0) <= resume_step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(self.path)
+        with io_operation("writing metrics to", self.path):
+            if resume_step is None:
+                self.path.unlink()
+                return
+            rows = [r for r in RunDir(run_dir).rows(None) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(self.path)
         self.wall_offset = max((r.get("wall_s", 0.0) for r in rows), default=0.0)
 
     def wall(self) -> float:
@@ -127,19 +134,29 @@ class MetricsWriter:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
+        with io_operation("writing metrics to", self.path), self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         self.scalars(row["step"], {SCALARS[k]: v for k, v in row.items() if k in SCALARS})
 
     def scalars(self, step: int, values: dict) -> None:
         """Scalars for the sinks alone (e.g. the per-module ``S_tau`` of a profile)."""
         for sink in self.sinks:
-            sink.scalars(step, values)
+            with io_operation(f"writing {sink.name} to", sink.path):
+                sink.scalars(step, values)
 
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = []
+        """Closes the sinks (each flushes its files); the first fault is raised after all are
+        closed."""
+        sinks, self.sinks = self.sinks, []
+        fault = None
+        for sink in sinks:
+            try:
+                with io_operation(f"writing {sink.name} to", sink.path):
+                    sink.close()
+            except IOFault as e:
+                fault = fault or e
+        if fault is not None:
+            raise fault
 
     def progress(self, step: int, loss: float, tokens_per_s: float, step_time: float) -> None:
         if self.quiet:

@@ -12,6 +12,7 @@ import numpy as np
 
 import moara_jax as mj
 from train.config import RunConfig
+from train.errors import io_operation
 from train.plots import pyplot
 from train.rundir import ALIGNMENT, ALIGNMENT_PLOT, ALLOCATION
 
@@ -84,10 +85,11 @@ def write_outputs(rec: AlignmentRecorder, run_dir: pathlib.Path, cfg: RunConfig)
         "block_size": cfg.optimizer.block_size,
         "r_base": cfg.optimizer.r_base,
     }
-    (run_dir / ALIGNMENT).write_text(json.dumps(alignment, indent=2))
     allocation = choose_allocation(s_tau, cfg)
-    (run_dir / ALLOCATION).write_text(json.dumps(allocation, indent=2))
-    _plot(rec, run_dir / ALIGNMENT_PLOT)
+    with io_operation("writing the profile's outputs to", run_dir):
+        (run_dir / ALIGNMENT).write_text(json.dumps(alignment, indent=2))
+        (run_dir / ALLOCATION).write_text(json.dumps(allocation, indent=2))
+        _plot(rec, run_dir / ALIGNMENT_PLOT)
     order = sorted(s_tau, key=s_tau.get)
     print("S_tau (lowest first): " + ", ".join(f"{k} {s_tau[k]:.4f}" for k in order))
     print(f"allocation -> {run_dir / ALLOCATION}: {allocation['ranks']}")

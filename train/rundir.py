@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from train.errors import UserError
+from train.errors import UserError, io_operation
 from train.plots import pyplot
 
 CONFIG = "config.yaml"
@@ -294,6 +294,11 @@ def plot_curves(run: RunDir) -> pathlib.Path | None:
     plt = pyplot(CURVES, quiet=True)
     if plt is None:
         return None
+    with io_operation("writing the plot", run / CURVES):
+        return _plot_curves(plt, run)
+
+
+def _plot_curves(plt, run: RunDir) -> pathlib.Path | None:
     train, evals = run.rows("loss"), run.evals()
     if not train:
         return None

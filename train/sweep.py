@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 
 from train.compare import reach
-from train.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR, IOFault, UserError, io_operation
 from train.plots import pyplot
 from train.rundir import RunDir
 
@@ -73,7 +73,8 @@ def launch(args: list[str]) -> int:
 
 
 def run_grid(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[str], say=print) -> dict:
-    """Runs what is not finished; returns each run's outcome. A preempted run stops the sweep."""
+    """Runs what is not finished; returns each run's outcome. A preempted run, or one stopped by
+    a fault of the machine (a full disk fails the next run too), stops the sweep."""
     outcomes = {}
     for run in runs:
         run_dir = out / run.name
@@ -87,16 +88,24 @@ def run_grid(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[
         args += ["--run-dir", str(run_dir)] + (["--resume"] if state == "resumable" else [])
         say(f"{run.name}: {'resuming' if state == 'resumable' else 'starting'}")
         code = launch(args)
-        if code == EXIT_PREEMPTED:
-            raise SweepPreempted(run.name)
+        if code in (EXIT_PREEMPTED, EXIT_IO_ERROR):
+            raise SweepStopped(run.name, code)
         outcomes[run.name] = "completed" if code == 0 else f"failed (exit {code})"
         if code:
             say(f"{run.name}: failed with exit status {code}; the sweep goes on without it")
     return outcomes
 
 
-class SweepPreempted(Exception):
-    pass
+class SweepStopped(Exception):
+    """A run of the sweep exited ``EXIT_PREEMPTED`` or ``EXIT_IO_ERROR``: the sweep stops there."""
+
+    def __init__(self, run: str, code: int):
+        super().__init__(run, code)
+        self.run, self.code = run, code
+
+    def __str__(self) -> str:
+        why = "was interrupted" if self.code == EXIT_PREEMPTED else "stopped on an I/O error (exit 74)"
+        return f"{self.run} {why}; run the same command again to continue the sweep"
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -154,9 +163,10 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
             m, b = row[key]["mean"], base[key]["mean"]
             row[red] = 100 * (1 - m / b) if m is not None and b else None
     result = {"baseline": baseline, "target_ppl": target, "points": rows, "excluded": excluded}
-    (out / "report.json").write_text(json.dumps(result, indent=2))
-    (out / "report.md").write_text(markdown(result))
-    plot(out / "report.png", done)
+    with io_operation("writing the sweep's report to", out):
+        (out / "report.json").write_text(json.dumps(result, indent=2))
+        (out / "report.md").write_text(markdown(result))
+        plot(out / "report.png", done)
     return result
 
 
@@ -250,9 +260,10 @@ def main(argv=None) -> int:
         except ValueError:
             raise UserError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
         runs = expand(args.base, args.axis, seeds or [0])
-        out.mkdir(parents=True, exist_ok=True)
         grid = {"base": str(args.base), "axes": args.axis, "seeds": seeds, "sets": args.overrides}
-        (out / "sweep.json").write_text(json.dumps(grid, indent=2))
+        with io_operation("writing the sweep's grid to", out):
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "sweep.json").write_text(json.dumps(grid, indent=2))
         if not args.report_only:
             outcomes = run_grid(args.base, runs, out, args.overrides)
             failed = {k: v for k, v in outcomes.items() if v != "completed"}
@@ -262,9 +273,12 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except SweepPreempted as e:
-        print(f"interrupted during {e}; run the same command again to continue the sweep", file=sys.stderr)
-        return EXIT_PREEMPTED
+    except IOFault as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_IO_ERROR
+    except SweepStopped as e:
+        print(f"{'error: ' if e.code == EXIT_IO_ERROR else ''}{e}", file=sys.stderr)
+        return e.code
     print((out / "report.md").read_text(), end="")
     return 0 if not result["excluded"] else 1
 
