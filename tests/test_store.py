@@ -20,9 +20,10 @@ import pytest
 
 from train import store as token_store
 from train.config import DataSection
-from train.data import Data, build_data, open_store
+from train.data import Data, build_data
 from train.errors import EXIT_PREEMPTED, UserError
 from train.sources import ByteTokenizer, Counts, file_documents, is_validation
+from train.store import building, open_store, planning
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over a lazy dog while seven tired owls sing of rain".split()
@@ -130,19 +131,31 @@ def test_interrupted_prepare_then_rerun_gives_the_identical_store(sig, tmp_path)
     assert manifest["inputs"][1]["sha256"] == hashlib.sha256(pathlib.Path(paths[1]).read_bytes()).hexdigest()
 
 
+def test_the_store_imports_no_jax():
+    """The build's worker processes import ``train.store`` (and through it ``train.sources``);
+    spawned, each imports them afresh: JAX stays out of them."""
+    code = (
+        "import sys, train.store\n"
+        "assert 'train.store.building' in sys.modules and 'train.sources' in sys.modules\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'flax', 'optax'}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
 def test_full_disk_leaves_no_complete_looking_piece_and_a_rerun_finishes(tmp_path, monkeypatch):
     paths = write_corpus(tmp_path / "corpus", files=4)
     plan = token_store.plan(files_section(paths))
     token_store.build(tmp_path / "whole", plan, workers=1, quiet=True)
 
-    original = token_store._ShardWriter.write
+    original = building._ShardWriter.write
 
     def fill_up(self, ids):
         if "00002" in self.path.name:
             raise OSError(errno.ENOSPC, "No space left on device")
         original(self, ids)
 
-    monkeypatch.setattr(token_store._ShardWriter, "write", fill_up)
+    monkeypatch.setattr(building._ShardWriter, "write", fill_up)
     with pytest.raises(
         UserError, match="no space left on the device of the token store .* run the same command"
     ):
@@ -155,7 +168,7 @@ def test_full_disk_leaves_no_complete_looking_piece_and_a_rerun_finishes(tmp_pat
         "train-00001.bin",
     }
     assert not (tmp_path / "full" / token_store.MANIFEST).exists()
-    monkeypatch.setattr(token_store._ShardWriter, "write", original)
+    monkeypatch.setattr(building._ShardWriter, "write", original)
     token_store.build(tmp_path / "full", plan, workers=1, quiet=True)
     assert tree_hashes(tmp_path / "full") == tree_hashes(tmp_path / "whole")
 
@@ -266,7 +279,7 @@ def test_corrupt_records_are_skipped_and_counted_in_the_manifest(tmp_path):
 
 
 def test_max_documents_takes_the_first_documents_across_pieces(tmp_path, monkeypatch):
-    monkeypatch.setattr(token_store, "PIECE_BYTES", 3000)  # a plain file in several byte ranges
+    monkeypatch.setattr(planning, "PIECE_BYTES", 3000)  # a plain file in several byte ranges
     paths = write_corpus(tmp_path / "corpus", files=3, docs=30)
     plan = token_store.plan(files_section(paths, max_documents=47))
     assert len(plan.pieces) > 6 and all(q.role == "mixed" for q in plan.pieces)
@@ -283,7 +296,7 @@ def test_max_documents_takes_the_first_documents_across_pieces(tmp_path, monkeyp
 
 
 def test_a_text_file_larger_than_a_piece_is_one_document_read_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(token_store, "PIECE_BYTES", 100)  # JSON lines would be cut; text is not
+    monkeypatch.setattr(planning, "PIECE_BYTES", 100)  # JSON lines would be cut; text is not
     text = tmp_path / "wiki.test.raw"
     text.write_text("= Title =\n" + "a line of text\n" * 40)
     plan = token_store.plan(files_section([str(text)], validation_fraction=0.5))
@@ -349,7 +362,7 @@ def fake_tfds(n_train=7, n_val=3, random_access=True):
 def test_tfds_is_read_by_record_ranges_never_as_a_whole_split(random_access, tmp_path, monkeypatch):
     module, calls = fake_tfds(random_access=random_access)
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", module)
-    monkeypatch.setattr(token_store, "PIECE_RECORDS", 2)
+    monkeypatch.setattr(planning, "PIECE_RECORDS", 2)
     cfg = DataSection(source="tfds", tfds_name="c4/en", max_documents=5, store=str(tmp_path / "s"), workers=1)
     opened = open_store(cfg, quiet=True)
     m = opened.manifest

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from train.config import load_config
-from train.data import Counts, file_documents
 from train.errors import EXIT_PREEMPTED, UserError
 from train.rundir import dedupe_by_step, read_metrics
+from train.sources import Counts, file_documents
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")

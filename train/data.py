@@ -1,5 +1,5 @@
-"""Training data: a token store (``train.store``), found or built for the data section, read
-lazily through grain.
+"""Training data: the data section's token store (``train.store.open_store``: plan -> find or
+build -> open), read lazily through grain.
 
 The train split is a ``grain.MapDataset`` over window indices (``seq_len + 1`` tokens each):
 seeded global shuffle as a lazy index permutation (a new one each epoch), repeat, batch, then a
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pathlib
-import sys
 from dataclasses import dataclass
 
 import grain
@@ -24,14 +22,6 @@ import numpy as np
 from train import store as token_store
 from train.config import DataSection
 from train.errors import UserError
-from train.sources import (  # noqa: F401 - re-exported: the readers and tokenizers of a data section
-    ByteTokenizer,
-    Counts,
-    SentencePieceTokenizer,
-    builtin_documents,
-    file_documents,
-    make_tokenizer,
-)
 
 READ_THREADS = 8  # batches read concurrently ahead of the loop
 PREFETCH_BATCHES = 16  # batches held ready (bounded memory: 16 x batch x window x 4 bytes)
@@ -104,35 +94,10 @@ class Data:
         }
 
 
-def store_dir(cfg: DataSection, plan: token_store.Plan | None) -> pathlib.Path:
-    """``data.store``, else the cache entry keyed by the inputs and the tokenizer."""
-    if cfg.store:
-        return pathlib.Path(cfg.store).expanduser()
-    return token_store.cache_root(cfg.cache_dir) / plan.key
-
-
-def open_store(cfg: DataSection, quiet: bool = False) -> token_store.TokenStore:
-    """The store of a data section: ``source: store`` reads ``data.store`` as it is; any other
-    source finds its store (``data.store`` or the cache) and builds it there when missing, with
-    the same code as ``python -m train.prepare``. A store made with another tokenizer or from
-    other inputs is refused."""
-    if cfg.source == "store":
-        opened = token_store.TokenStore(pathlib.Path(cfg.store).expanduser())
-        opened.check(None, make_tokenizer(cfg.tokenizer).identity())
-        return opened
-    plan = token_store.plan(cfg)  # loads the tokenizer and hashes its file once
-    directory = store_dir(cfg, plan)
-    if not (directory / token_store.MANIFEST).is_file():
-        if not quiet:
-            print(f"token store: building {directory} ({len(plan.pieces)} pieces)", file=sys.stderr)
-        token_store.build(directory, plan, cfg.workers, quiet=quiet)
-    opened = token_store.TokenStore(directory)
-    opened.check(plan, plan.tokenizer_identity)
-    return opened
-
-
 def build_data(cfg: DataSection, seq_len: int, quiet: bool = False) -> Data:
-    data = Data(open_store(cfg, quiet), seq_len + 1)
+    """The data of a data section: its token store, found or built, in windows of ``seq_len + 1``
+    tokens; a split shorter than one window is refused."""
+    data = Data(token_store.open_store(cfg, quiet), seq_len + 1)
     for split, hint in (
         ("train", "add documents (data.paths, data.max_documents) or lower train.seq_len"),
         (

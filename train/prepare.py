@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import sys
 import time
 
@@ -32,7 +31,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from train import store
     from train.config import load_config
-    from train.data import store_dir
 
     try:
         if args.workers is not None and args.workers < 1:
@@ -40,12 +38,8 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides).data
         if cfg.source == "store":
             raise UserError("data.source is store: there is nothing to prepare (give files, tfds or builtin)")
-        plan = store.plan(cfg)
-        directory = store_dir(cfg, plan) if args.out is None else pathlib.Path(args.out)
-        workers = args.workers or cfg.workers or store.default_workers()
         t0 = time.perf_counter()
-        manifest = store.build(directory, plan, workers, quiet=args.quiet)
-        store.TokenStore(directory).check(plan, plan.tokenizer_identity)
+        opened = store.open_store(cfg, quiet=args.quiet, out=args.out, workers=args.workers)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -56,9 +50,10 @@ def main(argv=None) -> int:
         )
         return EXIT_PREEMPTED
     seconds = time.perf_counter() - t0
-    splits = manifest["splits"]
+    splits = opened.manifest["splits"]
     counts = ", ".join(f"{n} {s['documents']:,} documents {s['tokens']:,} tokens" for n, s in splits.items())
-    print(f"token store {directory}: {counts}; skipped {json.dumps(manifest['skipped'])}; {seconds:.1f}s")
+    skipped = json.dumps(opened.manifest["skipped"])
+    print(f"token store {opened.directory}: {counts}; skipped {skipped}; {seconds:.1f}s")
     return 0
 
 

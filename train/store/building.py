@@ -1,21 +1,12 @@
-"""The token store: a corpus tokenized once, in parallel, into flat token shards that training
-memory-maps.
+"""Building a token store from a plan: worker processes tokenize whole pieces, each into one shard
+per split it feeds, and the manifest is written last.
 
-Layout of a store directory::
-
-    manifest.json                 written last: its presence means the store is complete
-    shards/train-00000.bin        the train tokens of input piece 0 (uint16, or uint32 for a
-    shards/validation-00000.bin   vocabulary over 65536), documents separated by EOS
-    shards/00000.json             what piece 0 read, wrote and skipped
-    .lock                         held by the one process that builds the store
-
-The input is cut into *pieces* (a file, a byte range of a large JSON-lines file, a record range
-of a TFDS split); each worker tokenizes whole pieces. Every shard is written under a ``.tmp``
-name and renamed once complete, and a piece's ``.json`` is renamed after its shards, so an
-interrupted build (SIGTERM, SIGKILL, a full disk) leaves no piece that looks complete, and the
-same command run again continues from the completed pieces and ends with the same bytes as an
-uninterrupted build: a piece's output depends on the piece alone, never on the worker count or
-the order in which workers finish.
+Every shard is written under a ``.tmp`` name and renamed once complete, and a piece's ``.json`` is
+renamed after its shards, so an interrupted build (SIGTERM, SIGKILL, a full disk) leaves no piece
+that looks complete, and the same command run again continues from the completed pieces and ends
+with the same bytes as an uninterrupted build: a piece's output depends on the piece alone, never
+on the worker count or the order in which workers finish. Nothing here imports JAX: the worker
+processes import this module and ``train.sources``.
 """
 
 from __future__ import annotations
@@ -24,7 +15,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import glob
 import hashlib
 import json
 import multiprocessing as mp
@@ -34,157 +24,18 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from train import sources
 from train.errors import UserError
-
-FORMAT = "moara-jax token store"
-VERSION = 1
-MANIFEST = "manifest.json"
-SPLITS = ("train", "validation")
-PIECE_BYTES = 64 << 20  # a plain JSON-lines file is cut into pieces of about this size
-PIECE_RECORDS = 100_000  # a TFDS split is cut into pieces of this many records
-TFDS_VALIDATION_DOCUMENTS = 1000  # the validation records taken from a TFDS dataset by default
+from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
+from train.store.planning import Piece, Plan
+from train.store.reading import read_manifest
 
 
 class Interrupted(Exception):
     """SIGTERM/SIGINT during a build: completed pieces are kept, running ones discarded."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One piece of input, tokenized by one worker into one shard per split it feeds.
-
-    ``role``: ``mixed`` (documents hash-split into train and validation by
-    ``data.validation_fraction``), ``train`` or ``validation``."""
-
-    index: int
-    kind: str  # builtin | file | tfds
-    role: str
-    path: str = ""  # the file, or the TFDS dataset's name
-    split: str = ""  # the TFDS split
-    start: int = 0  # byte offset (file) or record index (tfds)
-    stop: int | None = None
-    work: int = 1  # input bytes or records, for the progress line
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a store is built from: its pieces, tokenizer and the settings its content depends on."""
-
-    pieces: tuple[Piece, ...]
-    tokenizer: str  # data.tokenizer
-    tokenizer_identity: dict
-    source: dict  # portable description: kind, input names and sizes, split settings
-    fraction: float
-    max_documents: int | None  # over the pieces that read train text, in order (files, builtin)
-    key: str  # cache key: the source with local paths and modification times, the tokenizer
-
-    @property
-    def dtype(self) -> str:
-        return "uint16" if self.tokenizer_identity["vocab_size"] <= 1 << 16 else "uint32"
-
-
-# ------------------------------------------------------------------------------------- planning
-
-
-def plan(cfg) -> Plan:
-    """The pieces and identity of the store for a ``DataSection`` (``source`` builtin, files or
-    tfds). Cheap: it stats the input files, reads none of them."""
-    tok = sources.make_tokenizer(cfg.tokenizer)
-    identity = tok.identity()
-    local: dict = {}
-    if cfg.source == "builtin":
-        text = "\0".join(sources.builtin_documents()).encode()
-        source = {"kind": "builtin", "sha256": hashlib.sha256(text).hexdigest()}
-        pieces = [Piece(0, "builtin", "mixed", work=len(text))]
-    elif cfg.source == "files":
-        paths, validation_paths = expand_paths(cfg.paths), expand_paths(cfg.validation_paths)
-        pieces = _file_pieces(paths, "train" if validation_paths else "mixed", 0)
-        pieces += _file_pieces(validation_paths, "validation", len(pieces))
-        source = {
-            "kind": "files",
-            "inputs": _portable(paths),
-            "validation_inputs": _portable(validation_paths),
-        }
-        local = {"stat": _stat(paths + validation_paths)}
-    elif cfg.source == "tfds":
-        n_train, version = sources.tfds_split_info(cfg.tfds_name, "train")
-        n_val, _ = sources.tfds_split_info(cfg.tfds_name, "validation")
-        n_train = min(n_train, cfg.max_documents or n_train)
-        n_val = min(n_val, cfg.max_documents or TFDS_VALIDATION_DOCUMENTS)
-        ranges = [
-            (split, a, min(a + PIECE_RECORDS, n))
-            for split, n in (("train", n_train), ("validation", n_val))
-            for a in range(0, n, PIECE_RECORDS)
-        ]
-        pieces = [
-            Piece(i, "tfds", split, cfg.tfds_name, split, a, b, b - a)
-            for i, (split, a, b) in enumerate(ranges)
-        ]
-        source = {"kind": "tfds", "name": cfg.tfds_name, "version": version, "records": [n_train, n_val]}
-    else:
-        raise ValueError(f"no store plan for source {cfg.source!r}")
-    if cfg.source != "tfds":
-        source["max_documents"] = cfg.max_documents
-    if source.get("validation_inputs") or cfg.source == "tfds":
-        source["validation"] = "inputs"
-    else:
-        source["validation"] = f"fraction {cfg.validation_fraction}"
-    key_text = json.dumps([VERSION, identity, source, local], sort_keys=True)
-    return Plan(
-        pieces=tuple(pieces),
-        tokenizer=cfg.tokenizer,
-        tokenizer_identity=identity,
-        source=source,
-        fraction=cfg.validation_fraction,
-        max_documents=cfg.max_documents if cfg.source != "tfds" else None,
-        key=f"{source['kind']}-{hashlib.sha256(key_text.encode()).hexdigest()[:20]}",
-    )
-
-
-def expand_paths(paths: list) -> list[str]:
-    """``data.paths`` with globs (``*``, ``?``, ``[...]``) expanded in sorted order; a glob that
-    matches nothing is an error."""
-    out = []
-    for p in paths:
-        if any(c in str(p) for c in "*?["):
-            matches = sorted(glob.glob(os.path.expanduser(str(p))))
-            if not matches:
-                raise UserError(f"data file pattern matches no file: {p}")
-            out += matches
-        else:
-            out.append(os.path.expanduser(str(p)))
-    return out
-
-
-def _file_pieces(paths: list, role: str, first: int) -> list[Piece]:
-    pieces = []
-    for p in paths:
-        path = pathlib.Path(p)
-        sources.check_file(path)
-        for start, stop in sources.line_ranges(path, PIECE_BYTES):
-            end = path.stat().st_size if stop is None else stop
-            pieces.append(
-                Piece(first + len(pieces), "file", role, str(path.resolve()), "", start, stop, end - start)
-            )
-    return pieces
-
-
-def _portable(paths: list) -> list:
-    """Input files as ``[name, size]``: the same store is recognised on another machine."""
-    return [[pathlib.Path(p).name, pathlib.Path(p).stat().st_size] for p in paths]
-
-
-def _stat(paths: list) -> list:
-    """Input files as ``[path, size, mtime]``: a changed file gets a new cache entry."""
-    return [
-        [str(pathlib.Path(p).resolve()), (st := pathlib.Path(p).stat()).st_size, st.st_mtime_ns]
-        for p in paths
-    ]
 
 
 # -------------------------------------------------------------------------------------- workers
@@ -330,15 +181,6 @@ def default_workers() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def cache_root(cache_dir: str | None) -> pathlib.Path:
-    """``data.cache_dir``, else ``$MOARA_JAX_CACHE``, else ``$XDG_CACHE_HOME/moara-jax``
-    (``~/.cache/moara-jax``), each with a ``stores/`` folder."""
-    root = cache_dir or os.environ.get("MOARA_JAX_CACHE")
-    if not root:
-        root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "moara-jax"
-    return pathlib.Path(root).expanduser() / "stores"
 
 
 def build(directory: pathlib.Path, p: Plan, workers: int | None = None, quiet: bool = False) -> dict:
@@ -562,121 +404,3 @@ def _atomic_write(path: pathlib.Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-# ------------------------------------------------------------------------------------- reading
-
-
-def read_manifest(directory: pathlib.Path) -> dict:
-    path = pathlib.Path(directory) / MANIFEST
-    if not path.is_file():
-        raise UserError(
-            f"{directory} is not a complete token store (no {MANIFEST}); build it with "
-            "python -m train.prepare"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError as e:
-        raise UserError(f"token store {directory}: {MANIFEST} is not valid JSON ({e})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise UserError(
-            f"token store {directory} has format {manifest.get('format')!r} version "
-            f"{manifest.get('version')!r}; this moara-jax reads {FORMAT!r} version {VERSION}: rebuild it"
-        )
-    return manifest
-
-
-class TokenStream:
-    """One split of a store as a single token sequence, cut into consecutive windows of
-    ``window`` tokens (the tail that fills no window is unused).
-
-    Shards are memory-mapped for each read and unmapped after it: the pages a long run has read
-    are then page cache, not this process's resident memory (a map kept open would count every
-    page read so far, up to the whole store, in the process's RSS)."""
-
-    def __init__(self, directory: pathlib.Path, split: dict, dtype: str):
-        self.dtype = np.dtype(dtype)
-        self.paths = [pathlib.Path(directory) / s["file"] for s in split["shards"]]
-        for path, s in zip(self.paths, split["shards"], strict=True):
-            size = path.stat().st_size if path.is_file() else None
-            if size != s["tokens"] * self.dtype.itemsize:
-                found = "missing" if size is None else f"{size} bytes"
-                raise UserError(
-                    f"token store {directory} is damaged: {s['file']} is {found}, the manifest says "
-                    f"{s['tokens']} tokens of {dtype}; delete the store and build it again"
-                )
-        self.starts = np.cumsum([0] + [s["tokens"] for s in split["shards"]])
-        self.tokens = int(self.starts[-1])
-
-    def _map(self, i: int) -> np.memmap:
-        return np.memmap(self.paths[i], dtype=self.dtype, mode="r")
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the split, as int32."""
-        out = np.empty(stop - start, np.int32)
-        i = int(np.searchsorted(self.starts, start, side="right")) - 1
-        pos = start
-        while pos < stop:
-            lo = pos - self.starts[i]
-            n = min(stop - pos, self.starts[i + 1] - pos)
-            out[pos - start : pos - start + n] = self._map(i)[lo : lo + n]
-            pos += n
-            i += 1
-        return out
-
-    def windows(self, indices: np.ndarray, window: int) -> np.ndarray:
-        """Rows ``indices`` of the window view, ``(len(indices), window)`` int32. Windows inside
-        one shard are gathered shard by shard in one indexing operation; the few that straddle
-        two shards are read piece by piece."""
-        starts = np.asarray(indices, np.int64) * window
-        shard_of = np.searchsorted(self.starts, starts, side="right") - 1
-        offsets = starts - self.starts[shard_of]
-        inside = offsets + window <= self.starts[shard_of + 1] - self.starts[shard_of]
-        out = np.empty((len(starts), window), np.int32)
-        span = np.arange(window)
-        for s in np.unique(shard_of[inside]):
-            rows = np.flatnonzero(inside & (shard_of == s))
-            out[rows] = self._map(s)[offsets[rows, None] + span]
-        for row in np.flatnonzero(~inside):
-            out[row] = self.read(int(starts[row]), int(starts[row]) + window)
-        return out
-
-
-class TokenStore:
-    """A complete store directory opened for reading (cheap: the manifest and one memory map
-    per shard; nothing is read until windows are)."""
-
-    def __init__(self, directory: pathlib.Path):
-        self.directory = pathlib.Path(directory)
-        self.manifest = read_manifest(self.directory)
-        self.tokenizer = self.manifest["tokenizer"]
-        self.splits = {
-            s: TokenStream(self.directory, self.manifest["splits"][s], self.manifest["dtype"]) for s in SPLITS
-        }
-
-    def check(self, p: Plan | None, tokenizer_identity: dict) -> None:
-        """Refuses a store made with another tokenizer or (when ``p`` is given) from other inputs
-        or split settings, in one line naming both."""
-        mine = {k: self.tokenizer.get(k) for k in ("kind", "sha256", "vocab_size", "eos_id")}
-        theirs = {k: tokenizer_identity.get(k) for k in ("kind", "sha256", "vocab_size", "eos_id")}
-        if mine != theirs:
-            raise UserError(
-                f"token store {self.directory} was made with tokenizer "
-                f"{sources.describe_tokenizer(self.tokenizer)}, but data.tokenizer is "
-                f"{sources.describe_tokenizer(tokenizer_identity)}"
-            )
-        if p is not None and self.manifest["source"] != p.source:
-            raise UserError(
-                f"token store {self.directory} was made from {_describe_source(self.manifest['source'])}, "
-                f"but the data section asks for {_describe_source(p.source)}"
-            )
-
-
-def _describe_source(source: dict) -> str:
-    kind = source.get("kind")
-    if kind == "files":
-        names = [n for n, _ in source.get("inputs", [])]
-        shown = ", ".join(names[:3]) + (f", ... ({len(names)} files)" if len(names) > 3 else "")
-        extra = {k: v for k, v in source.items() if k not in ("kind", "inputs")}
-        return f"files [{shown}] {json.dumps(extra, sort_keys=True)}"
-    return json.dumps(source, sort_keys=True)

@@ -1,0 +1,97 @@
+"""The token store: a corpus tokenized once, in parallel, into flat token shards that training
+memory-maps (``layout`` describes a store directory).
+
+One entry from a data section to its tokens, ``open_store``, for ``python -m train`` (through
+``train.data.build_data``) and ``python -m train.prepare``; each step lives in one place:
+
+1. plan (``planning``): the pieces the input is cut into and the store's identity, from file stats;
+2. find or build (here): ``data.store`` or the cache entry keyed by the plan, built there
+   (``building``, worker processes) when it holds no complete store;
+3. open (``reading``): ``TokenStore``, refused when made with another tokenizer or from other inputs.
+
+Nothing in this package imports JAX: the build's worker processes import it and ``train.sources``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+from typing import TYPE_CHECKING
+
+from train.sources import make_tokenizer
+from train.store.building import Interrupted, build, default_workers, tokenize_piece
+from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
+from train.store.planning import Piece, Plan, expand_paths, plan
+from train.store.reading import TokenStore, TokenStream, read_manifest
+
+if TYPE_CHECKING:
+    from train.config import DataSection
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "SPLITS",
+    "VERSION",
+    "Interrupted",
+    "Piece",
+    "Plan",
+    "TokenStore",
+    "TokenStream",
+    "build",
+    "cache_root",
+    "default_workers",
+    "expand_paths",
+    "find_or_build",
+    "open_store",
+    "plan",
+    "read_manifest",
+    "store_dir",
+    "tokenize_piece",
+]
+
+
+def open_store(
+    cfg: DataSection, quiet: bool = False, out: str | None = None, workers: int | None = None
+) -> TokenStore:
+    """The store of a data section, opened: ``source: store`` reads ``data.store`` as it is; any
+    other source is planned, found in ``out`` (``train.prepare --out``), ``data.store`` or the
+    cache, and built there when missing. A store made with another tokenizer or from other
+    inputs is refused."""
+    if cfg.source == "store":
+        p, directory = None, pathlib.Path(cfg.store).expanduser()
+        identity = make_tokenizer(cfg.tokenizer).identity()
+    else:
+        p = plan(cfg)  # loads the tokenizer and hashes its file once
+        directory = pathlib.Path(out) if out is not None else store_dir(cfg, p)
+        find_or_build(directory, p, workers or cfg.workers, quiet)
+        identity = p.tokenizer_identity
+    opened = TokenStore(directory)
+    opened.check(p, identity)
+    return opened
+
+
+def store_dir(cfg: DataSection, p: Plan) -> pathlib.Path:
+    """``data.store``, else the cache entry keyed by the inputs and the tokenizer."""
+    if cfg.store:
+        return pathlib.Path(cfg.store).expanduser()
+    return cache_root(cfg.cache_dir) / p.key
+
+
+def cache_root(cache_dir: str | None) -> pathlib.Path:
+    """``data.cache_dir``, else ``$MOARA_JAX_CACHE``, else ``$XDG_CACHE_HOME/moara-jax``
+    (``~/.cache/moara-jax``), each with a ``stores/`` folder."""
+    root = cache_dir or os.environ.get("MOARA_JAX_CACHE")
+    if not root:
+        root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "moara-jax"
+    return pathlib.Path(root).expanduser() / "stores"
+
+
+def find_or_build(directory: pathlib.Path, p: Plan, workers: int | None = None, quiet: bool = False) -> None:
+    """Builds the store of ``p`` in ``directory`` unless a complete one is there (a complete store
+    is only read: its directory may be read-only)."""
+    if (directory / MANIFEST).is_file():
+        return
+    if not quiet:
+        print(f"token store: building {directory} ({len(p.pieces)} pieces)", file=sys.stderr)
+    build(directory, p, workers, quiet=quiet)

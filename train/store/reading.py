@@ -1,0 +1,130 @@
+"""Reading a complete token store: its manifest, each split as one token sequence cut into
+windows (memory-mapped per read), and the check that it was made with the data section's
+tokenizer and from its inputs."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from train import sources
+from train.errors import UserError
+from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
+from train.store.planning import Plan
+
+
+def read_manifest(directory: pathlib.Path) -> dict:
+    path = pathlib.Path(directory) / MANIFEST
+    if not path.is_file():
+        raise UserError(
+            f"{directory} is not a complete token store (no {MANIFEST}); build it with "
+            "python -m train.prepare"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise UserError(f"token store {directory}: {MANIFEST} is not valid JSON ({e})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise UserError(
+            f"token store {directory} has format {manifest.get('format')!r} version "
+            f"{manifest.get('version')!r}; this moara-jax reads {FORMAT!r} version {VERSION}: rebuild it"
+        )
+    return manifest
+
+
+class TokenStream:
+    """One split of a store as a single token sequence, cut into consecutive windows of
+    ``window`` tokens (the tail that fills no window is unused).
+
+    Shards are memory-mapped for each read and unmapped after it: the pages a long run has read
+    are then page cache, not this process's resident memory (a map kept open would count every
+    page read so far, up to the whole store, in the process's RSS)."""
+
+    def __init__(self, directory: pathlib.Path, split: dict, dtype: str):
+        self.dtype = np.dtype(dtype)
+        self.paths = [pathlib.Path(directory) / s["file"] for s in split["shards"]]
+        for path, s in zip(self.paths, split["shards"], strict=True):
+            size = path.stat().st_size if path.is_file() else None
+            if size != s["tokens"] * self.dtype.itemsize:
+                found = "missing" if size is None else f"{size} bytes"
+                raise UserError(
+                    f"token store {directory} is damaged: {s['file']} is {found}, the manifest says "
+                    f"{s['tokens']} tokens of {dtype}; delete the store and build it again"
+                )
+        self.starts = np.cumsum([0] + [s["tokens"] for s in split["shards"]])
+        self.tokens = int(self.starts[-1])
+
+    def _map(self, i: int) -> np.memmap:
+        return np.memmap(self.paths[i], dtype=self.dtype, mode="r")
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the split, as int32."""
+        out = np.empty(stop - start, np.int32)
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pos = start
+        while pos < stop:
+            lo = pos - self.starts[i]
+            n = min(stop - pos, self.starts[i + 1] - pos)
+            out[pos - start : pos - start + n] = self._map(i)[lo : lo + n]
+            pos += n
+            i += 1
+        return out
+
+    def windows(self, indices: np.ndarray, window: int) -> np.ndarray:
+        """Rows ``indices`` of the window view, ``(len(indices), window)`` int32. Windows inside
+        one shard are gathered shard by shard in one indexing operation; the few that straddle
+        two shards are read piece by piece."""
+        starts = np.asarray(indices, np.int64) * window
+        shard_of = np.searchsorted(self.starts, starts, side="right") - 1
+        offsets = starts - self.starts[shard_of]
+        inside = offsets + window <= self.starts[shard_of + 1] - self.starts[shard_of]
+        out = np.empty((len(starts), window), np.int32)
+        span = np.arange(window)
+        for s in np.unique(shard_of[inside]):
+            rows = np.flatnonzero(inside & (shard_of == s))
+            out[rows] = self._map(s)[offsets[rows, None] + span]
+        for row in np.flatnonzero(~inside):
+            out[row] = self.read(int(starts[row]), int(starts[row]) + window)
+        return out
+
+
+class TokenStore:
+    """A complete store directory opened for reading (cheap: the manifest and one memory map
+    per shard; nothing is read until windows are)."""
+
+    def __init__(self, directory: pathlib.Path):
+        self.directory = pathlib.Path(directory)
+        self.manifest = read_manifest(self.directory)
+        self.tokenizer = self.manifest["tokenizer"]
+        self.splits = {
+            s: TokenStream(self.directory, self.manifest["splits"][s], self.manifest["dtype"]) for s in SPLITS
+        }
+
+    def check(self, p: Plan | None, tokenizer_identity: dict) -> None:
+        """Refuses a store made with another tokenizer or (when ``p`` is given) from other inputs
+        or split settings, in one line naming both."""
+        mine = {k: self.tokenizer.get(k) for k in ("kind", "sha256", "vocab_size", "eos_id")}
+        theirs = {k: tokenizer_identity.get(k) for k in ("kind", "sha256", "vocab_size", "eos_id")}
+        if mine != theirs:
+            raise UserError(
+                f"token store {self.directory} was made with tokenizer "
+                f"{sources.describe_tokenizer(self.tokenizer)}, but data.tokenizer is "
+                f"{sources.describe_tokenizer(tokenizer_identity)}"
+            )
+        if p is not None and self.manifest["source"] != p.source:
+            raise UserError(
+                f"token store {self.directory} was made from {_describe_source(self.manifest['source'])}, "
+                f"but the data section asks for {_describe_source(p.source)}"
+            )
+
+
+def _describe_source(source: dict) -> str:
+    kind = source.get("kind")
+    if kind == "files":
+        names = [n for n, _ in source.get("inputs", [])]
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} files)" if len(names) > 3 else "")
+        extra = {k: v for k, v in source.items() if k not in ("kind", "inputs")}
+        return f"files [{shown}] {json.dumps(extra, sort_keys=True)}"
+    return json.dumps(source, sort_keys=True)
