@@ -18,7 +18,7 @@ import json
 import sys
 import time
 
-from train.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
+from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR, IOFault, UserError
 
 
 def main(argv=None) -> int:
@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except IOFault as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_IO_ERROR
     except store.Interrupted as e:
         print(
             f"interrupted ({e}): completed shards are kept; run the same command again to continue",

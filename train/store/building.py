@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import hashlib
 import json
@@ -28,7 +27,7 @@ import time
 import numpy as np
 
 from train import sources
-from train.errors import UserError
+from train.errors import IOFault, UserError, io_operation
 from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
 from train.store.planning import Piece, Plan
 from train.store.reading import read_manifest
@@ -199,20 +198,16 @@ def build(directory: pathlib.Path, p: Plan, workers: int | None = None, quiet: b
         shards = directory / "shards"
         shards.mkdir(exist_ok=True)
         try:
-            _remove_partial(shards)  # left by a build that was killed
-            with _interrupts_raise():
-                records = _run(p, shards, workers or default_workers(), quiet)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise UserError(
-                    f"no space left on the device of the token store {directory}; free some and run "
-                    "the same command again (completed shards are kept)"
-                ) from None
-            raise
+            with io_operation("building the token store", directory):
+                _remove_partial(shards)  # left by a build that was killed
+                with _interrupts_raise():
+                    records = _run(p, shards, workers or default_workers(), quiet)
+                manifest = _manifest(p, records)
+                _atomic_write(directory / MANIFEST, json.dumps(manifest, sort_keys=True, indent=1) + "\n")
+        except IOFault as e:
+            raise e.with_note("completed shards are kept; run the same command again to continue") from None
         finally:
             _remove_partial(shards)  # of workers stopped mid-piece
-        manifest = _manifest(p, records)
-        _atomic_write(directory / MANIFEST, json.dumps(manifest, sort_keys=True, indent=1) + "\n")
         return manifest
 
 

@@ -1,0 +1,277 @@
+"""Faults of the machine while a program writes (no space, an I/O error, a read-only filesystem):
+one ``error:`` line naming the operation, the path and the cause, exit status 74 (``EX_IOERR``),
+no traceback, what was complete kept, and ``--resume`` once the fault is gone continuing with the
+losses of an uninterrupted run.
+
+Faults are injected in-process at each write (the programs' own ``main``); one test fills a real
+size-limited filesystem (a tmpfs, where this machine lets the test mount one)."""
+
+import errno
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from test_train import FAST, TINY, losses, run_cli
+
+from train import __main__ as trainer
+from train.errors import EXIT_IO_ERROR, IOFault, errno_in_text, io_operation, machine_errno
+from train.metrics import TensorBoardSink
+from train.rundir import RunDir
+
+# Steps 1-12, a checkpoint every 4 (4, 8, 12), evaluations at 6 and 12.
+SETS = [*FAST, "checkpoint.every=4", "checkpoint.keep=5"]
+
+
+def fault(code: int) -> OSError:
+    return OSError(code, os.strerror(code))
+
+
+def failing(code: int, when=lambda *args, **kwargs: True, otherwise=None):
+    """A stand-in for a method that raises ``OSError(code)`` when ``when(*args)`` holds, and
+    calls ``otherwise`` (the original) when not."""
+
+    def replacement(*args, **kwargs):
+        if when(*args, **kwargs):
+            raise fault(code)
+        return otherwise(*args, **kwargs)
+
+    return replacement
+
+
+def train(run_dir, capsys, *sets, resume=False):
+    """``python -m train`` in-process: its exit status and its stderr lines."""
+    argv = ["--config", TINY, "--run-dir", str(run_dir), "--quiet"]
+    argv += [x for s in [*SETS, *sets] for x in ("--set", s)] + ["--resume"] * resume
+    code = trainer.main(argv)
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The losses of the run the faulty ones are compared with (in-process, as they are)."""
+    run = tmp_path_factory.mktemp("whole") / "run"
+    argv = ["--config", TINY, "--run-dir", str(run), "--quiet"] + [x for s in SETS for x in ("--set", s)]
+    assert trainer.main(argv) == 0
+    return losses(run)
+
+
+def assert_one_io_error(code, err, starts):
+    """Exit 74, one ``error:`` line (warnings may come too, never a traceback) that ends with the
+    command to continue."""
+    errors = [line for line in err if line.startswith("error:")]
+    assert code == EXIT_IO_ERROR and "Traceback" not in "\n".join(err), err
+    assert len(errors) == 1 and errors[0].startswith(f"error: {starts}"), err
+    assert errors[0].endswith("--resume"), err
+    return errors[0]
+
+
+def test_errors_of_the_machine_are_told_from_others():
+    assert machine_errno(fault(errno.ENOSPC)) == errno.ENOSPC
+    assert machine_errno(fault(errno.ENOENT)) is None  # a missing file is not the machine's fault
+    # orbax writes through tensorstore, whose errors carry the errno in their message
+    message = "RESOURCE_EXHAUSTED: Failed writing: \"x/d/1\": No space left on device [os_error_code='28']"
+    assert machine_errno(ValueError(message)) == errno.ENOSPC == errno_in_text(message)
+    assert machine_errno(ValueError("Read-only file system")) == errno.EROFS
+    assert machine_errno(ValueError("shapes differ")) is None
+    with pytest.raises(IOFault, match=r"^writing x /p failed: input/output error$"):
+        with io_operation("writing x", "/p"):
+            raise fault(errno.EIO)
+    with pytest.raises(ValueError, match="shapes"), io_operation("writing x", "/p"):
+        raise ValueError("shapes differ")
+
+
+def test_a_failed_checkpoint_save_stops_cleanly_and_resume_continues(
+    tmp_path, capsys, monkeypatch, uninterrupted
+):
+    run = tmp_path / "run"
+    save = ocp.CheckpointManager.save
+    full_at_8 = failing(errno.ENOSPC, lambda self, step, *a, **k: step == 8, otherwise=save)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_at_8)
+    code, err = train(run, capsys)
+    line = assert_one_io_error(code, err, f"saving checkpoint 8 to {run.resolve() / 'checkpoints'} failed")
+    assert "no space left on device; the last complete checkpoint, step 4, is in" in line
+    summary = RunDir(run).summary()
+    assert summary["status"] == "io_error" and "no space left on device" in summary["stop_reason"]
+    assert RunDir(run).state() == "resumable"  # train.sweep resumes it, never counts it as diverged
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    code, err = train(run, capsys, resume=True)
+    assert code == 0, err
+    assert losses(run) == pytest.approx(uninterrupted, rel=1e-6)
+    assert RunDir(run).summary()["status"] == "completed"
+
+
+def test_a_save_that_fails_in_orbaxs_writer_thread_leaves_no_partial_checkpoint(
+    tmp_path, capsys, monkeypatch
+):
+    # An asynchronous save fails after the step went on: the failure surfaces at the next wait,
+    # as a tensorstore error, with orbax's temporary directory left behind.
+    run = tmp_path / "run"
+    wait = ocp.CheckpointManager.wait_until_finished
+
+    def fail_finishing_8(self):
+        wait(self)
+        if (run / "checkpoints" / "8").is_dir():
+            (run / "checkpoints" / "8").rename(run / "checkpoints" / "8.orbax-checkpoint-tmp-123")
+            raise ValueError(
+                "RESOURCE_EXHAUSTED: Failed to write: No space left on device [os_error_code='28']"
+            )
+
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", fail_finishing_8)
+    code, err = train(run, capsys)
+    line = assert_one_io_error(code, err, "saving checkpoint 8 to")
+    assert "the last complete checkpoint, step 4," in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4"]
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["metrics", "tensorboard", "summary", "plot", "metrics and summary", "run files"],
+)
+def test_a_failed_write_of_the_runs_files_stops_cleanly(where, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    sets = ["metrics.writers=[jsonl,tensorboard]"] if where == "tensorboard" else []
+    appends = []
+
+    def metrics_full(self, mode="r", *args, **kwargs):
+        appending = self.name == "metrics.jsonl" and mode == "a"
+        appends.extend([1] if appending else [])
+        return appending and len(appends) > 7  # after the rows of steps 1-6 and eval 6
+
+    unwritable = {
+        "summary": ["summary.json"],
+        "metrics and summary": ["summary.json"],
+        "run files": ["config.yaml"],
+    }
+    if "metrics" in where:
+        monkeypatch.setattr(
+            pathlib.Path, "open", failing(errno.ENOSPC, metrics_full, otherwise=pathlib.Path.open)
+        )
+    if where in unwritable:
+        names = unwritable[where]
+        write_text = failing(
+            errno.EROFS, lambda self, *a, **k: self.name in names, otherwise=pathlib.Path.write_text
+        )
+        monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    if where == "tensorboard":
+        scalars = failing(errno.EIO, lambda self, step, values: step >= 7, otherwise=TensorBoardSink.scalars)
+        monkeypatch.setattr(TensorBoardSink, "scalars", scalars)
+    if where == "plot":
+        import matplotlib.figure
+
+        monkeypatch.setattr(matplotlib.figure.Figure, "savefig", failing(errno.ENOSPC))
+    code, err = train(run, capsys, *sets)
+    expected = {
+        "metrics": f"writing metrics to {run / 'metrics.jsonl'} failed: no space left on device",
+        "metrics and summary": f"writing metrics to {run / 'metrics.jsonl'} failed: no space left on device",
+        "tensorboard": f"writing TensorBoard events to {run / 'tensorboard'} failed: input/output error",
+        "summary": f"writing the summary {run / 'summary.json'} failed: read-only file system",
+        "plot": f"writing the plot {run / 'curves.png'} failed: no space left on device",
+        "run files": f"writing the run's config to {run} failed: read-only file system",
+    }[where]
+    line = assert_one_io_error(code, err, expected)
+    summary = RunDir(run).summary()
+    if where == "run files":  # before any step: no checkpoint, no summary
+        assert summary is None and not RunDir(run).has_checkpoints()
+        return
+    kept = "step 4" if where in ("metrics", "metrics and summary", "tensorboard") else "step 12"
+    assert f"the last complete checkpoint, {kept}, is in" in line
+    assert ("summary.json was not written" in line) == (where == "metrics and summary")
+    if where in ("summary", "metrics and summary"):
+        assert summary is None
+    elif where == "plot":
+        assert summary["status"] == "completed"  # written before the plot
+    else:
+        assert summary["status"] == "io_error" and summary["steps"] >= 7
+
+
+def test_commands_other_than_the_trainer_exit_74(tmp_path, capsys, monkeypatch):
+    from train import evaluate, export, prepare
+    from train.store import building
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"line {i} of the corpus"}) for i in range(50)))
+    monkeypatch.setattr(building._ShardWriter, "write", failing(errno.ENOSPC))
+    argv = ["--config", TINY, "--set", "data.source=files", "--set", f"data.paths=['{corpus}']"]
+    assert (
+        prepare.main([*argv, "--out", str(tmp_path / "store"), "--workers", "1", "--quiet"]) == EXIT_IO_ERROR
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: building the token store {tmp_path / 'store'} failed: no space left on device; completed "
+        "shards are kept; run the same command again to continue"
+    ]
+    monkeypatch.undo()
+
+    run = tmp_path / "run"
+    run_cli(run, *FAST, "train.steps=2")
+    import models
+
+    monkeypatch.setattr(models, "write_hf_dir", failing(errno.ENOSPC))
+    assert export.main(["--run-dir", str(run), "--out", str(tmp_path / "hf")]) == EXIT_IO_ERROR
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: exporting to {tmp_path / 'hf'} failed: no space left on device; the export there is "
+        "incomplete: run the same command with --overwrite"
+    ]
+    monkeypatch.undo()
+
+    text = tmp_path / "t.txt"
+    text.write_text("some text to score " * 20)
+    eval_json = failing(
+        errno.EROFS, lambda self, *a, **k: self.name == "eval.json", otherwise=pathlib.Path.write_text
+    )
+    monkeypatch.setattr(pathlib.Path, "write_text", eval_json)
+    code = evaluate.main(["--run-dir", str(run), "--ppl-files", f"t={text}", "--out", str(tmp_path / "ev")])
+    assert code == EXIT_IO_ERROR
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: writing the evaluation to {tmp_path / 'ev'} failed: read-only file system"
+    ]
+
+
+def _mount_tmpfs(where: pathlib.Path, size_bytes: int) -> str | None:
+    """Mounts a tmpfs of ``size_bytes`` at ``where``; the reason when this machine does not allow it."""
+    where.mkdir(parents=True)
+    if shutil.which("mount") is None:
+        return "no mount command"
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
+    return None if proc.returncode == 0 else f"cannot mount a tmpfs here: {proc.stderr.strip()}"
+
+
+@pytest.mark.slow
+def test_a_real_full_disk_ends_the_run_with_74_and_resume_after_freeing_space(tmp_path):
+    # The filesystem holds the run's small files and two checkpoints (plus the space check's
+    # margin for neither a third): the save at step 12 finds it full.
+    reference = tmp_path / "reference"
+    run_cli(reference, *SETS)
+    uninterrupted = losses(reference)
+    checkpoint = sum(p.stat().st_size for p in (reference / "checkpoints" / "4").rglob("*") if p.is_file())
+    disk = tmp_path / "disk"
+    reason = _mount_tmpfs(disk, int(2.5 * checkpoint) + (1 << 20) + (256 << 10))
+    if reason:
+        pytest.skip(reason)
+    try:
+        proc = run_cli(disk / "run", *SETS, check=False)
+        assert proc.returncode == EXIT_IO_ERROR, proc.stderr[-3000:]
+        err = proc.stderr.strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert err[0].startswith("error: saving checkpoint ") and "no space left on device" in err[0]
+        assert not list((disk / "run" / "checkpoints").glob("*orbax-checkpoint-tmp*"))
+        kept = sorted(int(p.name) for p in (disk / "run" / "checkpoints").iterdir())
+        assert kept and f"the last complete checkpoint, step {kept[-1]}," in err[0]
+        subprocess.run(["mount", "-o", f"remount,size={64 << 20}", str(disk)], check=True)
+        run_cli(disk / "run", *SETS, extra=["--resume"])
+        got = losses(disk / "run")
+        assert sorted(got) == list(range(1, 13))
+        np.testing.assert_allclose(
+            [got[s] for s in sorted(got)], [uninterrupted[s] for s in sorted(got)], rtol=1e-6
+        )
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
