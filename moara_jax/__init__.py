@@ -24,6 +24,8 @@ the training step, per target weight                         ``_chain.scale_by_m
                                                               (``_decomposition.recompose_along``),
                                                               then ``moara_adamw``'s learning rate
 another host's projection and Adam (the cross-method study)  ``hosts/`` (one module per host)
+the stages' hyperparameters (one definition, defaults)       ``hosts._base.StageOptions``, built once
+                                                              by each public entry, passed to the host
 state memory (the paper's "Opt. state")                      ``_accounting.state_bytes``
 ==========================================================  ==========================================
 """

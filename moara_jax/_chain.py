@@ -9,7 +9,9 @@ For each target weight, with ``G`` its gradient (a Flax kernel ``(..., fan_in, f
 4. ``Rep_B(dM) * (P dV~)``: :func:`recompose`; ``moara_adamw`` then applies ``-eta``.
 
 :func:`scale_by_moara` is that chain (:func:`stage_chain` sizes each stage's state on what the
-previous one emits); :func:`scale_by_galore` the chain without steps 1 and 4's magnitudes.
+previous one emits); :func:`scale_by_galore` the chain without steps 1 and 4's magnitudes. Each
+(and ``moara_adamw``) builds one :class:`StageOptions` from its keywords and passes it down to
+:func:`direction_chain`, which asks the host for its stages.
 """
 
 from __future__ import annotations
@@ -39,19 +41,19 @@ def scale_by_moara(
     rank: int | Callable[[Any], int],
     block_size: int,
     *,
-    update_proj_gap: int = 200,
-    scale: float = 0.25,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-6,
+    update_proj_gap: int = StageOptions.update_proj_gap,
+    scale: float = StageOptions.scale,
+    b1: float = StageOptions.b1,
+    b2: float = StageOptions.b2,
+    eps: float = StageOptions.eps,
     decompose_eps: float = DEFAULT_EPS,
-    mu_dtype: Any = None,
-    mag_dtype: Any = "float32",
-    proj_type: str = "std",
-    svd: str = "exact",
-    seed: int = 0,
-    canonical_signs: bool = False,
-    name: str | Callable[[Any], str] | None = None,
+    mu_dtype: Any = StageOptions.mu_dtype,
+    mag_dtype: Any = StageOptions.mag_dtype,
+    proj_type: str = StageOptions.proj_type,
+    svd: str = StageOptions.svd,
+    seed: int = StageOptions.seed,
+    canonical_signs: bool = StageOptions.canonical_signs,
+    name: str | Callable[[Any], str] | None = StageOptions.name,
     host: str | Host = "galore",
 ) -> optax.GradientTransformation:
     """MoARa's direction for every leaf: decompose -> project -> inner Adam -> recompose.
@@ -62,38 +64,65 @@ def scale_by_moara(
 
     ``host`` (a name or settings, :mod:`moara_jax` ``GaLore``/``Fira``/``QGaLore``) picks the
     projection and Adam stages (:func:`host_stages`); they then work on the block direction.
+    ``rank`` and the keywords but ``decompose_eps`` (``decompose``'s) and ``host`` are
+    :class:`StageOptions`' fields, with its defaults.
 
     References:
       MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507.
     """
     check_block_size(block_size)
-    stages = host_stages(host, rank, mag_dtype=mag_dtype, **_stage_args(locals()))
-    return stage_chain(
-        decompose(block_size, decompose_eps, keep_gradient=True),
-        *stages,
-        recompose(scale, block_size),
+    options = StageOptions(
+        rank=rank,
+        update_proj_gap=update_proj_gap,
+        scale=scale,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        mu_dtype=mu_dtype,
+        mag_dtype=mag_dtype,
+        proj_type=proj_type,
+        svd=svd,
+        seed=seed,
+        canonical_signs=canonical_signs,
+        name=name,
     )
+    return direction_chain(resolve_host(host), options, block_size, decompose_eps)
 
 
 def scale_by_galore(
     rank: int | Callable[[Any], int],
     *,
-    update_proj_gap: int = 200,
-    scale: float = 0.25,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-6,
-    mu_dtype: Any = None,
-    proj_type: str = "std",
-    svd: str = "exact",
-    seed: int = 0,
-    canonical_signs: bool = False,
-    name: str | Callable[[Any], str] | None = None,
+    update_proj_gap: int = StageOptions.update_proj_gap,
+    scale: float = StageOptions.scale,
+    b1: float = StageOptions.b1,
+    b2: float = StageOptions.b2,
+    eps: float = StageOptions.eps,
+    mu_dtype: Any = StageOptions.mu_dtype,
+    proj_type: str = StageOptions.proj_type,
+    svd: str = StageOptions.svd,
+    seed: int = StageOptions.seed,
+    canonical_signs: bool = StageOptions.canonical_signs,
+    name: str | Callable[[Any], str] | None = StageOptions.name,
     host: str | Host = "galore",
 ) -> optax.GradientTransformation:
     """GaLore-Adam's direction for every leaf (galore-torch ``GaLoreAdamW``, without the lr), or
-    another ``host``'s without decomposition (:func:`host_stages`)."""
-    return stage_chain(*host_stages(host, rank, **_stage_args(locals())), recompose(scale))
+    another ``host``'s without decomposition (:func:`host_stages`). ``rank`` and the keywords
+    but ``host`` are :class:`StageOptions`' fields, with its defaults."""
+    options = StageOptions(
+        rank=rank,
+        update_proj_gap=update_proj_gap,
+        scale=scale,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        mu_dtype=mu_dtype,
+        proj_type=proj_type,
+        svd=svd,
+        seed=seed,
+        canonical_signs=canonical_signs,
+        name=name,
+    )
+    return direction_chain(resolve_host(host), options)
 
 
 def scale_by_fira(
@@ -257,18 +286,18 @@ def host_stages(
     host: str | Host,
     rank: int | Callable[[Any], int],
     *,
-    update_proj_gap: int = 200,
-    scale: float = 0.25,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-6,
-    mu_dtype: Any = None,
-    mag_dtype: Any = "float32",
-    proj_type: str = "std",
-    svd: str = "exact",
-    seed: int = 0,
-    canonical_signs: bool = False,
-    name: str | Callable[[Any], str] | None = None,
+    update_proj_gap: int = StageOptions.update_proj_gap,
+    scale: float = StageOptions.scale,
+    b1: float = StageOptions.b1,
+    b2: float = StageOptions.b2,
+    eps: float = StageOptions.eps,
+    mu_dtype: Any = StageOptions.mu_dtype,
+    mag_dtype: Any = StageOptions.mag_dtype,
+    proj_type: str = StageOptions.proj_type,
+    svd: str = StageOptions.svd,
+    seed: int = StageOptions.seed,
+    canonical_signs: bool = StageOptions.canonical_signs,
+    name: str | Callable[[Any], str] | None = StageOptions.name,
 ) -> tuple[optax.GradientTransformation, ...]:
     """A host's stages between ``decompose`` (if any) and ``recompose``: GaLore's :func:`project`
     and :func:`inner_adam`; Fira's ``project`` keeping the projected matrix and :func:`fira_adam`;
@@ -276,50 +305,51 @@ def host_stages(
     (``update_proj_gap`` unused: its basis moves every step) and :func:`inner_adam`; LDAdam's
     single :func:`ldadam` (projection and Adam in one: each needs the other; ``update_proj_gap``
     unused); SubTrack++'s :func:`subtrack_project` and :func:`fira_adam` inside
-    :func:`transport_moments`.
+    :func:`transport_moments`. ``rank`` and the keywords are :class:`StageOptions`' fields, with
+    its defaults.
 
     Q-GaLore's moments are 8-bit or float32 (``QGaLore.min_8bit_size``, ``mag_bits``), so it
     takes no ``mu_dtype``; its INT8 weights and 8-bit AdamW of non-target parameters are not
     stages of the chain (they act on the learning-rate-scaled update and the other parameters):
     :func:`moara_adamw` adds them, by hand use :func:`quantize_weights` and :func:`adam8bit`.
     """
-    host = resolve_host(host)
-    if host.proj_types is not None and proj_type not in host.proj_types:
-        allowed = ", ".join(f"proj_type={p!r}" for p in host.proj_types)
-        raise ValueError(f"the {host.name} host projects with {allowed} only, got {proj_type!r}")
     options = StageOptions(
-        rank,
-        update_proj_gap,
-        scale,
-        b1,
-        b2,
-        eps,
-        mu_dtype,
-        mag_dtype,
-        proj_type,
-        svd,
-        seed,
-        canonical_signs,
-        name,
+        rank=rank,
+        update_proj_gap=update_proj_gap,
+        scale=scale,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        mu_dtype=mu_dtype,
+        mag_dtype=mag_dtype,
+        proj_type=proj_type,
+        svd=svd,
+        seed=seed,
+        canonical_signs=canonical_signs,
+        name=name,
     )
+    return stages_of(resolve_host(host), options)
+
+
+def stages_of(host: Host, options: StageOptions) -> tuple[optax.GradientTransformation, ...]:
+    """``host.stages(options)``, once the host has accepted ``options.proj_type``."""
+    if host.proj_types is not None and options.proj_type not in host.proj_types:
+        allowed = ", ".join(f"proj_type={p!r}" for p in host.proj_types)
+        raise ValueError(f"the {host.name} host projects with {allowed} only, got {options.proj_type!r}")
     return tuple(host.stages(options))
 
 
-_STAGE_ARGS = (
-    "update_proj_gap",
-    "scale",
-    "b1",
-    "b2",
-    "eps",
-    "mu_dtype",
-    "proj_type",
-    "svd",
-    "seed",
-    "canonical_signs",
-    "name",
-)
-
-
-def _stage_args(arguments: dict) -> dict:
-    """The :func:`host_stages` keyword arguments among a scale-by function's ``locals()``."""
-    return {k: arguments[k] for k in _STAGE_ARGS}
+def direction_chain(
+    host: Host, options: StageOptions, block_size: int | None = None, decompose_eps: float = DEFAULT_EPS
+) -> optax.GradientTransformation:
+    """The direction of the target matrices: the host's stages (:func:`stages_of`) and
+    ``recompose``, after ``decompose`` into blocks of ``block_size`` unless it is ``None``
+    (:func:`scale_by_moara`, else :func:`scale_by_galore`)."""
+    stages = stages_of(host, options)
+    if block_size is None:
+        return stage_chain(*stages, recompose(options.scale))
+    return stage_chain(
+        decompose(block_size, decompose_eps, keep_gradient=True),
+        *stages,
+        recompose(options.scale, block_size),
+    )

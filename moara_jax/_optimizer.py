@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -9,10 +10,10 @@ import jax
 import optax
 
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
-from moara_jax._chain import scale_by_galore, scale_by_moara
+from moara_jax._chain import direction_chain
 from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
-from moara_jax._validate import check_block_size, dtype_arg
-from moara_jax.hosts import Host, resolve_host
+from moara_jax._validate import check_block_size
+from moara_jax.hosts import Host, StageOptions, resolve_host
 
 TARGET = "target"
 
@@ -45,17 +46,17 @@ def moara_adamw(
     donors: Iterable[str] | None = None,
     receivers: Iterable[str] = DEFAULT_RECEIVERS,
     delta: int | None = None,
-    update_proj_gap: int = 200,
-    scale: float = 0.25,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-6,
+    update_proj_gap: int = StageOptions.update_proj_gap,
+    scale: float = StageOptions.scale,
+    b1: float = StageOptions.b1,
+    b2: float = StageOptions.b2,
+    eps: float = StageOptions.eps,
     weight_decay: float = 0.0,
-    mu_dtype: Any = None,
-    mag_dtype: Any = "float32",
-    svd: str = "exact",
-    seed: int = 0,
-    canonical_signs: bool = False,
+    mu_dtype: Any = StageOptions.mu_dtype,
+    mag_dtype: Any = StageOptions.mag_dtype,
+    svd: str = StageOptions.svd,
+    seed: int = StageOptions.seed,
+    canonical_signs: bool = StageOptions.canonical_signs,
     label_fn: Callable[[Any], str] = module_label,
     host: str | Host = "galore",
 ) -> optax.GradientTransformation:
@@ -121,24 +122,27 @@ def moara_adamw(
       >>> updates, state = tx.update(params, state, params)
       >>> params = optax.apply_updates(params, updates)
     """
-    dtype_arg("mu_dtype", mu_dtype)
-    dtype_arg("mag_dtype", mag_dtype)
-    host = resolve_host(host).with_learning_rate(learning_rate, update_proj_gap)
-    if decompose:
-        if block_size is None:
-            raise ValueError("block_size is required when decompose=True")
-        check_block_size(block_size)
-    common = dict(
+    # The target matrices' stage options; their rank is set per module type once the model's
+    # module types are known (``build``), r_base until then.
+    options = StageOptions(
+        rank=r_base,
         update_proj_gap=update_proj_gap,
         scale=scale,
         b1=b1,
         b2=b2,
         eps=eps,
         mu_dtype=mu_dtype,
+        mag_dtype=mag_dtype,
         svd=svd,
         seed=seed,
         canonical_signs=canonical_signs,
+        name=label_fn,
     )
+    host = resolve_host(host).with_learning_rate(learning_rate, update_proj_gap)
+    if decompose:
+        if block_size is None:
+            raise ValueError("block_size is required when decompose=True")
+        check_block_size(block_size)
     donors = None if donors is None else tuple(donors)
     receivers = tuple(receivers)
     allocation = dict(
@@ -164,14 +168,10 @@ def moara_adamw(
         # One transform over all target matrices (ranks per leaf): one refresh cond per step and
         # SVD batches shared across module types of the same shape.
         rank_of = lambda path: module_ranks[label_fn(path)]  # noqa: E731
-        if decompose:
-            target = scale_by_moara(
-                rank_of, block_size, mag_dtype=mag_dtype, name=label_fn, host=host, **common
-            )
-        else:
-            target = scale_by_galore(rank_of, name=label_fn, host=host, **common)
+        target_options = dataclasses.replace(options, rank=rank_of)
+        target = direction_chain(host, target_options, block_size if decompose else None)
         groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)
-        other = host.other_adam(b1, b2, eps, mu_dtype, weight_decay)
+        other = host.other_adam(options.b1, options.b2, options.eps, options.mu_dtype, weight_decay)
         return optax.partition({TARGET: target, OTHER: other}, groups)
 
     def init_fn(params):

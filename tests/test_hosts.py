@@ -3,6 +3,7 @@ once), which then runs through ``moara_adamw``, ``state_bytes``, the alignment d
 trainer's config, like the built-in hosts; registration errors are named."""
 
 import dataclasses
+import inspect
 import pathlib
 import re
 from typing import ClassVar
@@ -10,6 +11,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import moara_jax as mj
@@ -103,3 +105,102 @@ def test_registration_and_resolution_errors_name_the_problem():
         mj.resolve_host("no_such_module:Host")
     with pytest.raises(ValueError, match="is not a moara_jax.Host subclass"):
         mj.resolve_host("dataclasses:dataclass")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingHost(mj.Host):
+    """Keeps the ``StageOptions`` its stages are given; the stages pass the update on."""
+
+    name: ClassVar[str] = "recording"
+    proj_types: ClassVar[tuple[str, ...] | None] = None
+    seen: list = dataclasses.field(default_factory=list)
+
+    def stages(self, o):
+        self.seen.append(o)
+        return (optax.identity(),)
+
+
+STAGE_FIELDS = {f.name for f in dataclasses.fields(mj.StageOptions)}
+# Each public entry's keywords that are stage options (moara_adamw gives the rank per module type
+# from r_base, the name from label_fn, and always projects with proj_type='std').
+EXPOSED = {
+    mj.moara_adamw: STAGE_FIELDS - {"rank", "proj_type", "name"},
+    mj.scale_by_moara: STAGE_FIELDS,
+    mj.scale_by_galore: STAGE_FIELDS - {"mag_dtype"},
+    mj.host_stages: STAGE_FIELDS,
+}
+
+
+@pytest.mark.parametrize("fn", list(EXPOSED), ids=lambda fn: fn.__name__)
+def test_public_entries_take_the_stage_option_defaults_of_StageOptions(fn):
+    """The defaults live in StageOptions; a literal default in a signature that differs fails here."""
+    parameters = inspect.signature(fn).parameters
+    assert STAGE_FIELDS & set(parameters) == EXPOSED[fn]
+    for field in dataclasses.fields(mj.StageOptions):
+        if field.name in EXPOSED[fn] and field.name != "rank":
+            assert parameters[field.name].default == field.default, field.name
+
+
+def test_every_stage_option_reaches_the_host_as_given():
+    given = dict(
+        update_proj_gap=7,
+        scale=0.5,
+        b1=0.8,
+        b2=0.99,
+        eps=1e-7,
+        mu_dtype="float32",
+        mag_dtype="bfloat16",
+        proj_type="reverse_std",
+        svd="eigh",
+        seed=3,
+        canonical_signs=True,
+        name="down",
+    )
+    defaults = mj.StageOptions(rank=1)
+    params = _params()
+    for fn, exposed in EXPOSED.items():
+        host = RecordingHost()
+        kwargs = {k: v for k, v in given.items() if k in exposed}
+        if fn is mj.moara_adamw:
+            fn(1e-2, r_base=4, block_size=8, rank_allocation=False, host=host, **kwargs).init(params)
+        elif fn is mj.host_stages:
+            fn(host, 5, **kwargs)
+        elif fn is mj.scale_by_moara:
+            fn(5, 8, host=host, **kwargs)
+        else:
+            fn(5, host=host, **kwargs)
+        (o,) = host.seen
+        assert isinstance(o, mj.StageOptions)
+        for field in STAGE_FIELDS - {"rank"}:
+            expected = given[field] if field in exposed else getattr(defaults, field)
+            if fn is mj.moara_adamw and field == "name":
+                expected = mj.module_label  # its label_fn names the modules
+            assert getattr(o, field) == expected, (fn.__name__, field)
+        if fn is mj.moara_adamw:  # the rank of each module type
+            q = (jax.tree_util.DictKey("self_attn"), jax.tree_util.DictKey("q_proj"))
+            assert o.rank(q + (jax.tree_util.DictKey("kernel"),)) == 4
+        else:
+            assert o.rank == 5
+
+
+def test_stage_options_are_keyword_only_and_checked_at_the_public_call():
+    with pytest.raises(TypeError):
+        mj.StageOptions(4)  # keyword-only: no positional call to get out of order
+    for bad, match in (
+        (dict(b1=1.0), "b1"),
+        (dict(eps=-1.0), "eps"),
+        (dict(update_proj_gap=0), "update_proj_gap"),
+        (dict(svd="lanczos"), "svd"),
+        (dict(mu_dtype="bf61"), "mu_dtype"),
+        (dict(mag_dtype="floot32"), "mag_dtype"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            mj.StageOptions(rank=4, **bad)
+    # Injected hyperparameters (arrays) are not checked.
+    injected = mj.StageOptions(rank=4, update_proj_gap=jnp.asarray(0), b1=jnp.asarray(2.0))
+    assert int(injected.update_proj_gap) == 0
+    # On a host whose stages do not read update_proj_gap, and before moara_adamw's first init.
+    with pytest.raises(ValueError, match="update_proj_gap"):
+        mj.scale_by_galore(4, host="ldadam", update_proj_gap=0)
+    with pytest.raises(ValueError, match="svd"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, svd="lanczos")

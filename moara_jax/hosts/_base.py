@@ -8,13 +8,22 @@ A host is a frozen dataclass of its settings that subclasses :class:`Host` and o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
+import jax
+import numpy as np
 import optax
 
 from moara_jax._adam import decay_after_step, inner_adam
-from moara_jax._validate import real  # noqa: F401 - the hosts' settings checks
+from moara_jax._projection import SVD_METHODS
+from moara_jax._validate import (
+    check_adam,
+    dtype_arg,
+    is_int,
+    real,  # noqa: F401 - the hosts' settings checks
+)
 
 
 def is_zero(weight_decay) -> bool:
@@ -22,22 +31,53 @@ def is_zero(weight_decay) -> bool:
     return isinstance(weight_decay, (int, float)) and weight_decay == 0
 
 
-class StageOptions(NamedTuple):
-    """What ``moara_adamw`` / ``scale_by_moara`` give a host's :meth:`Host.stages`."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageOptions:
+    """The hyperparameters of a host's stages: their one definition, defaults and checks.
 
-    rank: int | Callable[[Any], int]  # or a function of the parameter's path
-    update_proj_gap: int
-    scale: float
-    b1: float
-    b2: float
-    eps: float
-    mu_dtype: Any
-    mag_dtype: Any
-    proj_type: str
-    svd: str
-    seed: int
-    canonical_signs: bool
-    name: str | Callable[[Any], str] | None
+    ``moara_adamw``, ``scale_by_moara``, ``scale_by_galore`` and ``host_stages`` take them as
+    keyword arguments whose defaults are these fields' (read from this class), build one
+    ``StageOptions`` and pass it down to the host's :meth:`Host.stages`. A new hyperparameter is a
+    field here, a keyword of each public function that exposes it, and its use in the stages.
+
+    Python values are checked here, so a bad value fails at the public call whatever the host;
+    arrays (hyperparameters injected by ``optax.inject_hyperparams``) are not. ``rank`` is checked
+    by the projection that uses it (it may be a function of the path).
+
+    Attributes:
+      rank: the projection rank, or a function of the parameter's key path giving it.
+      update_proj_gap: steps between basis refreshes (GaLore's ``T``).
+      scale: GaLore's scale (Fira's ``alpha``), applied by ``recompose``.
+      b1, b2, eps: the Adam of the low-rank values and block magnitudes (paper: 0.9, 0.999, 1e-6).
+      mu_dtype: the moments' dtype (``None``: the parameter's).
+      mag_dtype: the block magnitudes' moments' dtype.
+      proj_type: which side is projected (``'std'``: galore-torch's rule).
+      svd, seed, canonical_signs, name: how bases are made and named, as :func:`moara_jax.project`
+        takes them (:attr:`basis`).
+    """
+
+    rank: int | Callable[[Any], int]
+    update_proj_gap: int = 200
+    scale: float = 0.25
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-6
+    mu_dtype: Any = None
+    mag_dtype: Any = "float32"
+    proj_type: str = "std"
+    svd: str = "exact"
+    seed: int = 0
+    canonical_signs: bool = False
+    name: str | Callable[[Any], str] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.update_proj_gap, (jax.Array, np.ndarray)) and not is_int(self.update_proj_gap):
+            raise ValueError(f"update_proj_gap must be a positive integer, got {self.update_proj_gap!r}")
+        check_adam(self.b1, self.b2, self.eps)
+        dtype_arg("mu_dtype", self.mu_dtype)
+        dtype_arg("mag_dtype", self.mag_dtype)
+        if self.svd not in SVD_METHODS:
+            raise ValueError(f"svd must be one of {SVD_METHODS}, got {self.svd!r}")
 
     @property
     def basis(self) -> dict[str, Any]:
