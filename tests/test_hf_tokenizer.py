@@ -134,6 +134,7 @@ def test_bad_tokenizer_files_are_one_line_errors(llama_like, tmp_path):
     (bare / "tokenizer_config.json").write_text("{not json")
     assert "tokenizer_config.json is not JSON" in error(bare)
     assert "no tokenizer.json there" in error(tmp_path)
+    assert "data.tokenizer is empty" in error("")
     (tmp_path / "other.json").write_text('{"a": 1}')
     assert "is not a tokenizers file" in error(tmp_path / "other.json")
 

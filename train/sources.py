@@ -192,6 +192,8 @@ def make_tokenizer(spec: str):
     the path of a sentencepiece model."""
     if spec == "bytes":
         return ByteTokenizer()
+    if not spec:
+        raise UserError("data.tokenizer is empty: give bytes, a sentencepiece model or a tokenizer.json")
     path = pathlib.Path(spec).expanduser()
     if path.is_dir() or path.name.endswith(".json"):
         return HFTokenizer(spec)
