@@ -76,6 +76,7 @@ def harness_scores(model_dir, task: pathlib.Path, work: pathlib.Path, monkeypatc
 def harness_cli_scores(argv: list[str], task: pathlib.Path, work: pathlib.Path, env: dict) -> tuple:
     """The same from the ``lm_eval`` command ``argv`` (run with this task folder included and its
     samples written under ``work``)."""
+    pytest.importorskip("lm_eval")
     folder = harness_task(work / "task", task)
     args = [*argv, "--include_path", str(folder), "--output_path", str(work / "out"), "--log_samples"]
     lm_eval = pathlib.Path(sys.executable).with_name("lm_eval")

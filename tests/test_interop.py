@@ -217,8 +217,10 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
     shards = ["--run-dir", str(run["dir"]), "--out", str(older), "--overwrite"]
     assert exporting.main([*shards, "--max-shard-gb", "0.0001"]) == 0
     assert (older / "model.safetensors.index.json").is_file()
+    (older / "added_tokens.json").write_text('{"<x>": 60}')  # an earlier export's tokenizer file
     assert exporting.main(shards) == 0
     assert sorted(p.name for p in older.glob("*.safetensors*")) == ["model.safetensors"]
+    assert not (older / "added_tokens.json").exists() and (older / "tokenizer.json").is_file()
     # a run dir from before runs wrote model.json: the model is rebuilt from config.yaml
     import shutil
 
