@@ -7,14 +7,18 @@ scores."""
 import json
 import os
 import pathlib
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
+import lm_harness
 import numpy as np
 import pytest
+from lm_harness import NAME, assert_same_scores, evaluate_scores, harness_cli_scores, harness_scores
 
 import models
 from models.hf_files import write_hf_dir
@@ -190,10 +194,12 @@ def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(run, exported)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11))
     close(hf_logits(exported, tokens), models.forward(cfg, params, jnp.asarray(tokens)))
 
+    # The run's ids, no EOS appended (the store's EOS after a document is its packing, not the text's).
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(exported))
     ours = SentencePieceTokenizer(run["tokenizer"])
-    for text in ["the quick brown fox 12 jumps", "lazy dog\nover  two lines", "unseen words é"]:
-        assert hf_tok(text)["input_ids"] == ours.encode(text) + [ours.eos_id]  # EOS ends a document
+    for text in ["the quick brown fox 12 jumps", "lazy dog\nover  two lines\n\n", "  unseen é ﬁ 😀\t", ""]:
+        assert hf_tok.encode(text) == hf_tok(text)["input_ids"] == ours.encode(text), text
+    assert (hf_tok.eos_token_id, hf_tok.bos_token_id) == (1, None)
     generation = json.loads((exported / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 1 and generation["pad_token_id"] == 0
     assert json.loads((exported / "training_run.json").read_text())["step"] == 4
@@ -211,8 +217,10 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
     shards = ["--run-dir", str(run["dir"]), "--out", str(older), "--overwrite"]
     assert exporting.main([*shards, "--max-shard-gb", "0.0001"]) == 0
     assert (older / "model.safetensors.index.json").is_file()
+    (older / "added_tokens.json").write_text('{"<x>": 60}')  # an earlier export's tokenizer file
     assert exporting.main(shards) == 0
     assert sorted(p.name for p in older.glob("*.safetensors*")) == ["model.safetensors"]
+    assert not (older / "added_tokens.json").exists() and (older / "tokenizer.json").is_file()
     # a run dir from before runs wrote model.json: the model is rebuilt from config.yaml
     import shutil
 
@@ -231,6 +239,43 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
         assert exporting.main(["--run-dir", str(run["dir"]), *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_export_keeps_no_tokenizer_that_would_encode_otherwise(tmp_path, monkeypatch):
+    """A sentencepiece BPE model is not converted; and tokenizer files with which ``AutoTokenizer``
+    would encode otherwise than the run (here T5Tokenizer's config, which appends EOS) are removed,
+    the note naming the text that differs."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
+    for kind in ("bpe", "unigram"):
+        spm.SentencePieceTrainer.train(
+            input=str(corpus),
+            model_prefix=str(tmp_path / kind),
+            model_type=kind,
+            vocab_size=60,
+            eos_id=1,
+            pad_id=0,
+            unk_id=2,
+            bos_id=-1,
+            minloglevel=2,
+        )
+    out = tmp_path / "out"
+    out.mkdir()
+    files, note = exporting.write_tokenizer(SentencePieceTokenizer(str(tmp_path / "bpe.model")), out, 32)
+    assert (
+        files == [] and "only sentencepiece unigram models are converted" in note and not any(out.iterdir())
+    )
+
+    def t5_tokenizer(tok, directory, max_length):  # the export before issue 23
+        (directory / "spiece.model").write_bytes(tok.path.read_bytes())
+        config = {"tokenizer_class": "T5Tokenizer", "extra_ids": 0, "eos_token": "</s>"}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+        return ["spiece.model", "tokenizer_config.json"], ""
+
+    monkeypatch.setattr(exporting, "_write_sentencepiece", t5_tokenizer)
+    files, note = exporting.write_tokenizer(SentencePieceTokenizer(str(tmp_path / "unigram.model")), out, 32)
+    assert files == [] and note.startswith(f"none written (transformers would encode {exporting.PROBES[0]!r}")
+    assert not any(out.iterdir())
 
 
 def test_init_from_starts_the_run_from_the_exported_weights(run, exported):
@@ -440,3 +485,44 @@ def test_evaluate_errors_name_the_problem(tmp_path, capsys):
         assert evaluation.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------------ lm-evaluation-harness
+
+
+@pytest.mark.slow
+def test_lm_eval_harness_scores_the_export_as_train_evaluate_does(run, exported, tmp_path, monkeypatch):
+    """lm-evaluation-harness' ``HFLM`` on the export of a sentencepiece run (whose exported
+    tokenizer once appended EOS to every encoding, so the harness scored other tokens than the
+    choices'), and ``train.evaluate`` on the export and on the run dir: the same log-likelihood per
+    choice (1e-3 nats) and the same accuracies."""
+    task = lm_harness.write_task(tmp_path / "toy.jsonl")
+    tasks = ["--tasks", f"{NAME}={task}"]
+    want = evaluate_scores(["--hf", str(exported), *tasks], tmp_path / "hf")
+    assert_same_scores(harness_scores(exported, task, tmp_path / "harness", monkeypatch), want)
+    run_dir = ["--run-dir", str(run["dir"]), "--seq-len", "256"]  # the export's length, as the harness'
+    assert_same_scores(evaluate_scores([*run_dir, *tasks], tmp_path / "run"), want, tol=1e-4)
+
+
+def readme_command(program: str) -> list[str]:
+    """The README's command line that starts with ``program`` (backslash continuations joined)."""
+    found = re.search(rf"^{program} (?:.*\\\n)*.*$", (ROOT / "README.md").read_text(), flags=re.M)
+    assert found, f"README has no {program} command"
+    return shlex.split(found.group(0).replace("\\\n", " "))
+
+
+@pytest.mark.slow
+def test_readme_lm_eval_command_scores_the_export(run, exported, tmp_path):
+    """The README's ``lm_eval`` command as written, its model directory and benchmarks replaced by
+    the export and a local task (and ``--device cpu``: no GPU here), agrees with ``train.evaluate``."""
+    argv = readme_command("lm_eval")
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--tasks":
+            argv[i + 1] = NAME
+        if arg == "--model_args":
+            settings = [a for a in argv[i + 1].split(",") if not a.startswith("pretrained=")]
+            argv[i + 1] = ",".join([f"pretrained={exported}", *settings])
+    task = lm_harness.write_task(tmp_path / "toy.jsonl")
+    got = harness_cli_scores([*argv, "--device", "cpu"], task, tmp_path / "cli", dict(os.environ))
+    want = evaluate_scores(["--hf", str(exported), "--tasks", f"{NAME}={task}"], tmp_path / "ours")
+    assert_same_scores(got, want)

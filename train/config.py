@@ -79,7 +79,7 @@ class DataSection:
     paths: list = field(default_factory=list)
     validation_paths: list = field(default_factory=list)
     tfds_name: str = "c4/en"
-    tokenizer: str = "bytes"  # bytes | PATH to a sentencepiece model
+    tokenizer: str = "bytes"  # bytes | PATH to a sentencepiece model | a tokenizer.json (or its directory)
     validation_fraction: float = 0.02
     max_documents: int | None = None
     # The token store: built here when missing (default: a cache entry keyed by the inputs and

@@ -8,9 +8,8 @@
   window is scored too, so every token but the first of each window counts.
 - **Zero-shot multiple choice** on local JSONL tasks, one ``{"context", "choices", "label"}``
   per line, scored as lm-evaluation-harness scores them: each choice is the continuation
-  ``target_delimiter + choice`` of the context (trailing spaces of the context move to the
-  continuation; the pair is encoded whole and the context's tokens cut off; an empty context is
-  EOS), truncated on the left to ``seq_len + 1`` tokens; ``acc`` takes the choice of largest
+  ``target_delimiter + choice`` of the context, encoded as the harness' ``HFLM`` encodes it
+  (``encode_pair``), truncated on the left to ``seq_len + 1`` tokens; ``acc`` takes the choice of largest
   summed log-likelihood, ``acc_norm`` the largest log-likelihood per character of the choice.
 
 Rows are batched by length (padded to powers of two, so a few shapes compile) and sharded over
@@ -179,14 +178,24 @@ def read_task(path: str) -> list[dict]:
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """Context and continuation tokens as lm-evaluation-harness makes them."""
+    """Context and continuation tokens as lm-evaluation-harness' ``HFLM`` makes them (0.4): trailing
+    spaces of the context move to the continuation; the context alone and the pair are encoded
+    with the tokenizer's special tokens (e.g. a Llama 3 BOS; none for a string that already starts
+    with the prefix token) and the context's tokens cut off the pair's. An empty context is the
+    prefix token (BOS, else EOS) before the continuation encoded without special tokens."""
+    prefix = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
     if context == "":
-        return [tokenizer.eos_id], list(tokenizer.encode(continuation))
+        tokens = list(tokenizer.encode(continuation, add_special_tokens=False))
+        return (tokens[:1], tokens[1:]) if tokens[:1] == [prefix] else ([prefix], tokens)
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
-    whole = list(tokenizer.encode(context + continuation))
-    head = list(tokenizer.encode(context))
+    prefix_text = tokenizer.decode([prefix])
+
+    def encode(text):
+        return list(tokenizer.encode(text, add_special_tokens=not text.startswith(prefix_text)))
+
+    whole, head = encode(context + continuation), encode(context)
     return head, whole[len(head) :]
 
 
@@ -251,13 +260,15 @@ def parse_named(text: str | None, what: str) -> dict[str, list[str]]:
 
 
 def _hf_tokenizer(directory: pathlib.Path, override: str | None):
+    """The tokenizer of a model directory: its ``tokenizer.json`` (what ``AutoTokenizer``, and so
+    lm-evaluation-harness, reads), else its sentencepiece model."""
     if override:
         return make_tokenizer(override)
-    for name in ("spiece.model", "tokenizer.model"):
+    for name in ("tokenizer.json", "spiece.model", "tokenizer.model"):
         if (directory / name).is_file():
             return make_tokenizer(str(directory / name))
     raise UserError(
-        f"{directory} holds no sentencepiece model (spiece.model or tokenizer.model): pass "
+        f"{directory} holds no tokenizer (tokenizer.json, spiece.model or tokenizer.model): pass "
         "--tokenizer PATH (or bytes)"
     )
 
@@ -371,7 +382,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="default: the run's train.seq_len")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per step, over all devices")
     parser.add_argument(
-        "--tokenizer", default=None, help="a sentencepiece model or bytes (default: the model's)"
+        "--tokenizer",
+        default=None,
+        help="a tokenizer.json (or its directory), a sentencepiece model or bytes (default: the model's)",
     )
     parser.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="parameter and compute dtype"

@@ -1,8 +1,9 @@
 """``python -m train.export --run-dir R [--step N] --out DIR [--dtype D] [--tokenizer PATH]``:
 a run's checkpoint as a Hugging Face model directory that ``transformers`` (and through it
 lm-evaluation-harness or vLLM) loads: ``config.json``, ``generation_config.json``, safetensors
-weights and, when the run used a sentencepiece model, the tokenizer files. Needs the ``[hf]``
-extra (safetensors, transformers' config classes), not torch."""
+weights and the tokenizer files (a run's ``tokenizer.json`` as it is; a sentencepiece unigram
+model converted to one), which encode as the run did. Needs the ``[hf]`` extra (safetensors,
+transformers, tokenizers), not torch."""
 
 from __future__ import annotations
 
@@ -16,38 +17,153 @@ import models
 from train.checkpoint import read_params
 from train.errors import IOFault, UserError, cli, io_operation
 from train.rundir import RunDir
-from train.sources import SentencePieceTokenizer
+from train.sources import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer, SentencePieceTokenizer
+
+# transformers' generic tokenizer class: it encodes as tokenizer.json says (a model's own class may
+# rebuild the pipeline, e.g. T5Tokenizer appends EOS to every encoding).
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+# tokenizer_config.json keys an export leaves out: flags that would change the post-processor,
+# tokens beside tokenizer.json's own added tokens, remote code, file names.
+DROPPED_CONFIG_KEYS = ("add_bos_token", "add_eos_token", "added_tokens_decoder", "auto_map", "tokenizer_file")
+# What transformers reads as a tokenizer: an --overwrite removes an earlier export's first.
+TOKENIZER_FILES = (
+    TOKENIZER_JSON,
+    TOKENIZER_CONFIG,
+    "spiece.model",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+# Texts the exported tokenizer must encode as the run's does (a written tokenizer is checked).
+PROBES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "two  spaces,   three, a tab\there\nand new\n\nlines\r\n",
+    "  leading and trailing spaces  ",
+    "caf\u00e9 na\u00efve \u00fc\u00df \u65e5\u672c\u8a9e \U0001f600 \ufb01 \u2460 x\u00a0y e\u0301",
+    "digits 0123456789 3.14159 2024-01-01",
+    "",
+)
 
 
-def write_tokenizer(tok, out: pathlib.Path, max_length: int) -> list[str]:
-    """The ``transformers`` tokenizer files of a sentencepiece unigram model (T5's kind):
-    ``spiece.model`` with a ``T5Tokenizer`` config that encodes as sentencepiece does and appends
-    EOS, as the token store does after each document. Other models get no files (returned: [])."""
-    if not isinstance(tok, SentencePieceTokenizer):
-        return []
+def write_tokenizer(tok, out: pathlib.Path, max_length: int) -> tuple[list[str], str]:
+    """The ``transformers`` tokenizer files of the run's tokenizer, with which
+    ``AutoTokenizer.from_pretrained(out).encode(text)`` gives the ids the run trained on for
+    ``text``, with no EOS appended (the EOS after each document is the store's packing, not part of
+    a text's encoding), so lm-evaluation-harness scores the run's tokens. Checked here on a few
+    texts; files that would encode otherwise are removed. Returns the files and a line for the user."""
+    if isinstance(tok, HFTokenizer):
+        files = _write_hf(tok, out)
+    elif isinstance(tok, SentencePieceTokenizer):
+        files, why = _write_sentencepiece(tok, out, max_length)
+        if not files:
+            return [], f"none written ({why})"
+    else:
+        return [], "none written (the run used the byte tokenizer: ids are UTF-8 bytes, EOS 256)"
+    differs = _first_difference(tok, out)
+    if differs is not None:
+        for name in files:
+            (out / name).unlink(missing_ok=True)
+        return [], f"none written (transformers would encode {differs!r} otherwise than the run did)"
+    return files, f"{', '.join(files)} (transformers.AutoTokenizer loads them and encodes as the run did)"
+
+
+def _first_difference(tok, out: pathlib.Path) -> str | None:
+    """The first probe text that ``AutoTokenizer`` on ``out`` encodes otherwise than ``tok``."""
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    probes = list(PROBES)
+    if isinstance(tok, HFTokenizer):  # special tokens inside a text are matched whole by both
+        probes += [f"a{t}b {t}" for t in tok.settings["special_tokens"].values()]
+    for text in probes:
+        if list(hf.encode(text, verbose=False)) != list(tok.encode(text)):
+            return text
+    if hf.eos_token_id != tok.eos_id or hf.bos_token_id != tok.bos_id:
+        return "<the EOS or BOS token>"
+    return None
+
+
+def _write_hf(tok: HFTokenizer, out: pathlib.Path) -> list[str]:
+    """``tokenizer.json`` as it is and its ``tokenizer_config.json`` with the generic class, its
+    special tokens as the run read them, and none of ``DROPPED_CONFIG_KEYS``."""
+    shutil.copyfile(tok.path, out / TOKENIZER_JSON)
+    config = {k: v for k, v in tok.config.items() if k not in DROPPED_CONFIG_KEYS}
+    config["tokenizer_class"] = TOKENIZER_CLASS
+    (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return [TOKENIZER_JSON, TOKENIZER_CONFIG]
+
+
+def sentencepiece_tokenizer_json(tok: SentencePieceTokenizer):
+    """A ``tokenizers.Tokenizer`` that encodes as the sentencepiece unigram model ``tok`` does (no
+    post-processor: nothing appended), or the reason there is none. Sentencepiece's pipeline:
+    its normalisation rule (the precompiled character map), extra whitespace removed, ``▁`` put
+    first and for every space, pieces never crossing a ``▁``, the Viterbi segmentation over
+    the pieces' scores (unknown characters as UNK, or as bytes with byte fallback). Differs from
+    sentencepiece only where two segmentations tie (sentencepiece sums scores in float32 over the
+    whole text) and for a text holding a control piece literally (e.g. ``</s>``: transformers
+    matches it as the special token)."""
     try:
         from sentencepiece import sentencepiece_model_pb2
+        from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     except ImportError:
         raise UserError(
-            "exporting a sentencepiece tokenizer needs protobuf: pip install 'moara-jax[hf]'"
+            "exporting a sentencepiece tokenizer needs protobuf and tokenizers: pip install 'moara-jax[hf]'"
         ) from None
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(tok.path.read_bytes())
-    if proto.trainer_spec.model_type != proto.trainer_spec.UNIGRAM:
-        return []
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    if trainer.model_type != trainer.UNIGRAM:
+        return None, "only sentencepiece unigram models are converted; train with the model's tokenizer.json"
+    unsupported = [
+        name
+        for name, on in (
+            ("treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix),
+            ("split_digits", trainer.split_digits),
+            ("user-defined pieces", any(p.type == p.USER_DEFINED for p in proto.pieces)),
+        )
+        if on
+    ]
+    if unsupported:
+        return None, f"the sentencepiece model uses {', '.join(unsupported)}, which are not converted"
+    model = models.Unigram(
+        [(p.piece, p.score) for p in proto.pieces], unk_id=trainer.unk_id, byte_fallback=trainer.byte_fallback
+    )
+    converted = Tokenizer(model)
+    steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
+    if norm.remove_extra_whitespaces:
+        steps += [normalizers.Replace(Regex("^ +| +$"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if norm.add_dummy_prefix:
+        steps.append(normalizers.Prepend(" "))
+    if norm.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "\u2581"))
+    converted.normalizer = normalizers.Sequence(steps)
+    if trainer.split_by_whitespace:
+        converted.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    converted.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return converted, ""
+
+
+def _write_sentencepiece(tok: SentencePieceTokenizer, out: pathlib.Path, max_length: int):
+    """``spiece.model`` (the run's file, for reference), its conversion to ``tokenizer.json`` and a
+    generic-class ``tokenizer_config.json`` naming EOS, UNK and pad (no BOS: the run has none)."""
+    converted, why = sentencepiece_tokenizer_json(tok)
+    if converted is None:
+        return [], why
     sp = tok._sp
     shutil.copyfile(tok.path, out / "spiece.model")
+    converted.save(str(out / TOKENIZER_JSON))
     pad = sp.pad_id() if sp.pad_id() >= 0 else tok.eos_id
     config = {
-        "tokenizer_class": "T5Tokenizer",
-        "extra_ids": 0,
+        "tokenizer_class": TOKENIZER_CLASS,
         "eos_token": sp.id_to_piece(tok.eos_id),
         "unk_token": sp.id_to_piece(sp.unk_id()),
         "pad_token": sp.id_to_piece(pad),
         "model_max_length": max_length,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return ["spiece.model", "tokenizer_config.json"]
+    (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return ["spiece.model", TOKENIZER_JSON, TOKENIZER_CONFIG], ""
 
 
 def export(
@@ -72,29 +188,49 @@ def export(
     step, params = read_params(run_dir, step)
     try:
         with io_operation("exporting to", out):
-            written, tokenizer_files = _write(out, run, model_cfg, tok, step, params, dtype, max_shard_bytes)
+            written = _write_model(out, run, model_cfg, tok, step, params, dtype, max_shard_bytes)
+            seq_len = run.setting("train", "seq_len") or model_cfg.max_position_embeddings
+            tokenizer_files, tokenizer_note = write_tokenizer(tok, out, int(seq_len))
     except IOFault as e:
         raise e.with_note("the export there is incomplete: run the same command with --overwrite") from None
-    return {**written, "step": step, "tokenizer_files": tokenizer_files, "tokenizer": tok.identity()}
+    return {
+        **written,
+        "step": step,
+        "tokenizer_files": tokenizer_files,
+        "tokenizer_note": tokenizer_note,
+        "tokenizer": tok.identity(),
+    }
 
 
-def _write(out: pathlib.Path, run: RunDir, model_cfg, tok, step: int, params, dtype, max_shard_bytes: int):
+def _write_model(
+    out: pathlib.Path, run: RunDir, model_cfg, tok, step: int, params, dtype, max_shard_bytes: int
+):
+    """The weights, configs and provenance (an earlier export's weights and tokenizer removed)."""
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
-        stale.unlink()  # --overwrite: no weights file of an earlier export may stay
-    pad = tok._sp.pad_id() if isinstance(tok, SentencePieceTokenizer) else -1
-    ids = {"bos_token_id": None, "eos_token_id": tok.eos_id, "pad_token_id": pad if pad >= 0 else None}
+        stale.unlink()  # --overwrite: no weights or tokenizer file of an earlier export may stay
+    for name in TOKENIZER_FILES:
+        (out / name).unlink(missing_ok=True)
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": _pad_id(tok)}
     try:
         written = models.write_hf_dir(
             out, model_cfg, params, dtype=dtype, max_shard_bytes=max_shard_bytes, token_ids=ids
         )
     except ImportError as e:
         raise UserError(str(e)) from None
-    seq_len = run.setting("train", "seq_len") or model_cfg.max_position_embeddings
-    tokenizer_files = write_tokenizer(tok, out, int(seq_len))
     provenance = {"run_dir": str(run.path.resolve()), "step": step, "model": model_cfg.name}
     (out / "training_run.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    return written, tokenizer_files
+    return written
+
+
+def _pad_id(tok) -> int | None:
+    """The tokenizer's own pad token, if it has one."""
+    if isinstance(tok, SentencePieceTokenizer):
+        return tok._sp.pad_id() if tok._sp.pad_id() >= 0 else None
+    if isinstance(tok, HFTokenizer):
+        pad = tok.settings["special_tokens"].get("pad_token")
+        return tok._tok.token_to_id(pad) if pad else None
+    return None
 
 
 def main(argv=None) -> int:
@@ -111,7 +247,9 @@ def main(argv=None) -> int:
         choices=["float32", "bfloat16"],
         help="weights dtype (default: the checkpoint's)",
     )
-    parser.add_argument("--tokenizer", default=None, help="the run's sentencepiece model, if it moved")
+    parser.add_argument(
+        "--tokenizer", default=None, help="the run's tokenizer (.model, tokenizer.json), if it moved"
+    )
     parser.add_argument(
         "--max-shard-gb", type=float, default=5.0, help="largest weights file (GB, 10^9 bytes)"
     )
@@ -134,12 +272,7 @@ def _export_and_report(args) -> int:
         f"wrote {args.out}: step {done['step']}, {done['tensors']} tensors, {done['bytes'] / 1e6:.1f} MB "
         f"in {', '.join(f for f in done['files'] if f.endswith('.safetensors'))}"
     )
-    if done["tokenizer_files"]:
-        print(f"tokenizer: {', '.join(done['tokenizer_files'])} (transformers.AutoTokenizer loads it)")
-    elif done["tokenizer"]["kind"] == "bytes":
-        print("tokenizer: none written (the run used the byte tokenizer: ids are UTF-8 bytes, EOS 256)")
-    else:
-        print("tokenizer: none written (only sentencepiece unigram models map onto a transformers tokenizer)")
+    print(f"tokenizer: {done['tokenizer_note']}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Where text comes from and how it becomes token ids: tokenizers (bytes, sentencepiece) and the
+"""Where text comes from and how it becomes token ids: tokenizers (bytes, sentencepiece, a Hugging
+Face ``tokenizer.json``) and the
 document readers of each source (CPython's bundled docs, local files, TFDS), each able to read
 one piece of its input (a byte range of a JSON-lines file, a record range of a TFDS split) so
 that ``train.store`` can tokenize the pieces in parallel worker processes.
@@ -27,8 +28,9 @@ class ByteTokenizer:
 
     vocab_size = 257
     eos_id = 256
+    bos_id = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -58,10 +60,11 @@ class SentencePieceTokenizer:
         self._sp = spm.SentencePieceProcessor(model_file=str(path))
         self.vocab_size = self._sp.get_piece_size()
         self.eos_id = self._sp.eos_id()
+        self.bos_id = None  # a document's ids are its pieces: no BOS (the model's own BOS is unused)
         if self.eos_id < 0:
             raise UserError(f"data.tokenizer: {path} defines no EOS piece")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._sp.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -81,19 +84,136 @@ class SentencePieceTokenizer:
         }
 
 
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# tokenizer_config.json keys naming special tokens, in the order transformers adds the missing ones.
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+EXTRA_SPECIAL_KEYS = ("additional_special_tokens", "extra_special_tokens")
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (Llama 3 and Qwen ship byte-level BPE ones) read with the
+    ``tokenizers`` library, no ``transformers``: a document's ids are ``Tokenizer.encode(text)``
+    with its special tokens (e.g. the BOS a Llama 3 post-processor puts first), which is what
+    ``transformers.AutoTokenizer`` gives for a ``PreTrainedTokenizerFast`` of these two files. From
+    the ``tokenizer_config.json`` beside it, as transformers reads them: EOS is its ``eos_token``
+    (required: the store puts it after every document), BOS its ``bos_token`` (may be absent); every
+    special token it names is a special added token (matched whole, even inside a text), unless
+    ``split_special_tokens``. Its ``add_bos_token``/``add_eos_token`` are not read: the
+    post-processor of ``tokenizer.json`` decides, as it does for ``PreTrainedTokenizerFast`` in
+    transformers 5 (and ``train.export`` writes a config without them)."""
+
+    def __init__(self, path: str):
+        try:
+            import tokenizers
+        except ImportError:
+            raise UserError(
+                "data.tokenizer names a Hugging Face tokenizer.json but the tokenizers library is not "
+                "installed: pip install 'moara-jax[tokenizers]'"
+            ) from None
+        p = pathlib.Path(path).expanduser()
+        if p.is_dir():
+            p = p / TOKENIZER_JSON
+        if not p.is_file():
+            raise UserError(f"data.tokenizer: {path}: no {TOKENIZER_JSON} there")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(p))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"data.tokenizer: {p} is not a tokenizers file ({why})") from None
+        self.path, self.config_path = p, p.with_name(TOKENIZER_CONFIG)
+        self.config = self._read_config()
+        named = {k: _token_text(self.config.get(k)) for k in SPECIAL_KEYS}
+        extra = [_token_text(t) for k in EXTRA_SPECIAL_KEYS for t in (self.config.get(k) or [])]
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        new = [t for t in dict.fromkeys([*named.values(), *extra]) if t and t not in added]
+        self._tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in new])
+        self._tok.encode_special_tokens = bool(self.config.get("split_special_tokens", False))
+        if named["eos_token"] is None:
+            raise UserError(
+                f"data.tokenizer: {p}: no EOS token: {self.config_path.name} beside it must name one "
+                '(e.g. {"eos_token": "<|endoftext|>"}), the token the store puts after every document'
+            )
+        self.eos_id = self._tok.token_to_id(named["eos_token"])
+        self.bos_id = self._tok.token_to_id(named["bos_token"]) if named["bos_token"] else None
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.settings = {
+            "special_tokens": {k: v for k, v in named.items() if v},
+            "extra_special_tokens": [t for t in extra if t],
+            "added_special_tokens": new,
+            "split_special_tokens": self._tok.encode_special_tokens,
+        }
+
+    def _read_config(self) -> dict:
+        if not self.config_path.is_file():
+            raise UserError(
+                f"data.tokenizer: {self.path}: no {TOKENIZER_CONFIG} beside it to name the EOS token "
+                '(write one, e.g. {"eos_token": "<|endoftext|>"})'
+            )
+        try:
+            config = json.loads(self.config_path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"data.tokenizer: {self.config_path} is not JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise UserError(f"data.tokenizer: {self.config_path} is not a JSON object")
+        return config
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        # One text at a time, one thread: the store's parallelism is its worker processes.
+        return [np.asarray(self._tok.encode(t).ids, np.int64) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def identity(self) -> dict:
+        return {
+            "kind": "hf",
+            "name": f"{self.path.parent.name}/{self.path.name}",
+            "sha256": file_sha256(self.path),
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "bos_id": self.bos_id,
+            "settings": self.settings,
+        }
+
+
 def make_tokenizer(spec: str):
-    """``bytes`` or the path of a sentencepiece model."""
-    return ByteTokenizer() if spec == "bytes" else SentencePieceTokenizer(spec)
+    """``bytes``, a Hugging Face ``tokenizer.json`` (a ``.json`` file or a directory holding one) or
+    the path of a sentencepiece model."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if not spec:
+        raise UserError("data.tokenizer is empty: give bytes, a sentencepiece model or a tokenizer.json")
+    path = pathlib.Path(spec).expanduser()
+    if path.is_dir() or path.name.endswith(".json"):
+        return HFTokenizer(spec)
+    return SentencePieceTokenizer(spec)
 
 
 def describe_tokenizer(identity: dict) -> str:
     """One line naming a tokenizer identity (for errors that compare two)."""
-    if identity.get("kind") == "bytes":
+    kind = identity.get("kind")
+    if kind == "bytes":
         return "bytes (vocab 257)"
-    return (
-        f"sentencepiece {identity.get('name')} (sha256 {str(identity.get('sha256'))[:12]}, "
-        f"vocab {identity.get('vocab_size')})"
-    )
+    sha, vocab = str(identity.get("sha256"))[:12], identity.get("vocab_size")
+    if kind == "hf":
+        settings = identity.get("settings") or {}
+        eos = (settings.get("special_tokens") or {}).get("eos_token")
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+        eos = f"{eos!r} = {identity.get('eos_id')}"
+        name = identity.get("name")
+        return f"hf {name} (sha256 {sha}, vocab {vocab}, EOS {eos}, special-token settings {digest})"
+    return f"sentencepiece {identity.get('name')} (sha256 {sha}, vocab {vocab})"
 
 
 def file_sha256(path: pathlib.Path, chunk: int = 1 << 20) -> str:

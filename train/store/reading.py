@@ -90,6 +90,10 @@ class TokenStream:
         return out
 
 
+# What a store's tokens depend on (a tokenizer.json's "settings": the special tokens its config names).
+IDENTITY_KEYS = ("kind", "sha256", "vocab_size", "eos_id", "settings")
+
+
 class TokenStore:
     """A complete store directory opened for reading (cheap: the manifest and one memory map
     per shard; nothing is read until windows are)."""
@@ -105,8 +109,8 @@ class TokenStore:
     def check(self, p: Plan | None, tokenizer_identity: dict) -> None:
         """Refuses a store made with another tokenizer or (when ``p`` is given) from other inputs
         or split settings, in one line naming both."""
-        mine = {k: self.tokenizer.get(k) for k in ("kind", "sha256", "vocab_size", "eos_id")}
-        theirs = {k: tokenizer_identity.get(k) for k in ("kind", "sha256", "vocab_size", "eos_id")}
+        mine = {k: self.tokenizer.get(k) for k in IDENTITY_KEYS}
+        theirs = {k: tokenizer_identity.get(k) for k in IDENTITY_KEYS}
         if mine != theirs:
             raise UserError(
                 f"token store {self.directory} was made with tokenizer "
