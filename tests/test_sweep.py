@@ -114,3 +114,27 @@ def test_report_statistics_on_hand_made_runs(tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 0
     with pytest.raises(UserError, match="--baseline nope is not a grid point"):
         sweep.report(tmp_path, runs, baseline="nope")
+
+
+def test_report_without_a_completed_baseline_gives_the_final_ppl_and_says_so(tmp_path):
+    runs = sweep.expand(PAPER, ["conditions/galore,full"], [0, 1])
+    make_run(tmp_path, "galore-seed0", "interrupted", [40], checkpoint=True)
+    make_run(tmp_path, "full-seed0", "completed", [35, 21, 18])
+    make_run(tmp_path, "full-seed1", "completed", [35, 25, 20])
+    # Two runs that shared the machine: their wall-clock times are flagged.
+    for name, span in (("full-seed0", [0.0, 100.0]), ("full-seed1", [50.0, 150.0])):
+        summary = {"status": "completed", "sessions": [[*span, "gpu"]], "device_kind": "NVIDIA H100"}
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    result = sweep.report(tmp_path, runs)
+    assert result["target_ppl"] is None
+    full = result["points"]["full"]
+    assert full["final_ppl"]["mean"] == 19.0 and full["steps_to_target"]["n"] == 0
+    assert full["step_reduction_pct"] is None and result["points"]["galore"]["final_ppl"]["n"] == 0
+    assert result["warnings"] == [
+        "full-seed0 and full-seed1 ran at the same time: their wall-clock times may be contended"
+    ]
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith("No target: the baseline `galore` has no completed run yet")
+    assert "| full | 2 (0 reached) | 19.000 ± 1.414 | - | - | - | - |" in text
+    assert "- galore-seed0: resumable" in text and "- galore-seed1: new, no evaluation" in text
+    assert "ran at the same time" in text and (tmp_path / "report.png").stat().st_size > 0

@@ -14,7 +14,9 @@ The report (``report.md``, ``report.json``, ``report.png``): per grid point, the
 standard deviation over seeds of the final eval ppl, of the steps and of the wall-clock time to
 reach the baseline point's mean final ppl (each seed's too), and the reductions against the
 baseline in %; eval-ppl curves with a band of one standard deviation over seeds, against steps
-and against wall-clock.
+and against wall-clock. Until the baseline has a completed run the report gives the final ppl
+alone and says so; runs that ran at the same time or on different devices are flagged (their
+wall-clock times do not compare).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from train.compare import reach
+from train.compare import problems, reach
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR, IOFault, UserError, io_operation
 from train.plots import pyplot
 from train.rundir import RunDir
@@ -67,6 +69,15 @@ def expand(base: pathlib.Path, axes: list[str], seeds: list[int]) -> list[Run]:
     return runs
 
 
+def train_args(
+    base: pathlib.Path, run: Run, run_dir: pathlib.Path, sets: list[str], resume: bool
+) -> list[str]:
+    """The ``python -m train`` arguments of one run of the grid."""
+    args = ["--config", str(base)] + [x for layer in run.layers for x in ("--config", layer)]
+    args += [x for s in [*sets, f"train.seed={run.seed}"] for x in ("--set", s)]
+    return args + ["--run-dir", str(run_dir)] + (["--resume"] if resume else [])
+
+
 def launch(args: list[str]) -> int:
     """Runs ``python -m train ARGS`` and returns its exit status (the sweep's one side effect)."""
     return subprocess.call([sys.executable, "-m", "train", *args], env=os.environ.copy())
@@ -83,9 +94,7 @@ def run_grid(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[
             say(f"{run.name}: {state}, skipped")
             outcomes[run.name] = state
             continue
-        args = ["--config", str(base)] + [x for layer in run.layers for x in ("--config", layer)]
-        args += [x for s in [*sets, f"train.seed={run.seed}"] for x in ("--set", s)]
-        args += ["--run-dir", str(run_dir)] + (["--resume"] if state == "resumable" else [])
+        args = train_args(base, run, run_dir, sets, state == "resumable")
         say(f"{run.name}: {'resuming' if state == 'resumable' else 'starting'}")
         code = launch(args)
         if code in (EXIT_PREEMPTED, EXIT_IO_ERROR):
@@ -136,14 +145,13 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
             excluded.append({"run": run.name, "status": status if evals else f"{status}, no evaluation"})
             continue
         done[run.point].append({"run": run.name, "seed": run.seed, "evals": evals})
-    if not done[baseline]:
-        raise UserError(f"the baseline {baseline} has no completed run yet")
-    target = statistics.fmean(r["evals"][-1]["eval_ppl"] for r in done[baseline])
+    # Without a completed baseline run there is no target: the final ppl are still reported.
+    target = statistics.fmean(r["evals"][-1]["eval_ppl"] for r in done[baseline]) if done[baseline] else None
     rows = {}
     for point in points:
         seeds = []
         for r in done[point]:
-            step, wall = reach(r["evals"], target)
+            step, wall = reach(r["evals"], target) if target is not None else (None, None)
             seeds.append(
                 {"seed": r["seed"], "final_ppl": r["evals"][-1]["eval_ppl"], "steps": step, "time_s": wall}
             )
@@ -162,7 +170,19 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
         ):
             m, b = row[key]["mean"], base[key]["mean"]
             row[red] = 100 * (1 - m / b) if m is not None and b else None
-    result = {"baseline": baseline, "target_ppl": target, "points": rows, "excluded": excluded}
+    summaries = [
+        {"name": r["run"], "status": "completed", "summary": RunDir(out / r["run"]).summary() or {}}
+        for point in points
+        for r in done[point]
+    ]
+    refusals, warnings = problems(summaries) if summaries else ([], [])
+    result = {
+        "baseline": baseline,
+        "target_ppl": target,
+        "points": rows,
+        "excluded": excluded,
+        "warnings": refusals + warnings,
+    }
     with io_operation("writing the sweep's report to", out):
         (out / "report.json").write_text(json.dumps(result, indent=2))
         (out / "report.md").write_text(markdown(result))
@@ -176,8 +196,14 @@ def _pm(s: dict, fmt: str = ".2f") -> str:
 
 def markdown(result: dict) -> str:
     pct = lambda v: "-" if v is None else f"{v:+.1f}%"  # noqa: E731
+    target = (
+        f"Target: the mean final eval ppl of `{result['baseline']}` = {result['target_ppl']:.3f}"
+        if result["target_ppl"] is not None
+        else f"No target: the baseline `{result['baseline']}` has no completed run yet, so steps and "
+        "time to target are not computed (final ppl only)"
+    )
     lines = [
-        f"Target: the mean final eval ppl of `{result['baseline']}` = {result['target_ppl']:.3f}",
+        target,
         "",
         "| point | runs | final ppl | steps to target | step reduction | time to target (s) "
         "| time reduction |",
@@ -199,6 +225,8 @@ def markdown(result: dict) -> str:
     if result["excluded"]:
         lines += ["", "Not in the statistics:", ""]
         lines += [f"- {e['run']}: {e['status']}" for e in result["excluded"]]
+    if result["warnings"]:
+        lines += ["", "Warnings:", ""] + [f"- {w}" for w in result["warnings"]]
     return "\n".join(lines) + "\n"
 
 
@@ -231,7 +259,8 @@ def plot(path: pathlib.Path, done: dict) -> None:
         ax.set_xlabel(label)
         ax.set_ylabel("eval ppl (mean ± std over seeds)")
         ax.set_yscale("log")
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,869 @@
+"""Issue 21's evidence (MoARa against GaLore at 60M with seeds) in short pieces of GPU time whose
+results accumulate in the repository.
+
+    python benchmarks/evidence.py stage [--shared ../shared/data]   # here: .data/ and .whl/
+    python benchmarks/evidence.py run --budget-s 540 --out $OUT [--concurrent N]   # the GPU machine
+    python benchmarks/evidence.py unpack evidence.tar.gz             # here: runs in, reports out
+    python benchmarks/evidence.py report                            # reports from what is here
+    python benchmarks/evidence.py status                            # each planned run's state
+
+A plan (``configs/experiments/wiki60m/plan.yaml``) lists the runs in order, as small
+``train.sweep`` grids (run dirs ``RESULTS/EXPERIMENT/POINT-seedS``), and the reports to write.
+
+``stage`` copies the input files the plan's base config names under ``.data/`` from the
+workplace's shared data folder, downloads the wheels a bare GPU machine lacks into ``.whl/``, and
+prints the size of what a GPU command would take along (at most 64 MiB).
+
+``run`` is the one command on a bare GPU machine, from the repository root: it installs the
+carried wheels that are missing, builds the token store with all cores (``train.prepare``), then
+runs the plan's next unfinished runs, ``--concurrent`` at a time sharing the GPU. A run is started
+only when its estimated duration fits in what is left of ``--budget-s`` (estimated from finished
+runs' measured times, else from the plan's deliberately generous ``estimate_s``); at the end of
+the budget the runs still going are stopped (SIGTERM: they save a checkpoint, which a later call
+on the same warm machine resumes) and the runner exits. Runs go to ``.evidence/runs`` (git-ignored,
+kept on a warm machine between calls); runs already finished in ``RESULTS`` (committed) or there
+are skipped. The runs share an XLA compilation cache (``.evidence/xla-cache``): the seeds of a
+condition compile one program. After each finished run, the small files of every finished run
+(``PACKED``; never checkpoints) and the session's record go into one archive,
+``OUT/evidence.tar.gz``, beside the log ``OUT/evidence.log``, so a command cut short loses no
+finished run. The log ends with a table: each run's status, wall time, final ppl and tokens/s.
+
+``unpack`` puts an archive's runs into ``RESULTS`` (a run already finished there is kept) and
+writes the reports: ``train.sweep``'s report (``report.md``, ``report.json``, ``report.png``) per
+experiment, and ``profile.md`` (``S_tau`` order against the paper's Table 9) for profiling runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import glob
+import importlib.metadata
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+
+CODE = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(CODE))
+
+import yaml  # noqa: E402
+
+from train import sweep  # noqa: E402
+from train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from train.rundir import (  # noqa: E402
+    ALIGNMENT,
+    ALLOCATION,
+    CONFIG,
+    METRICS,
+    RECORD_FILES,
+    SUMMARY,
+    RunDir,
+    dedupe_by_step,
+    read_metrics,
+)
+
+DEFAULT_PLAN = CODE / "configs" / "experiments" / "wiki60m" / "plan.yaml"
+DATA = ".data"  # the inputs the configs name (relative to the root); carried to the GPU machine
+WHEELS = ".whl"  # wheels of what the GPU machine lacks; carried
+SCRATCH = ".evidence"  # run dirs on the GPU machine
+ARCHIVE = "evidence.tar.gz"
+LOG = "evidence.log"
+RUNNER_FILE = "runner.json"  # the runner's record of a run: process wall time, concurrency, versions
+TRAIN_LOG = "train.log"  # the run's output (its tail)
+# What comes back of a finished run: its record (no checkpoints) and the runner's files.
+PACKED = (*RECORD_FILES, RUNNER_FILE, TRAIN_LOG)
+FINISHED = ("completed", "failed")  # RunDir.state: a summary that says completed, nan or diverged
+# The wheels a bare GPU machine lacks (.library/device/KINDS.md lists what it has): grain and the
+# two of its requirements that are not there. Python 3.12, manylinux x86_64.
+WHEEL_SPECS = ("grain==0.2.18", "array-record==0.8.6", "portpicker==1.6.0")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64")
+PLATFORMS += ("manylinux2014_x86_64", "manylinux1_x86_64")
+VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint")
+VERSIONS += ("grain", "numpy", "sentencepiece")
+TRAVEL_LIMIT_MIB = 64
+ORIGINAL_ENV: dict = {}  # the environment before main() set JAX_PLATFORMS for this process
+TAIL_BYTES = 200_000
+# Duration estimates: a margin for a run of another kind than the measured one (mode, optimizer,
+# host, decomposition, allocation), and seconds kept back at the end of the budget to stop and pack.
+OTHER_KIND = 1.3
+RESERVE_S = 15.0
+# Table 9 of the paper (Llama 2 350M, 1k-step profile; `tab:profiling_length` in its source):
+# S_tau per module type, highest first.
+PAPER_S_TAU = {"v": 0.959, "o": 0.932, "up": 0.922, "gate": 0.921, "q": 0.899, "k": 0.885, "down": 0.819}
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    experiment: str
+    run: sweep.Run
+
+    @property
+    def name(self) -> str:
+        return f"{self.experiment}/{self.run.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    base: pathlib.Path
+    results: str  # relative to the root
+    estimate_s: dict
+    runs: list[Planned]
+    reports: list[dict]
+
+
+def load_plan(path: pathlib.Path) -> Plan:
+    """The plan file: its runs in order (duplicates dropped), reports and estimates."""
+    if not path.is_file():
+        raise UserError(f"plan file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    missing = [k for k in ("base", "results", "runs") if k not in data]
+    if missing:
+        raise UserError(f"plan {path}: missing key(s) {missing}")
+    base = path.resolve().parent / data["base"]
+    if not base.is_file():
+        raise UserError(f"plan {path}: base config not found: {base}")
+    runs, seen = [], set()
+    for entry in [*data["runs"], *data.get("reports", [])]:
+        if not {"experiment", "axes", "seeds"} <= set(entry):
+            raise UserError(f"plan {path}: each run and report needs experiment, axes and seeds: {entry}")
+    for entry in data["runs"]:
+        for run in sweep.expand(base, entry["axes"], [int(s) for s in entry["seeds"]]):
+            planned = Planned(entry["experiment"], run)
+            if planned.name not in seen:
+                seen.add(planned.name)
+                runs.append(planned)
+    estimate_s = {"train": 600.0, "profile": 600.0, **data.get("estimate_s", {})}
+    return Plan(base, data["results"], estimate_s, runs, data.get("reports", []))
+
+
+def run_config(plan: Plan, planned: Planned) -> dict:
+    """The resolved config of a planned run (validated, as ``python -m train`` resolves it)."""
+    from train.config import load_config, to_dict
+
+    layers = [str(plan.base), *planned.run.layers]
+    return to_dict(load_config(layers, [f"train.seed={planned.run.seed}"]))
+
+
+def kind_of(config: dict) -> tuple:
+    """What a run's time per step depends on besides the model and batch: mode and optimizer."""
+    o = config["optimizer"]
+    return (config["mode"], o["name"], o["host"], o["decompose"], o["rank_allocation"])
+
+
+def steps_of(config: dict) -> int:
+    t = config["train"]["steps"]
+    return min(t, config["profile"]["steps"]) if config["mode"] == "profile" else t
+
+
+# ------------------------------------------------------------------------------------- estimates
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A finished run's times: the process's wall time and the loop's seconds per step (evals
+    included), measured at ``concurrency`` runs sharing the device."""
+
+    name: str
+    kind: tuple
+    steps: int
+    wall_s: float
+    per_step_s: float
+    concurrency: int
+    device: str
+
+
+def measure(run_dir: pathlib.Path) -> Measured | None:
+    """The times of a completed run the runner ran in one go (None otherwise)."""
+    try:
+        runner = json.loads((run_dir / RUNNER_FILE).read_text())
+        summary = json.loads((run_dir / SUMMARY).read_text())
+        config = yaml.safe_load((run_dir / CONFIG).read_text())
+        rows = read_metrics(run_dir / METRICS)
+    except (OSError, ValueError):
+        return None
+    if summary.get("status") != "completed" or runner.get("resumed") or not runner.get("wall_s"):
+        return None
+    train = dedupe_by_step(rows, "loss")
+    steps = int(summary["steps"])
+    if not train or steps <= train[0]["step"]:
+        return None
+    end = max(r["wall_s"] for r in rows if "wall_s" in r)
+    per_step = (end - train[0]["wall_s"]) / (steps - train[0]["step"])
+    return Measured(
+        run_dir.name,
+        kind_of(config),
+        steps,
+        float(runner["wall_s"]),
+        per_step,
+        int(runner.get("concurrency", 1)),
+        str(summary.get("device_kind")),
+    )
+
+
+def estimate(
+    kind: tuple, steps: int, concurrency: int, measured: list[Measured], default_s: float, safety: float
+) -> tuple[float, str]:
+    """Seconds a run should take, and on what basis. From each finished run: its fixed part
+    (start-up, compilation, the last checkpoint) plus ``steps`` x its seconds per step, times
+    ``OTHER_KIND`` for another kind of run and times ``concurrency / its concurrency`` when more
+    runs share the device (no gain from sharing assumed); the largest over the runs of the same
+    kind (else over all), times ``safety``. Without any: ``default_s x concurrency``."""
+    same = [m for m in measured if m.kind == kind]
+    pool = same or measured
+    if not pool:
+        return default_s * concurrency, f"the plan's estimate x {concurrency} (no run finished yet)"
+    guesses = []
+    for m in pool:
+        factor = (1.0 if m.kind == kind else OTHER_KIND) * max(1.0, concurrency / m.concurrency)
+        fixed = max(0.0, m.wall_s - m.steps * m.per_step_s)
+        guesses.append((fixed + steps * m.per_step_s * factor) * safety)
+    what = "the same kind" if same else "other kinds"
+    return max(guesses), f"{len(pool)} finished run(s) of {what}"
+
+
+def device_name() -> str:
+    """The GPU's name as nvidia-smi gives it (JAX's device_kind); ``cpu`` without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+    names = out.stdout.strip().splitlines()
+    return names[0].strip() if out.returncode == 0 and names else "cpu"
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+class Log:
+    """Lines to stdout and appended to ``OUT/evidence.log``."""
+
+    def __init__(self, path: pathlib.Path, t0: float):
+        self.path, self.t0 = path, t0
+
+    def __call__(self, text: str) -> None:
+        line = f"[{time.monotonic() - self.t0:6.1f}s] {text}"
+        print(line, flush=True)
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+def versions() -> dict:
+    found = {"python": sys.version.split()[0]}
+    for name in VERSIONS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def install_wheels(wheels: pathlib.Path, site: pathlib.Path, say) -> bool:
+    """Installs the carried wheels whose distribution is not installed (``--no-deps``: the
+    wheel set is complete); returns whether any was."""
+    missing = []
+    for wheel in sorted(wheels.glob("*.whl")) if wheels.is_dir() else []:
+        dist = wheel.name.split("-")[0]
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(wheel)
+    if not missing:
+        say(f"wheels: nothing to install from {wheels}")
+        return False
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+    cmd += ["--no-cache-dir", "--upgrade", "--target", str(site), *map(str, missing)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise UserError(f"pip install of {[w.name for w in missing]} failed: {proc.stderr.strip()[-500:]}")
+    say(f"wheels: installed {', '.join(w.name.split('-')[0] for w in missing)} into {site}")
+    return True
+
+
+def child_env(site: pathlib.Path | None, concurrency: int, xla_cache: str | None) -> dict:
+    """The environment of the training processes: this one's as it was when ``main`` started."""
+    env = dict(ORIGINAL_ENV or os.environ)
+    paths = [str(CODE)] + ([str(site)] if site else []) + [p for p in [env.get("PYTHONPATH")] if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    if concurrency > 1:  # each run preallocates its share of the GPU's memory
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / concurrency:.2f}"
+    if xla_cache:  # seeds of one condition compile the same program: compile it once
+        env["JAX_COMPILATION_CACHE_DIR"] = xla_cache
+    return env
+
+
+@dataclasses.dataclass
+class Running:
+    planned: Planned
+    run_dir: pathlib.Path
+    proc: subprocess.Popen
+    log: object
+    started: float  # monotonic
+    started_at: float  # epoch
+    estimate_s: float
+    resumed: bool
+    stopped: bool = False
+
+
+class Runner:
+    def __init__(self, args, plan: Plan, root: pathlib.Path, say):
+        self.args, self.plan, self.root, self.say = args, plan, root, say
+        self.t0 = time.monotonic()
+        self.budget = float(args.budget_s)
+        self.out = pathlib.Path(args.out)
+        self.scratch = root / SCRATCH / "runs"
+        self.results = root / plan.results
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+        self.session_name = f"session-{stamp}"
+        self.session = {
+            "started_at": time.time(),
+            "host": socket.gethostname(),
+            "budget_s": self.budget,
+            "concurrency": args.concurrent,
+            "runs": [],
+        }
+        self.stop_requested = False
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.t0)
+
+    def where(self, planned: Planned, scratch: bool) -> pathlib.Path:
+        return (self.scratch if scratch else self.results) / planned.experiment / planned.run.name
+
+    # ---- set-up
+
+    def setup(self) -> None:
+        """Wheels, the device and versions, the token store (which needs the training code's
+        imports: grain among them)."""
+        args = self.args
+        site = pathlib.Path(args.site)
+        if site.is_dir():  # a warm machine: installed by an earlier call
+            sys.path.insert(0, str(site))
+        wheels = self.root / WHEELS if args.wheels is None else pathlib.Path(args.wheels)
+        if install_wheels(wheels, site, self.say):
+            sys.path.insert(0, str(site))
+        self.site = site if site.is_dir() else None
+        self.xla_cache = {None: str(self.root / SCRATCH / "xla-cache"), "none": None}.get(
+            args.xla_cache, args.xla_cache
+        )
+        env = child_env(self.site, 1, None)
+        self.versions = versions()
+        self.device = device_name()
+        self.session.update(versions=self.versions, device=self.device)
+        self.say(f"device: {self.device}; versions: {json.dumps(self.versions)}")
+        cmd = [sys.executable, "-m", "train.prepare", "--config", str(self.plan.base), "--quiet"]
+        if args.workers:
+            cmd += ["--workers", str(args.workers)]
+        t = time.monotonic()
+        proc = subprocess.run(cmd, cwd=self.root, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise UserError(f"train.prepare failed: {(proc.stderr or proc.stdout).strip()[-800:]}")
+        self.say(f"{proc.stdout.strip()} (prepare {time.monotonic() - t:.1f}s)")
+        self.session["setup_s"] = time.monotonic() - self.t0
+
+    # ---- the plan's state
+
+    def measured(self) -> list[Measured]:
+        """Finished runs' times: this machine's, and committed ones from the same device."""
+        found = []
+        for planned in self.plan.runs:
+            for scratch in (True, False):
+                m = measure(self.where(planned, scratch))
+                if m is not None and (scratch or m.device == self.device):
+                    found.append(m)
+                    break
+        return found
+
+    def pending(self) -> list[Planned]:
+        todo = []
+        for planned in self.plan.runs:
+            committed = RunDir(self.where(planned, False)).state()
+            local = RunDir(self.where(planned, True)).state()
+            if committed in FINISHED or local in FINISHED:
+                continue
+            todo.append(planned)
+        return todo
+
+    # ---- packing
+
+    def pack(self) -> int:
+        """Rewrites ``OUT/evidence.tar.gz``: every finished run of this machine and the session's
+        record and log. Returns the number of runs in it."""
+        self.session["ended_at"] = time.time()
+        sessions = self.root / SCRATCH / "sessions"
+        sessions.mkdir(parents=True, exist_ok=True)
+        (sessions / f"{self.session_name}.json").write_text(json.dumps(self.session, indent=1) + "\n")
+        if (self.out / LOG).is_file():
+            shutil.copyfile(self.out / LOG, sessions / f"{self.session_name}.log")
+        members, runs = [], 0
+        for planned in self.plan.runs:
+            run_dir = self.where(planned, True)
+            if RunDir(run_dir).state() not in FINISHED:
+                continue
+            runs += 1
+            prefix = f"{self.plan.results}/{planned.experiment}/{planned.run.name}"
+            members += [(run_dir / n, f"{prefix}/{n}") for n in PACKED if (run_dir / n).is_file()]
+        members += [(p, f"{self.plan.results}/sessions/{p.name}") for p in sorted(sessions.iterdir())]
+        tmp = self.out / (ARCHIVE + ".tmp")
+        with tarfile.open(tmp, "w:gz") as tar:
+            for path, name in members:
+                tar.add(path, arcname=name, recursive=False)
+        os.replace(tmp, self.out / ARCHIVE)
+        return runs
+
+    # ---- the loop
+
+    def start(self, planned: Planned, estimate_s: float, basis: str) -> Running:
+        run_dir = self.where(planned, True)
+        resumed = RunDir(run_dir).state() == "resumable"
+        if not resumed and run_dir.exists():
+            shutil.rmtree(run_dir)  # an attempt that saved nothing to resume from
+        run_dir.mkdir(parents=True, exist_ok=True)
+        args = sweep.train_args(self.plan.base, planned.run, run_dir, [], resumed) + ["--quiet"]
+        log = (run_dir / TRAIN_LOG).open("ab")
+        env = child_env(self.site, self.args.concurrent, self.xla_cache)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "train", *args], cwd=self.root, env=env, stdout=log, stderr=log
+        )
+        verb = "resuming" if resumed else "starting"
+        left = self.left() - RESERVE_S
+        self.say(f"{planned.name}: {verb} (estimate {estimate_s:.0f}s from {basis}; {left:.0f}s left)")
+        return Running(planned, run_dir, proc, log, time.monotonic(), time.time(), estimate_s, resumed)
+
+    def finish(self, r: Running) -> dict:
+        r.log.close()
+        wall = time.monotonic() - r.started
+        _trim(r.run_dir / TRAIN_LOG)
+        state = RunDir(r.run_dir).state()
+        summary = {}
+        if (r.run_dir / SUMMARY).is_file():
+            summary = json.loads((r.run_dir / SUMMARY).read_text())
+        record = {
+            "run": r.planned.name,
+            "exit_code": r.proc.returncode,
+            "status": summary.get("status") if state in FINISHED else f"unfinished ({state})",
+            "wall_s": wall,
+            "estimate_s": r.estimate_s,
+            "concurrency": self.args.concurrent,
+            "resumed": r.resumed,
+            "stopped_at_deadline": r.stopped,
+            "started_at": r.started_at,
+            "ended_at": time.time(),
+            "host": socket.gethostname(),
+            "device": self.device,
+            "versions": self.versions,
+            "final_eval_ppl": summary.get("final_eval_ppl"),
+            "tokens_per_s": summary.get("tokens_per_s"),
+            "steps": summary.get("steps"),
+        }
+        (r.run_dir / RUNNER_FILE).write_text(json.dumps(record, indent=1) + "\n")
+        self.session["runs"].append(record)
+        ppl = record["final_eval_ppl"]
+        self.say(
+            f"{r.planned.name}: {record['status']}, exit {r.proc.returncode}, {wall:.1f}s"
+            + (f", final eval ppl {ppl:.3f}" if ppl is not None else "")
+        )
+        if state not in FINISHED:
+            tail = (r.run_dir / TRAIN_LOG).read_text(errors="replace").strip().splitlines()[-15:]
+            for line in tail:
+                self.say(f"  | {line}")
+        return record
+
+    def estimate(self, planned: Planned, measured: list[Measured]) -> tuple[float, str]:
+        if planned.name not in self.configs:
+            self.configs[planned.name] = run_config(self.plan, planned)
+        config = self.configs[planned.name]
+        default = self.plan.estimate_s["profile" if config["mode"] == "profile" else "train"]
+        if self.args.estimate_s is not None:
+            default = self.args.estimate_s
+        concurrency = self.args.concurrent
+        return estimate(kind_of(config), steps_of(config), concurrency, measured, default, self.args.safety)
+
+    def loop(self) -> None:
+        """Starts the next runs in the plan's order while they fit in the budget, packs after each
+        run that ends, stops what still runs at the end of the budget."""
+        concurrency = self.args.concurrent
+        running: list[Running] = []
+        todo = self.pending()
+        self.configs: dict = {}
+        crashes, started, refused = 0, 0, None
+        names = ", ".join(p.name for p in todo[:6]) + (" ..." if len(todo) > 6 else "")
+        self.say(f"{len(todo)} run(s) of the plan to do: {names}")
+        measured = self.measured()
+        while True:
+            while todo and len(running) < concurrency and not self.stop_requested:
+                if self.args.max_runs is not None and started >= self.args.max_runs:
+                    todo = []
+                    break
+                planned = todo[0]
+                est, basis = self.estimate(planned, measured)
+                left = self.left() - RESERVE_S
+                if est > left:
+                    if refused != (planned.name, round(est)):
+                        refused = (planned.name, round(est))
+                        why = f"needs ~{est:.0f}s from {basis}; {left:.0f}s left"
+                        self.say(f"{planned.name}: not started: {why}")
+                    if not running:
+                        todo = []
+                    break
+                running.append(self.start(planned, est, basis))
+                todo.pop(0)
+                started += 1
+            if not running:
+                break
+            time.sleep(0.5)
+            if (self.left() <= RESERVE_S - 5 or self.stop_requested) and not any(r.stopped for r in running):
+                for r in running:
+                    self.say(f"{r.planned.name}: stopping at the end of the budget (SIGTERM)")
+                    r.stopped = True
+                    r.proc.send_signal(signal.SIGTERM)
+            if self.left() <= 3:
+                for r in running:
+                    if r.proc.poll() is None:
+                        self.say(f"{r.planned.name}: killed (did not stop in time)")
+                        r.proc.kill()
+                        r.proc.wait()
+            for r in [r for r in running if r.proc.poll() is not None]:
+                running.remove(r)
+                record = self.finish(r)
+                finished = not record["status"].startswith("unfinished")
+                crashes = 0 if finished or r.stopped else crashes + 1
+                self.pack()
+                measured = self.measured()
+            if crashes >= 2:
+                self.say("two runs in a row ended without a result: stopping (see their output above)")
+                todo = []
+                self.stop_requested = True
+
+    def table(self) -> None:
+        """The closing table: each run's status, wall time, concurrency, final ppl and tokens/s."""
+        rows = self.session["runs"]
+        lines = ["", f"{'run':38} {'status':22} {'wall s':>7} {'conc':>4} {'final ppl':>10} {'tokens/s':>10}"]
+        for r in rows:
+            ppl = "-" if r["final_eval_ppl"] is None else f"{r['final_eval_ppl']:.3f}"
+            tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
+            lines.append(
+                f"{r['run']:38} {str(r['status'])[:22]:22} {r['wall_s']:7.1f} {r['concurrency']:4d} "
+                f"{ppl:>10} {tps:>10}"
+            )
+        done = [r for r in rows if r["status"] in ("completed", "nan", "diverged")]
+        spent = time.monotonic() - self.t0
+        lines.append(
+            f"{len(done)} run(s) finished in {spent:.0f}s of a {self.budget:.0f}s budget "
+            f"(set-up {self.session.get('setup_s', 0):.0f}s); {len(self.pending())} still to do"
+        )
+        if done:  # what tells whether sharing the device pays: runs finished per minute of running
+            span = max(r["ended_at"] for r in rows) - min(r["started_at"] for r in rows)
+            lines.append(
+                f"{60 * len(done) / span:.2f} finished run(s) per minute of running time ({span:.0f}s), "
+                f"{self.args.concurrent} at a time"
+            )
+        for line in lines:
+            self.say(line)
+
+
+def _trim(path: pathlib.Path) -> None:
+    if path.is_file() and path.stat().st_size > TAIL_BYTES:
+        data = path.read_bytes()[-TAIL_BYTES:]
+        path.write_bytes(b"[... cut ...]\n" + data)
+
+
+def cmd_run(args) -> int:
+    plan = load_plan(pathlib.Path(args.plan))
+    root = pathlib.Path(args.root).resolve()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runner = Runner(args, plan, root, None)
+    say = Log(out / LOG, runner.t0)
+    runner.say = say
+
+    def stop(signum, frame):
+        runner.stop_requested = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    say(f"plan {args.plan}; budget {runner.budget:.0f}s; {args.concurrent} run(s) at a time; root {root}")
+    runner.setup()
+    runner.loop()
+    runs = runner.pack()
+    runner.table()
+    say(f"archive: {out / ARCHIVE} ({runs} finished run(s) of this machine)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- stage here
+
+
+def travel_size(root: pathlib.Path, carried: list[str]) -> dict:
+    """Bytes a GPU command takes along: the tracked and untracked-not-ignored files, and the
+    carried folders."""
+    listed = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    tree = sum((root / p.decode()).stat().st_size for p in listed if p and (root / p.decode()).is_file())
+    sizes = {"tree": tree}
+    for folder in carried:
+        files = [p for p in (root / folder).rglob("*") if p.is_file()] if (root / folder).is_dir() else []
+        sizes[folder] = sum(p.stat().st_size for p in files)
+    return sizes
+
+
+def data_inputs(config) -> list[str]:
+    """The input patterns of a data section (train, validation, tokenizer)."""
+    d = config.data
+    return [*d.paths, *d.validation_paths] + ([d.tokenizer] if d.tokenizer != "bytes" else [])
+
+
+def cmd_stage(args) -> int:
+    from train.config import load_config
+
+    plan = load_plan(pathlib.Path(args.plan))
+    root = pathlib.Path(args.root).resolve()
+    shared = pathlib.Path(args.shared)
+    copied = 0
+    for pattern in data_inputs(load_config([str(plan.base)])):
+        rel = pathlib.PurePosixPath(pattern)
+        if rel.parts[0] != DATA:
+            raise UserError(f"the plan's data input {pattern} is not under {DATA}/: nothing to stage")
+        matches = sorted(glob.glob(str(shared.joinpath(*rel.parts[1:]))))
+        if not matches:
+            raise UserError(f"{pattern}: no file matches {shared.joinpath(*rel.parts[1:])}")
+        for src in map(pathlib.Path, matches):
+            dest = root / DATA / src.relative_to(shared)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if not dest.is_file() or dest.stat().st_size != src.stat().st_size:
+                shutil.copyfile(src, dest)
+            copied += 1
+    print(f"data: {copied} file(s) in {root / DATA}")
+    if not args.no_wheels:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+        cmd += ["--python-version", "3.12", "--implementation", "cp"]
+        cmd += [x for p in PLATFORMS for x in ("--platform", p)] + ["-d", str(root / WHEELS), *WHEEL_SPECS]
+        print("wheels: " + " ".join(["python3", *cmd[1:]]))
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    sizes = travel_size(root, [DATA, WHEELS])
+    total = sum(sizes.values())
+    parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
+    print(f"a GPU command with carry [{DATA}, {WHEELS}] takes {total / 2**20:.2f} MiB ({parts})")
+    if total > TRAVEL_LIMIT_MIB * 2**20:
+        raise UserError(f"that is over the {TRAVEL_LIMIT_MIB} MiB a GPU command may take")
+    return 0
+
+
+# ------------------------------------------------------------------------------ unpack, report
+
+
+def unpack(archive: pathlib.Path, root: pathlib.Path, plan: Plan) -> tuple[list[str], list[str]]:
+    """Puts the archive's runs into ``RESULTS`` (a run already finished there is kept) and its
+    session records into ``RESULTS/sessions``; returns the runs added and those kept."""
+    prefix = pathlib.PurePosixPath(plan.results).parts
+    try:
+        tar = tarfile.open(archive, "r:gz")
+    except (OSError, tarfile.TarError) as e:
+        raise UserError(f"{archive}: not a readable archive ({e})") from None
+    with tar:
+        runs: dict[tuple, list] = {}
+        sessions = []
+        for m in tar.getmembers():
+            parts = pathlib.PurePosixPath(m.name).parts
+            rest = parts[len(prefix) :]
+            bad = not m.isfile() or parts[: len(prefix)] != prefix or any(p in ("..", "") for p in parts)
+            if bad or m.name.startswith("/"):
+                raise UserError(f"{archive}: unexpected member {m.name!r}")
+            if len(rest) == 2 and rest[0] == "sessions":
+                sessions.append(m)
+            elif len(rest) == 3 and rest[2] in PACKED:
+                runs.setdefault(rest[:2], []).append(m)
+            else:
+                raise UserError(f"{archive}: unexpected member {m.name!r}")
+        added, kept = [], []
+        for (experiment, name), members in sorted(runs.items()):
+            dest = root / plan.results / experiment / name
+            if RunDir(dest).state() in FINISHED:
+                kept.append(f"{experiment}/{name}")
+                continue
+            if dest.exists():
+                shutil.rmtree(dest)
+            dest.mkdir(parents=True)
+            for m in members:
+                (dest / pathlib.PurePosixPath(m.name).name).write_bytes(tar.extractfile(m).read())
+            added.append(f"{experiment}/{name}")
+        for m in sessions:
+            dest = root / plan.results / "sessions" / pathlib.PurePosixPath(m.name).name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(tar.extractfile(m).read())
+    return added, kept
+
+
+def spearman(a: list[str], b: list[str]) -> float:
+    """Spearman's rank correlation of two orders of the same names."""
+    n = len(a)
+    d2 = sum((a.index(x) - b.index(x)) ** 2 for x in a)
+    return 1 - 6 * d2 / (n * (n * n - 1))
+
+
+def profile_report(run_dir: pathlib.Path) -> str:
+    """``S_tau`` per module type of a profiling run against the paper's Table 9, and its allocation
+    against the default one (donors q, k; receiver down) that the +Rank and Full runs use."""
+    alignment = json.loads((run_dir / ALIGNMENT).read_text())
+    allocation = json.loads((run_dir / ALLOCATION).read_text())
+    s_tau = alignment["s_tau"]
+    ours = sorted(s_tau, key=s_tau.get, reverse=True)
+    paper = sorted(PAPER_S_TAU, key=PAPER_S_TAU.get, reverse=True)
+    steps = alignment["steps"]
+    lines = [
+        f"# Profiling run {run_dir.name}",
+        "",
+        f"`S_tau` per module type: the mean of `S(W, t) = cos(G, G_recon)` over the type's matrices "
+        f"and the {len(steps)} recorded steps ({steps[0]} to {steps[-1]}), block size "
+        f"{alignment['block_size']}, rank {alignment['r_base']}; highest first, against the paper's "
+        "Table 9 (Llama 2 350M, 1k-step profile).",
+        "",
+        "| rank | this run | S_tau | paper | paper S_tau |",
+        "|---:|---|---:|---|---:|",
+    ]
+    for i, (a, b) in enumerate(zip(ours, paper, strict=False)):
+        lines.append(f"| {i + 1} | {a} | {s_tau[a]:.4f} | {b} | {PAPER_S_TAU[b]:.3f} |")
+    common = [m for m in ours if m in PAPER_S_TAU]
+    rho = spearman(common, [m for m in paper if m in common]) if len(common) > 1 else None
+    default = allocation["donors"] == ["q", "k"] and allocation["receivers"] == ["down"]
+    lines += [
+        "",
+        f"- Lowest: `{ours[-1]}` (the paper: `{paper[-1]}`); the paper's order "
+        + ("holds exactly" if ours == paper else "differs")
+        + (f"; Spearman rank correlation {rho:.3f}." if rho is not None else "."),
+        f"- Allocation (`allocation.json`): donors {allocation['donors']} -> receivers "
+        f"{allocation['receivers']}, ranks {allocation['ranks']}.",
+        "- It is "
+        + ("the same as" if default else "not")
+        + " the default allocation (q, k -> down) that the +Rank and Full runs of this experiment use"
+        + ("." if default else "; a run with it: `--set optimizer.rank_allocation=PATH/allocation.json`."),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(root: pathlib.Path, plan: Plan, say=print) -> list[pathlib.Path]:
+    """The plan's sweep reports and each experiment's ``profile.md``; returns the files written."""
+    written = []
+    for rep in plan.reports:
+        out = root / plan.results / rep["experiment"]
+        out.mkdir(parents=True, exist_ok=True)
+        runs = sweep.expand(plan.base, rep["axes"], [int(s) for s in rep["seeds"]])
+        result = sweep.report(out, runs, rep.get("baseline"))
+        done = sum(row["final_ppl"]["n"] for row in result["points"].values())
+        say(f"{out / 'report.md'}: {done} of {len(runs)} run(s) completed")
+        written.append(out / "report.md")
+    for experiment in dict.fromkeys(p.experiment for p in plan.runs):
+        folder = root / plan.results / experiment
+        runs = sorted(folder.iterdir()) if folder.is_dir() else []
+        profiles = [d for d in runs if (d / ALIGNMENT).is_file() and (d / ALLOCATION).is_file()]
+        if profiles:
+            (folder / "profile.md").write_text("\n".join(profile_report(d) for d in profiles))
+            say(f"{folder / 'profile.md'}: {', '.join(d.name for d in profiles)}")
+            written.append(folder / "profile.md")
+    return written
+
+
+def cmd_unpack(args) -> int:
+    plan = load_plan(pathlib.Path(args.plan))
+    root = pathlib.Path(args.root).resolve()
+    added, kept = unpack(pathlib.Path(args.archive), root, plan)
+    print(f"added {len(added)} run(s): {', '.join(added) or '-'}")
+    if kept:
+        print(f"kept {len(kept)} run(s) already finished here: {', '.join(kept)}")
+    write_reports(root, plan)
+    return 0
+
+
+def cmd_report(args) -> int:
+    write_reports(pathlib.Path(args.root).resolve(), load_plan(pathlib.Path(args.plan)))
+    return 0
+
+
+def cmd_status(args) -> int:
+    plan = load_plan(pathlib.Path(args.plan))
+    root = pathlib.Path(args.root).resolve()
+    measured = [m for p in plan.runs if (m := measure(root / plan.results / p.experiment / p.run.name))]
+    for planned in plan.runs:
+        state = RunDir(root / plan.results / planned.experiment / planned.run.name).state()
+        local = RunDir(root / SCRATCH / "runs" / planned.experiment / planned.run.name).state()
+        text = state if state != "new" or local == "new" else f"{local} in {SCRATCH}"
+        if state not in FINISHED:
+            config = run_config(plan, planned)
+            default = plan.estimate_s["profile" if config["mode"] == "profile" else "train"]
+            est, basis = estimate(kind_of(config), steps_of(config), 1, measured, default, args.safety)
+            text += f"; estimate {est:.0f}s ({basis})"
+        print(f"{planned.name}: {text}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/evidence.py", description=__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--plan", default=str(DEFAULT_PLAN), help="the plan file")
+    common.add_argument("--root", default=str(CODE), help="where results, .data, .whl and .evidence are")
+    common.add_argument("--safety", type=float, default=1.2, help="factor on every estimated duration")
+    p = sub.add_parser("run", parents=[common], help="on the GPU machine: the next runs within a budget")
+    p.add_argument("--budget-s", type=float, required=True, help="seconds this command may take in all")
+    p.add_argument("--out", required=True, help="where the archive and the log go ($OUT)")
+    p.add_argument("--concurrent", type=int, default=1, help="runs sharing the device at a time")
+    p.add_argument("--wheels", default=None, help=f"wheels to install when missing (default ROOT/{WHEELS})")
+    p.add_argument("--site", default="/tmp/moara-jax-site", help="where the wheels are installed")
+    p.add_argument(
+        "--xla-cache",
+        default=None,
+        help=f"XLA compilation cache (default ROOT/{SCRATCH}/xla-cache; none: off)",
+    )
+    p.add_argument("--workers", type=int, default=None, help="train.prepare processes (default: all cores)")
+    p.add_argument("--max-runs", type=int, default=None, help="start at most this many runs")
+    p.add_argument("--estimate-s", type=float, default=None, help="seconds a run takes before any finished")
+    p = sub.add_parser("stage", parents=[common], help="here: copy the data into .data/, wheels into .whl/")
+    p.add_argument("--shared", default=str(CODE.parent / "shared" / "data"), help="the shared data folder")
+    p.add_argument("--no-wheels", action="store_true", help="do not download the wheels")
+    p = sub.add_parser("unpack", parents=[common], help="here: an archive's runs into the results, reports")
+    p.add_argument("archive")
+    sub.add_parser("report", parents=[common], help="the plan's reports from the runs in the results")
+    sub.add_parser("status", parents=[common], help="each planned run's state and estimated duration")
+    args = parser.parse_args(argv)
+    # This process never uses the accelerator: a JAX backend here (moara_jax is imported to read
+    # configs) would take GPU memory from the runs. The runs get the environment as it was.
+    ORIGINAL_ENV.update(os.environ)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        if getattr(args, "concurrent", 1) < 1 or getattr(args, "budget_s", 1) <= 0:
+            raise UserError("--concurrent must be >= 1 and --budget-s > 0")
+        return {
+            "run": cmd_run,
+            "stage": cmd_stage,
+            "unpack": cmd_unpack,
+            "report": cmd_report,
+            "status": cmd_status,
+        }[args.command](args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
