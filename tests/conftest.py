@@ -1,5 +1,6 @@
 """Shared test set-up: float32 matmuls at full precision, so oracle comparisons are meaningful;
-token stores cached under the session's temporary directory, never the user's cache."""
+token stores and compiled programs cached under the session's temporary directory, never the
+user's caches."""
 
 import os
 
@@ -9,15 +10,23 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _token_store_cache(tmp_path_factory):
-    # The parent of the base temp dir is shared by the xdist workers of one session, so the
-    # builtin corpus' store is built once (the store's lock serialises concurrent builders).
-    root = tmp_path_factory.getbasetemp().parent / "moara-jax-cache"
-    old = os.environ.get("MOARA_JAX_CACHE")
-    os.environ["MOARA_JAX_CACHE"] = str(root)
-    yield root
-    if old is None:
-        os.environ.pop("MOARA_JAX_CACHE", None)
-    else:
-        os.environ["MOARA_JAX_CACHE"] = old
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's
+def pytest_configure(config):
+    """The session's token stores (the builtin corpus' store is built once; the store's lock
+    serialises concurrent builders) and JAX's persistent compilation cache: the many tiny runs of
+    the trainer's tests (subprocesses inherit the environment) compile the same programs, which
+    XLA then compiles once per session instead of once per run. The programs run as before; only
+    their compilation is reused. Set before any test module is imported (and compiles); the
+    parent of the base temp dir is shared by the xdist workers of one session."""
+    root = config._tmp_path_factory.getbasetemp().parent
+    os.environ.update(
+        {
+            "MOARA_JAX_CACHE": str(root / "moara-jax-cache"),
+            "JAX_COMPILATION_CACHE_DIR": str(root / "jax-compilation-cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        }
+    )
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
