@@ -7,32 +7,22 @@ and lm-evaluation-harness on the export. The tokenizers are trained here (no dow
 import json
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from lm_harness import NAME, assert_same_scores, evaluate_scores, harness_scores, write_task
+from test_train import FAST, run_cli
 
 from train import export as exporting
 from train.config import DataSection
-from train.data import open_store
 from train.errors import UserError
 from train.sources import Counts, HFTokenizer, file_documents, file_sha256, is_validation, make_tokenizer
+from train.store import open_store
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAST = [  # tests/test_train.py's
-    "train.steps=12",
-    "train.eval_every=6",
-    "train.batch_size=8",
-    "train.seq_len=32",
-    "train.eval_batches=2",
-    "optimizer.update_proj_gap=5",
-    "checkpoint.every=4",
-]
 WORDS = "the quick brown fox jumps over a lazy dog while seven tired owls sing of rain".split()
 TEXTS = [
     "the quick brown fox",
@@ -202,15 +192,6 @@ def test_init_from_takes_a_tokenizer_with_fewer_ids_not_more(llama_like, tmp_pat
 # ------------------------------------------------------------------- a run, its export, init_from
 
 
-def run_train(run_dir, sets, check=True):
-    args = [sys.executable, "-m", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
-    args += ["--run-dir", str(run_dir), "--quiet"] + [a for s in sets for a in ("--set", s)]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory, llama_like):
     """A FAST run through the CLI on the Llama-3-like tokenizer (BOS first, EOS after each
@@ -219,7 +200,7 @@ def hf_run(tmp_path_factory, llama_like):
     data = root / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": d}) for d in documents(300)) + "\n")
     sets = [*FAST, "data.source=files", f"data.paths=['{data}']", f"data.tokenizer={llama_like}"]
-    run_train(root / "run", sets)
+    run_cli(root / "run", *sets)
     out = root / "hf"
     assert exporting.main(["--run-dir", str(root / "run"), "--out", str(out)]) == 0
     return {"root": root, "dir": root / "run", "sets": sets, "export": out, "data": data}
@@ -280,7 +261,7 @@ def test_continued_pretraining_of_a_checkpoint_with_its_tokenizer_json(llama_lik
     sets = [*FAST, "train.steps=1", "train.eval_every=1", "data.source=files", f"data.paths=['{data}']"]
     sets += [f"data.tokenizer={checkpoint}", f"model.init_from={checkpoint}", "model.name=null"]
     sets += ["model.overrides={}"]
-    run_train(tmp_path / "run", sets)
+    run_cli(tmp_path / "run", *sets)
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     run_cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), sets)
     loaded = build_data(run_cfg.data, run_cfg.train.seq_len, quiet=True)

@@ -19,6 +19,7 @@ import lm_harness
 import numpy as np
 import pytest
 from lm_harness import NAME, assert_same_scores, evaluate_scores, harness_cli_scores, harness_scores
+from test_train import run_cli
 
 import models
 from models.hf_files import write_hf_dir
@@ -138,15 +139,14 @@ def test_bad_directories_are_named(tmp_path):
 # ------------------------------------------------------------- a trained run, exported and back
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A 4-step run on a sentencepiece tokenizer trained here, checkpoints at steps 2 and 4."""
-    root = tmp_path_factory.mktemp("interop")
-    corpus = root / "corpus.txt"
+def train_sentencepiece(prefix: pathlib.Path, model_type: str = "unigram") -> pathlib.Path:
+    """A 60-piece sentencepiece model (pad 0, EOS 1, UNK 2, no BOS) trained on a small corpus."""
+    corpus = prefix.with_name("corpus.txt")
     corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
     spm.SentencePieceTrainer.train(
         input=str(corpus),
-        model_prefix=str(root / "sp"),
+        model_prefix=str(prefix),
+        model_type=model_type,
         vocab_size=60,
         eos_id=1,
         pad_id=0,
@@ -154,20 +154,19 @@ def run(tmp_path_factory):
         bos_id=-1,
         minloglevel=2,
     )
+    return prefix.with_suffix(".model")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 4-step run on a sentencepiece tokenizer trained here, checkpoints at steps 2 and 4."""
+    root = tmp_path_factory.mktemp("interop")
+    train_sentencepiece(root / "sp")
     data = root / "d.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"the quick brown fox {i} is lazy"}) for i in range(200)))
     sets = [*RUN, "data.source=files", f"data.paths=['{data}']", f"data.tokenizer={root / 'sp.model'}"]
-    run_train(root / "run", sets)
+    run_cli(root / "run", *sets)
     return {"root": root, "dir": root / "run", "tokenizer": str(root / "sp.model"), "sets": sets}
-
-
-def run_train(run_dir, sets, check=True):
-    args = [sys.executable, "-m", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
-    args += ["--run-dir", str(run_dir), "--quiet"] + [a for s in sets for a in ("--set", s)]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -245,20 +244,8 @@ def test_export_keeps_no_tokenizer_that_would_encode_otherwise(tmp_path, monkeyp
     """A sentencepiece BPE model is not converted; and tokenizer files with which ``AutoTokenizer``
     would encode otherwise than the run (here T5Tokenizer's config, which appends EOS) are removed,
     the note naming the text that differs."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
     for kind in ("bpe", "unigram"):
-        spm.SentencePieceTrainer.train(
-            input=str(corpus),
-            model_prefix=str(tmp_path / kind),
-            model_type=kind,
-            vocab_size=60,
-            eos_id=1,
-            pad_id=0,
-            unk_id=2,
-            bos_id=-1,
-            minloglevel=2,
-        )
+        train_sentencepiece(tmp_path / kind, kind)
     out = tmp_path / "out"
     out.mkdir()
     files, note = exporting.write_tokenizer(SentencePieceTokenizer(str(tmp_path / "bpe.model")), out, 32)
@@ -286,7 +273,7 @@ def test_init_from_starts_the_run_from_the_exported_weights(run, exported):
 
     new = run["root"] / "continued"
     sets = [*run["sets"], "train.steps=1", "train.eval_every=1", f"model.init_from={exported}"]
-    run_train(new, sets)
+    run_cli(new, *sets)
     first = json.loads((new / "metrics.jsonl").read_text().splitlines()[0])
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), sets)
     data = build_data(cfg.data, cfg.train.seq_len, quiet=True)
@@ -322,9 +309,7 @@ def test_init_from_mismatches_are_one_line_errors(run, exported, tmp_path):
     broken.mkdir()
     for f in ("config.json", "generation_config.json"):
         (broken / f).write_text((exported / f).read_text())
-    proc = run_train(
-        tmp_path / "r", [*run["sets"], f"model.init_from={broken}", "model.name=null"], check=False
-    )
+    proc = run_cli(tmp_path / "r", *run["sets"], f"model.init_from={broken}", "model.name=null", check=False)
     err = proc.stderr.strip()
     assert proc.returncode == 2 and "holds no model.safetensors" in err and len(err.splitlines()) == 1, err
 

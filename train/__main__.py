@@ -8,7 +8,7 @@ import pathlib
 import shlex
 import sys
 
-from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR, IOFault, UserError
+from train.errors import EXIT_PREEMPTED, IOFault, cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,30 +40,28 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     stem = "-".join(pathlib.Path(c).stem for c in args.config)
     run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / stem)
-    try:
+
+    def body() -> int:
         from train.config import load_config
+        from train.store import Interrupted
 
         cfg = load_config(args.config, args.overrides)
         _start_distributed()
         from train.loop import train_and_evaluate
 
-        summary = train_and_evaluate(cfg, run_dir, resume=args.resume, quiet=args.quiet)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except IOFault as e:
-        print(f"error: {e}; once that is fixed, continue with: {_resume_command(argv)}", file=sys.stderr)
-        return EXIT_IO_ERROR
-    except Exception as e:
-        from train.store import Interrupted
+        try:
+            summary = train_and_evaluate(cfg, run_dir, resume=args.resume, quiet=args.quiet)
+        except Interrupted as e:
+            print(
+                f"interrupted while building the token store ({e}): run the same command again",
+                file=sys.stderr,
+            )
+            return EXIT_PREEMPTED
+        except IOFault as e:
+            raise e.with_note(f"once that is fixed, continue with: {_resume_command(argv)}") from None
+        return _report(summary, run_dir)
 
-        if not isinstance(e, Interrupted):
-            raise
-        print(
-            f"interrupted while building the token store ({e}): run the same command again", file=sys.stderr
-        )
-        return EXIT_PREEMPTED
-    return _report(summary, run_dir)
+    return cli(body)
 
 
 def _start_distributed() -> None:

@@ -18,7 +18,7 @@ import json
 import sys
 import time
 
-from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR, IOFault, UserError
+from train.errors import EXIT_PREEMPTED, UserError, cli
 
 
 def main(argv=None) -> int:
@@ -32,32 +32,32 @@ def main(argv=None) -> int:
     from train import store
     from train.config import load_config
 
-    try:
+    def body() -> int:
         if args.workers is not None and args.workers < 1:
             raise UserError(f"--workers must be >= 1, got {args.workers}")
         cfg = load_config(args.config, args.overrides).data
         if cfg.source == "store":
             raise UserError("data.source is store: there is nothing to prepare (give files, tfds or builtin)")
         t0 = time.perf_counter()
-        opened = store.open_store(cfg, quiet=args.quiet, out=args.out, workers=args.workers)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except IOFault as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_IO_ERROR
-    except store.Interrupted as e:
-        print(
-            f"interrupted ({e}): completed shards are kept; run the same command again to continue",
-            file=sys.stderr,
-        )
-        return EXIT_PREEMPTED
-    seconds = time.perf_counter() - t0
+        try:
+            opened = store.open_store(cfg, quiet=args.quiet, out=args.out, workers=args.workers)
+        except store.Interrupted as e:
+            print(
+                f"interrupted ({e}): completed shards are kept; run the same command again to continue",
+                file=sys.stderr,
+            )
+            return EXIT_PREEMPTED
+        report(opened, time.perf_counter() - t0)
+        return 0
+
+    return cli(body)
+
+
+def report(opened, seconds: float) -> None:
     splits = opened.manifest["splits"]
     counts = ", ".join(f"{n} {s['documents']:,} documents {s['tokens']:,} tokens" for n, s in splits.items())
     skipped = json.dumps(opened.manifest["skipped"])
     print(f"token store {opened.directory}: {counts}; skipped {skipped}; {seconds:.1f}s")
-    return 0
 
 
 if __name__ == "__main__":

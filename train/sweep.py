@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 
 from train.compare import problems, reach
-from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR, IOFault, UserError, io_operation
+from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import pyplot
 from train.rundir import RunDir
 
@@ -280,34 +280,31 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", default=None, help="the grid point whose final ppl is the target")
     parser.add_argument("--report-only", action="store_true", help="write the report from what has run")
     args = parser.parse_args(argv)
-    out = args.out or pathlib.Path("runs") / f"sweep-{args.base.stem}"
+    return cli(lambda: _sweep(args, args.out or pathlib.Path("runs") / f"sweep-{args.base.stem}"))
+
+
+def _sweep(args, out: pathlib.Path) -> int:
+    if not args.base.is_file():
+        raise UserError(f"--base: config file not found: {args.base}")
     try:
-        if not args.base.is_file():
-            raise UserError(f"--base: config file not found: {args.base}")
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
+    runs = expand(args.base, args.axis, seeds or [0])
+    grid = {"base": str(args.base), "axes": args.axis, "seeds": seeds, "sets": args.overrides}
+    with io_operation("writing the sweep's grid to", out):
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep.json").write_text(json.dumps(grid, indent=2))
+    if not args.report_only:
         try:
-            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        except ValueError:
-            raise UserError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
-        runs = expand(args.base, args.axis, seeds or [0])
-        grid = {"base": str(args.base), "axes": args.axis, "seeds": seeds, "sets": args.overrides}
-        with io_operation("writing the sweep's grid to", out):
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "sweep.json").write_text(json.dumps(grid, indent=2))
-        if not args.report_only:
             outcomes = run_grid(args.base, runs, out, args.overrides)
-            failed = {k: v for k, v in outcomes.items() if v != "completed"}
-            if failed:
-                print(f"{len(failed)} run(s) did not complete: {failed}")
-        result = report(out, runs, args.baseline)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except IOFault as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_IO_ERROR
-    except SweepStopped as e:
-        print(f"{'error: ' if e.code == EXIT_IO_ERROR else ''}{e}", file=sys.stderr)
-        return e.code
+        except SweepStopped as e:
+            print(f"{'error: ' if e.code == EXIT_IO_ERROR else ''}{e}", file=sys.stderr)
+            return e.code
+        failed = {k: v for k, v in outcomes.items() if v != "completed"}
+        if failed:
+            print(f"{len(failed)} run(s) did not complete: {failed}")
+    result = report(out, runs, args.baseline)
     print((out / "report.md").read_text(), end="")
     return 0 if not result["excluded"] else 1
 
