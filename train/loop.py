@@ -1,6 +1,6 @@
 """``train_and_evaluate``: one training (or profiling) run, in five phases.
 
-1. ``setup``: data, model config, mesh, shardings, optimizer and the abstract state (``Setup``);
+1. ``make_setup``: data, model config, mesh, shardings, optimizer and the abstract state (``Setup``);
 2. ``restore_or_init``: the newest usable checkpoint, or a new state (``Start``);
 3. ``write_run_files``: the run dir's ``config.yaml``, ``model.json`` and the start-up banner;
 4. ``StepLoop.run``: the jitted steps with the batch drawn ahead, each step's metrics read one
