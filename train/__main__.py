@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 
+from train import distributed
 from train.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 
 
 def main(argv=None) -> int:
+    """Several processes: a launcher that runs the trainer as its child (``train.distributed``)."""
+    if distributed.multi_process() and not distributed.is_worker():
+        return distributed.launch(sys.argv[1:] if argv is None else list(argv))
+    if distributed.is_worker():
+        distributed.use_launcher_stderr()
+    status = _main(argv)
+    distributed.declare_exit(status)
+    return status
+
+
+def _main(argv) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train",
         description="Pretrain a models config with AdamW, GaLore or MoARa (or profile module alignment).",
@@ -37,15 +48,8 @@ def main(argv=None) -> int:
         from train.config import load_config
 
         cfg = load_config(args.config, args.overrides)
-        if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_JOB_ID"):
-            import jax
-
-            env = {
-                k: int(os.environ[v])
-                for k, v in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
-                if v in os.environ
-            }
-            jax.distributed.initialize(**env)
+        if distributed.multi_process():
+            distributed.initialize()
         from train.loop import train_and_evaluate
 
         stem = "-".join(pathlib.Path(c).stem for c in args.config)
@@ -58,6 +62,7 @@ def main(argv=None) -> int:
         from train.store import Interrupted
 
         if not isinstance(e, Interrupted):
+            distributed.before_traceback()
             raise
         print(
             f"interrupted while building the token store ({e}): run the same command again", file=sys.stderr

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
 from train.data import Data, build_data
 from train.data import describe as describe_data
+from train.distributed import StopSignals
 from train.errors import UserError
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
 from train.metrics import perplexity as ppl
@@ -49,7 +49,7 @@ from train.step import Allocation, TrainState, make_eval_step, make_optimizer, m
 def train_and_evaluate(cfg: RunConfig, run_dir, resume: bool = False, quiet: bool = False) -> dict:
     """Runs (or resumes) one training or profiling run in ``run_dir`` and returns its summary;
     the run dir is locked against a second writer for the whole run."""
-    main = jax.process_index() == 0  # the process that writes the run dir's files
+    main = _is_main_process()
     with RunLock(run_dir) if main else contextlib.nullcontext():
         return _run(cfg, RunDir(run_dir), resume, quiet, main)
 
@@ -83,6 +83,11 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
 
 def _silent(*args) -> None:
     pass
+
+
+def _is_main_process() -> bool:
+    """Whether this process writes the run dir's files (the first of a multi-process run)."""
+    return jax.process_index() == 0
 
 
 class Clock:
@@ -271,26 +276,6 @@ def _describe_optimizer(cfg: RunConfig) -> str:
 # ------------------------------------------------------------------------------- 4. the step loop
 
 
-class _Signals:
-    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits cleanly."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 class Batches:
     """Train batches as global arrays of this process's rows, drawn one ahead of the step that
     uses them; remembers the iterator's state before the batch drawn ahead, which is what a
@@ -374,7 +359,7 @@ class StepLoop:
         batch = self.batches.next() if step < total else None
         self.last_done = time.perf_counter()  # the first step's time includes its compilation
         try:
-            with _Signals() as signals:
+            with StopSignals() as signals:
                 while step < total:
                     self.clock.mark("first_step_s")  # everything before it but its compilation
                     state, metrics = self.step_fn(state, batch)
@@ -383,7 +368,7 @@ class StepLoop:
                     if pending is not None:
                         stop, pending = self.read_metrics(*pending), None
                     evaluating = step % t.eval_every == 0 or step == total
-                    saving = self.ckpt.should_save(step) or step == total or signals.requested
+                    saving = self.ckpt.should_save(step) or step == total
                     if stop is None and (evaluating or saving):
                         stop = self.read_metrics(step, metrics)
                     elif stop is None:
@@ -394,7 +379,11 @@ class StepLoop:
                         self.evaluate(step, state.params)
                     if saving and (stop := self.save(step, state, drawn_ahead=batch is not None)):
                         break
-                    if signals.requested:
+                    if signals.at_step():  # once per step, at the same step in every process
+                        if pending is not None:
+                            stop, pending = self.read_metrics(*pending), None
+                        if stop is None and not saving:
+                            stop = self.save(step, state, drawn_ahead=batch is not None)
                         status = "interrupted"
                         break
                 if pending is not None and stop is None:
