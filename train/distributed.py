@@ -119,11 +119,12 @@ def initialize() -> None:
     import jax
 
     timeout = heartbeat_timeout()
-    env = {
-        k: int(os.environ[v])
-        for k, v in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
-        if v in os.environ
-    }
+    env = {}
+    for key, var in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
+        if var in os.environ:
+            if not os.environ[var].strip().isdigit():
+                raise UserError(f"{var} must be a whole number, got {os.environ[var]!r}")
+            env[key] = int(os.environ[var])
     jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
@@ -170,10 +171,10 @@ class StopSignals:
     """SIGTERM/SIGINT ask the step loop to stop after saving a checkpoint; ``at_step`` is called
     once per step and says whether to stop after it.
 
-    One process: a request counts at the next step. Several: every process must stop at the same
-    step (the checkpoint is saved collectively), so each step's requests are combined over the
-    processes by a small jitted max, read one step later: a request counts one step later, at
-    the same step in every process."""
+    One process: the loop stops after the step during which the request came. Several: every
+    process must stop at the same step (the checkpoint is saved collectively), so each step's
+    requests are combined over the processes by a small jitted max, read at the next step: the
+    loop stops one step later, at the same step in every process."""
 
     def __init__(self):
         import jax
