@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import shlex
 import sys
 
+from train import distributed
 from train.errors import EXIT_PREEMPTED, IOFault, cli
 
 
@@ -37,6 +37,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    """Several processes: a launcher that runs the trainer as its child (``train.distributed``)."""
+    if distributed.multi_process() and not distributed.is_worker():
+        return distributed.launch(sys.argv[1:] if argv is None else list(argv))
+    if distributed.is_worker():
+        distributed.use_launcher_stderr()
+    status = train(argv)
+    distributed.declare_exit(status)
+    return status
+
+
+def train(argv=None) -> int:
+    """One process's run: its exit status (a ``UserError`` or ``IOFault`` is one line)."""
     args = parse_args(argv)
     stem = "-".join(pathlib.Path(c).stem for c in args.config)
     run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / stem)
@@ -46,7 +58,8 @@ def main(argv=None) -> int:
         from train.store import Interrupted
 
         cfg = load_config(args.config, args.overrides)
-        _start_distributed()
+        if distributed.multi_process():
+            distributed.initialize()
         from train.loop import train_and_evaluate
 
         try:
@@ -61,22 +74,11 @@ def main(argv=None) -> int:
             raise e.with_note(f"once that is fixed, continue with: {_resume_command(argv)}") from None
         return _report(summary, run_dir)
 
-    return cli(body)
-
-
-def _start_distributed() -> None:
-    """``jax.distributed.initialize`` for a multi-process run (``JAX_COORDINATOR_ADDRESS`` with
-    ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, or SLURM)."""
-    if not (os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_JOB_ID")):
-        return
-    import jax
-
-    env = {
-        k: int(os.environ[v])
-        for k, v in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID"))
-        if v in os.environ
-    }
-    jax.distributed.initialize(**env)
+    try:
+        return cli(body)
+    except Exception:
+        distributed.before_traceback()  # an unexpected error may be a lost peer's doing
+        raise
 
 
 def _resume_command(argv) -> str:

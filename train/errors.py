@@ -16,6 +16,9 @@ from collections.abc import Callable, Iterator
 EXIT_USER_ERROR = 2
 EXIT_IO_ERROR = 74
 EXIT_PREEMPTED = 75
+# A process of a multi-process run whose peer process was lost (stopped, or its host unreachable):
+# sysexits' EX_UNAVAILABLE, "a service is unavailable"; every process restarts with --resume.
+EXIT_PEER_LOST = 69
 
 
 class UserError(Exception):

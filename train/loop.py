@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
 from train.data import Data, build_data
 from train.data import describe as describe_data
+from train.distributed import StopSignals
 from train.errors import IOFault, UserError, io_operation
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
 from train.metrics import perplexity as ppl
@@ -49,7 +49,7 @@ from train.step import Allocation, TrainState, make_eval_step, make_optimizer, m
 def train_and_evaluate(cfg: RunConfig, run_dir, resume: bool = False, quiet: bool = False) -> dict:
     """Runs (or resumes) one training or profiling run in ``run_dir`` and returns its summary;
     the run dir is locked against a second writer for the whole run."""
-    main = jax.process_index() == 0  # the process that writes the run dir's files
+    main = _is_main_process()
     with RunLock(run_dir) if main else contextlib.nullcontext():
         return _run(cfg, RunDir(run_dir), resume, quiet, main)
 
@@ -83,6 +83,11 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
 
 def _silent(*args) -> None:
     pass
+
+
+def _is_main_process() -> bool:
+    """Whether this process writes the run dir's files (the first of a multi-process run)."""
+    return jax.process_index() == 0
 
 
 class Clock:
@@ -272,26 +277,6 @@ def _describe_optimizer(cfg: RunConfig) -> str:
 # ------------------------------------------------------------------------------- 4. the step loop
 
 
-class _Signals:
-    """SIGTERM/SIGINT set a flag; the loop saves a checkpoint and exits cleanly."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 class Batches:
     """Train batches as global arrays of this process's rows, drawn one ahead of the step that
     uses them; remembers the iterator's state before the batch drawn ahead, which is what a
@@ -375,7 +360,7 @@ class StepLoop:
         them with the status ``io_error``."""
         self.step, fault = step, None
         try:
-            with _Signals() as signals:
+            with StopSignals() as signals:
                 outcome = self._steps(state, signals)
         except IOFault as e:
             outcome, fault = Outcome("io_error", self.step, None), e
@@ -387,7 +372,7 @@ class StepLoop:
             fault = fault or e
         return Outcome("io_error", outcome.steps, None, fault) if fault else outcome
 
-    def _steps(self, state: TrainState, signals: _Signals) -> Outcome:
+    def _steps(self, state: TrainState, signals: StopSignals) -> Outcome:
         total, t = self.setup.total_steps, self.setup.cfg.train
         stop, pending = None, None  # pending: (step, metrics) not read yet
         batch = self.batches.next() if self.step < total else None
@@ -400,7 +385,7 @@ class StepLoop:
             if pending is not None:
                 stop, pending = self.read_metrics(*pending), None
             evaluating = step % t.eval_every == 0 or step == total
-            saving = self.ckpt.should_save(step) or step == total or signals.requested
+            saving = self.ckpt.should_save(step) or step == total
             if stop is None and (evaluating or saving):
                 stop = self.read_metrics(step, metrics)
             elif stop is None:
@@ -411,8 +396,14 @@ class StepLoop:
                 self.evaluate(step, state.params)
             if saving and (stop := self.save(step, state, drawn_ahead=batch is not None)):
                 break
-            if signals.requested:
-                return Outcome("interrupted", step, None)
+            if signals.at_step():  # once per step, at the same step in every process
+                if pending is not None:
+                    stop, pending = self.read_metrics(*pending), None
+                if stop is None and not saving:  # the steps done so far are saved, then it stops
+                    stop = self.save(step, state, drawn_ahead=batch is not None)
+                if stop is None:
+                    return Outcome("interrupted", step, None)
+                break
         if pending is not None and stop is None:
             stop = self.read_metrics(*pending)
         if stop is not None:

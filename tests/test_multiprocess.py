@@ -1,0 +1,284 @@
+"""``python -m train`` as 2 processes x 2 CPU devices through ``jax.distributed`` on localhost
+against 1 process x 4 devices: the same losses, SIGTERM, the loss of either process, and
+``--resume`` after each, on one run dir that only process 0 writes."""
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from train import distributed
+from train.distributed import HEARTBEAT_ENV
+from train.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, UserError
+from train.rundir import CHECKPOINTS, METRICS, SUMMARY, read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+STEPS = 24
+SETS = [
+    f"train.steps={STEPS}",
+    "train.eval_every=12",
+    "train.batch_size=8",  # 2 rows per device of 4
+    "train.seq_len=32",
+    "train.eval_batches=1",
+    "optimizer.update_proj_gap=5",
+    "checkpoint.every=6",
+    "checkpoint.keep=2",
+]
+HEARTBEAT_S = 10  # the coordination service's heartbeat timeout in these runs
+LOST_BOUND_S = 60  # a survivor stops this long after its peer's death at most (busy CI included)
+
+
+def environment(devices: int, cache: pathlib.Path, **more: str) -> dict:
+    """This session's environment without a scheduler's or an outer run's process settings; a
+    persistent compilation cache spares the sessions after the first their compilation."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_"))}
+    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), HEARTBEAT_ENV: str(HEARTBEAT_S)}
+    env |= {"JAX_COMPILATION_CACHE_DIR": str(cache)}
+    return env | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} | more
+
+
+def _args(run_dir, extra=()) -> list[str]:
+    args = [sys.executable, "-m", "train", "--config", TINY, "--run-dir", str(run_dir), "--quiet"]
+    return args + [x for s in SETS for x in ("--set", s)] + list(extra)
+
+
+class Pair:
+    """Two launchers of one run (processes 0 and 1), their output in files beside the run dir."""
+
+    def __init__(self, run_dir: pathlib.Path, name: str, *extra: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.run_dir, self.logs, self.procs = run_dir, [], []
+        metrics = run_dir / METRICS
+        self.stale = metrics.stat().st_ino if metrics.exists() else None  # replaced when resuming
+        for i in range(2):
+            env = environment(
+                2,
+                run_dir.parent / "xla-cache",
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES="2",
+                JAX_PROCESS_ID=str(i),
+            )
+            out, err = (run_dir.parent / f"{name}.{i}.{ext}" for ext in ("out", "err"))
+            self.logs.append((out, err))
+            with open(out, "w") as o, open(err, "w") as e:
+                self.procs.append(
+                    subprocess.Popen(_args(run_dir, extra), cwd=ROOT, env=env, stdout=o, stderr=e)
+                )
+
+    def err(self, i: int) -> str:
+        return self.logs[i][1].read_text()
+
+    def report(self) -> str:
+        return "\n".join(f"--- process {i} stderr:\n{self.err(i)[-3000:]}" for i in range(2))
+
+    def wait_for_step(self, step: int, checkpoint: int | None = None) -> None:
+        """Until this session has logged ``step`` (a resume first rewrites metrics.jsonl without
+        the rows the last session logged after its checkpoint) and finished ``checkpoint``."""
+        deadline, metrics = time.time() + 600, self.run_dir / METRICS
+        while time.time() < deadline and all(p.poll() is None for p in self.procs):
+            with contextlib.suppress(FileNotFoundError):
+                if (
+                    metrics.stat().st_ino != self.stale
+                    and max(logged_steps(self.run_dir), default=0) >= step
+                    and (checkpoint is None or (self.run_dir / CHECKPOINTS / str(checkpoint)).is_dir())
+                ):
+                    return
+            time.sleep(0.1)
+        self.kill()
+        raise AssertionError(f"step {step} was not logged\n{self.report()}")
+
+    def resumed_from(self) -> int:
+        return int(self.logs[0][0].read_text().split("resuming from step ")[1].split()[0])
+
+    def wait(self, i: int, timeout: float = 600) -> int:
+        try:
+            return self.procs[i].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"process {i} did not end in {timeout} s\n{self.report()}") from None
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def logged_steps(run_dir: pathlib.Path) -> list[int]:
+    path = run_dir / METRICS
+    return [r["step"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
+
+
+def losses(run_dir: pathlib.Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / METRICS) if "loss" in r}
+
+
+def assert_peer_lost(pair: Pair, survivor: int, killed_at: float) -> float:
+    """The survivor ends with EXIT_PEER_LOST in time, its last line saying so, no dump."""
+    code = pair.wait(survivor, timeout=LOST_BOUND_S + 60)
+    took = time.time() - killed_at
+    err = pair.err(survivor)
+    assert code == EXIT_PEER_LOST, f"exit {code}\n{pair.report()}"
+    assert took < LOST_BOUND_S, f"stopped {took:.0f} s after its peer\n{pair.report()}"
+    last = err.strip().splitlines()[-1]
+    assert (
+        last.startswith(f"error: process {survivor} of 2 lost process {1 - survivor} (")
+        and "--resume" in last
+    ), err
+    for dump in ("Check failure stack trace", "Terminating process", "Traceback", "\nF1", "\nE1"):
+        assert dump not in "\n" + err, f"{dump!r} in stderr:\n{err}"
+    return took
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
+    """One run dir through four sessions of 2 processes x 2 devices: stopped by SIGTERM to both
+    (75 each, the same step), resumed and process 1 killed (process 0 ends with EXIT_PEER_LOST),
+    resumed from the checkpoint it kept and process 0 killed (process 1 ends so), resumed to the
+    end. Every step is logged once with the losses of one process x 4 devices, and the run dir
+    holds what a one-process run's holds (one writer)."""
+    one = tmp_path / "one"
+    ref = subprocess.run(
+        _args(one),
+        cwd=ROOT,
+        env=environment(4, tmp_path / "xla-cache"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = tmp_path / "two"
+
+    # 1. SIGTERM to both: each saves the same checkpoint and exits 75.
+    pair = Pair(run, "sigterm")
+    pair.wait_for_step(4)
+    for p in pair.procs:
+        p.send_signal(signal.SIGTERM)
+    codes = [pair.wait(i) for i in range(2)]
+    assert codes == [EXIT_PREEMPTED] * 2, pair.report()
+    summary = json.loads((run / SUMMARY).read_text())
+    assert summary["status"] == "interrupted" and 4 <= summary["steps"] < STEPS, summary
+    assert summary["devices"] == 4 and summary["mesh"]["data"] == 4
+    stopped = summary["steps"]
+    assert (run / CHECKPOINTS / str(stopped)).is_dir()
+
+    # 2. Resumed; process 1 killed after checkpoint 12 (its trainer dies with its launcher):
+    # process 0 says so.
+    pair = Pair(run, "kill1", "--resume")
+    pair.wait_for_step(13, checkpoint=12)
+    assert pair.resumed_from() == stopped
+    killed_at = time.time()
+    pair.procs[1].kill()
+    took1 = assert_peer_lost(pair, 0, killed_at)
+
+    # 3. Resumed from what the survivor kept; process 0 (which hosts the coordination service)
+    # killed: process 1 says so.
+    pair = Pair(run, "kill0", "--resume")
+    pair.wait_for_step(14)
+    assert pair.resumed_from() == 12
+    killed_at = time.time()
+    pair.procs[0].kill()
+    took0 = assert_peer_lost(pair, 1, killed_at)
+
+    # 4. Resumed to the end.
+    pair = Pair(run, "finish", "--resume")
+    codes = [pair.wait(i) for i in range(2)]
+    assert codes == [0, 0], pair.report()
+    assert pair.resumed_from() >= 12
+    steps = logged_steps(run)
+    assert steps == list(range(1, STEPS + 1)), steps  # every step once, in order
+    evals = [r["step"] for r in read_metrics(run / METRICS) if "eval_loss" in r]
+    assert evals == [12, 24], evals
+    want, got = losses(one), losses(run)
+    # The same program on the same 4-device mesh; only the all-reduces differ (gloo across the
+    # two processes), which may add the 4 partial sums in another order: float32 rounding, at
+    # most 1.6e-7 relative (1-2 ulps of the loss) measured here, room for other CPUs and orders.
+    np.testing.assert_allclose([got[s] for s in want], [want[s] for s in want], rtol=1e-5)
+    # One writer: the files and checkpoints of a one-process run, nothing else.
+    names = {p.name for p in run.iterdir()}
+    assert names == {p.name for p in one.iterdir()}, names
+    kept = sorted(p.name for p in (run / CHECKPOINTS).iterdir())
+    assert kept == sorted(p.name for p in (one / CHECKPOINTS).iterdir()), kept
+    assert json.loads((run / SUMMARY).read_text())["status"] == "completed"
+    print(f"survivor stopped {took1:.1f} s after process 1 was killed, {took0:.1f} s after process 0")
+
+
+# What jaxlib 0.10.2 wrote to stderr in process 0 when process 1 stopped sending heartbeats (its
+# stack trace shortened), between a line of the trainer's and its declared exit status.
+JAXLIB_DUMP = b"""\
+[Gloo] a line of the run's own
+E1124 04:06:09.291011   15628 coordination_service.cc:1549] [66994] Use error polling to propagate \
+the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+1
+The tasks have crashed. Check the task logs for an earlier error.
+E1124 04:06:09.291530   15639 coordination_service_agent.cc:289] Polled an error from coordination service
+F1124 04:06:09.291684   15639 client.h:80] Terminating process because the JAX distributed service \
+detected fatal errors. This most likely indicates that another task died. absl::Status: UNAVAILABLE: \
+The following tasks are unhealthy (stopped sending heartbeats):
+1
+*** Check failure stack trace: ***
+    @     0x7f25a0040634  absl::lts_20260107::log_internal::LogMessage::SendToLog()
+"""
+
+
+def _relay(*pieces: bytes, pause: float = 0.0) -> tuple[bytes, distributed._Relay]:
+    """``pieces`` through the launcher's relay, ``pause`` seconds apart."""
+    read, write = os.pipe()
+    relay = distributed._Relay(read)
+    relay.out = io.BytesIO()
+    relay.start()
+    for k, piece in enumerate(pieces):
+        time.sleep(pause if k else 0)
+        os.write(write, piece)
+    os.close(write)
+    relay.join(timeout=10)
+    os.close(read)
+    return relay.out.getvalue(), relay
+
+
+def test_launcher_relay_drops_jaxlib_dump_and_names_the_lost_process(monkeypatch):
+    fatal = JAXLIB_DUMP.index(b"F1124")
+    connected = b"moara-jax-worker-connected\n"
+    out, relay = _relay(connected + JAXLIB_DUMP[:fatal], JAXLIB_DUMP[fatal:] + b"more\n", pause=0.5)
+    assert out == b"[Gloo] a line of the run's own\n"  # the C++ log lines just before go too
+    assert relay.peer_lost and relay.connected and relay.declared is None
+    lost = distributed.lost_processes(b"".join(relay.dropped).decode())
+    assert lost == [1]
+    assert distributed.lost_processes("Either the leader task was preempted/died/restarted") == [0]
+    monkeypatch.setenv("JAX_PROCESS_ID", "0")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    assert distributed.peer_lost_line(lost).startswith("error: process 0 of 2 lost process 1 (")
+    # jaxlib ends a process the same way when the others do not all connect in time
+    _, relay = _relay(JAXLIB_DUMP[fatal:])
+    assert relay.peer_lost and not relay.connected
+    line = distributed.peer_lost_line([], relay.connected)
+    assert line.startswith("error: process 0 of 2 did not connect to every process through the coordinator")
+
+
+def test_launcher_relay_passes_other_output_and_takes_the_declared_status():
+    log = b"E1124 04:06:09.291011   15628 some_file.cc:12] a C++ error, then nothing fatal\n"
+    out, relay = _relay(b"plain\n" + log, b"no newline", b"moara-jax-worker-exit-status 75\n", pause=1.5)
+    assert out == b"plain\n" + log + b"no newline"
+    assert relay.declared == 75 and not relay.peer_lost and not relay.connected
+
+
+def test_heartbeat_timeout_from_the_environment(monkeypatch):
+    monkeypatch.setenv(HEARTBEAT_ENV, "12")
+    assert distributed.heartbeat_timeout() == 12
+    monkeypatch.delenv(HEARTBEAT_ENV)
+    assert distributed.heartbeat_timeout() == distributed.HEARTBEAT_TIMEOUT_S
+    monkeypatch.setenv(HEARTBEAT_ENV, "soon")
+    with pytest.raises(UserError, match=HEARTBEAT_ENV):
+        distributed.heartbeat_timeout()
