@@ -37,6 +37,13 @@ def main(argv=None) -> int:
         from train.config import load_config
 
         cfg = load_config(args.config, args.overrides)
+        # Before anything starts a JAX backend: XLA reads XLA_FLAGS once, at that start.
+        from train import xla_flags
+
+        gpu = xla_flags.gpu_platform_expected()
+        added = xla_flags.apply(xla_flags.configured_flags(cfg.xla.gpu_flag_sets, cfg.xla.flags, gpu))
+        if added and not args.quiet:
+            print(f"XLA flags added: {' '.join(added)}")
         if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_JOB_ID"):
             import jax
 
@@ -46,6 +53,7 @@ def main(argv=None) -> int:
                 if v in os.environ
             }
             jax.distributed.initialize(**env)
+        _check_attention(cfg)
         from train.loop import train_and_evaluate
 
         stem = "-".join(pathlib.Path(c).stem for c in args.config)
@@ -76,6 +84,20 @@ def main(argv=None) -> int:
         print("interrupted: a checkpoint was saved; continue with --resume", file=sys.stderr)
         return EXIT_PREEMPTED
     return 0
+
+
+def _check_attention(cfg) -> None:
+    """``attention_impl: cudnn`` runs on a CUDA GPU only: a one-line error elsewhere."""
+    if cfg.model.overrides.get("attention_impl") != "cudnn":
+        return
+    from models.layers import default_platform
+
+    platform = default_platform()
+    if platform != "cuda":
+        raise UserError(
+            f"model.overrides.attention_impl: cudnn needs a CUDA GPU, but JAX runs on {platform}; "
+            "leave it unset for cuDNN where it applies and XLA's attention elsewhere"
+        )
 
 
 if __name__ == "__main__":
