@@ -9,6 +9,17 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests run only where JAX's default backend is a GPU (asked only when one was
+    collected: the question starts JAX's backend)."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked or jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU: JAX's default backend is {jax.default_backend()}")
+    for item in marked:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _token_store_cache(tmp_path_factory):
     # The parent of the base temp dir is shared by the xdist workers of one session, so the
