@@ -109,9 +109,11 @@ def apply(flags: list[str], environ=os.environ) -> list[str]:
     value, added = merged(environ.get("XLA_FLAGS", ""), flags)
     if not added:
         return []
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    try:  # a private helper of JAX: without it, the check is skipped
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:
+        backends_are_initialized = bool
+    if backends_are_initialized():
         raise UserError("xla flags: a JAX backend is already running, so XLA would ignore them")
     check_known(added)
     environ["XLA_FLAGS"] = value
