@@ -15,6 +15,16 @@ at ``count % T == 0``). MFU = 6 x N x tokens / step time / peak FLOP/s, N every 
 embedding and LM head included; attention's own FLOPs left out), peak ``--peak-tflops`` (989.4:
 an H100 or H200's dense bf16).
 
+This project's step is compiled once per optimizer (plain and refresh steps run the same program);
+its model takes ``--remat``, ``--attention``, ``--layers`` and ``--xla-flag-sets`` as
+``train_step.py`` does. JAX's peak memory is the process's peak so far (``memory_stats``): run one
+optimizer per process (``--only``) for each its own, as ``benchmarks/gpu_session.py`` does; the
+compiled step's own peak (XLA's memory analysis) is recorded beside it. The peers run first, before
+JAX starts its backend; when both sides share a process JAX allocates on demand
+(``XLA_PYTHON_CLIENT_PREALLOCATE=false`` unless set) instead of taking 75% of the device at its start.
+galore-torch's package imports bitsandbytes for its 8-bit optimizer; where that is missing,
+``GaLoreAdamW`` is loaded from its own module without it.
+
 Usage (on the GPU machine; galore-torch, transformers and torch must be installed):
   python benchmarks/vs_torch.py --model llama2-350m --batch 512 --micro-batch 128 --seq-len 256 \\
       [--steps 10] [--only galore_torch moara_full] [--out vs_torch.json]
@@ -24,20 +34,30 @@ CPU smoke run: --model llama2-tiny --batch 8 --micro-batch 4 --seq-len 32 --step
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
+import os
 import pathlib
 import statistics
 import sys
 import time
+import types
 
 import jax
-import jax.numpy as jnp
 from optimizer_step import _with_count
-from train_step import add_step_arguments, optimizers, time_steps
+from train_step import (
+    add_step_arguments,
+    apply_flag_sets,
+    build_step,
+    describe,
+    median_ms,
+    model_config,
+    optimizers,
+)
 
 import models
 from train.plots import pyplot
-from train.step import TrainState, make_train_step
 
 GALORE_MODULES = ("self_attn", "mlp")  # the paper's low-rank group: every attention and MLP matrix
 
@@ -48,6 +68,24 @@ def paper_groups(model) -> tuple[list, list]:
     low_rank = [p for n, p in model.named_parameters() if p.ndim == 2 and any(m in n for m in GALORE_MODULES)]
     ids = {id(p) for p in low_rank}
     return low_rank, [p for p in model.parameters() if id(p) not in ids]
+
+
+def galore_adamw():
+    """``galore_torch.GaLoreAdamW``; loaded from its module alone where the package's ``__init__``
+    fails for lack of bitsandbytes (which only its 8-bit optimizer needs)."""
+    try:
+        from galore_torch import GaLoreAdamW
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "bitsandbytes":
+            raise
+        spec = importlib.util.find_spec("galore_torch")
+        if spec is None or not spec.submodule_search_locations:
+            raise
+        package = types.ModuleType("galore_torch")  # the package without its __init__
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["galore_torch"] = package
+        GaLoreAdamW = importlib.import_module("galore_torch.adamw").AdamW
+    return GaLoreAdamW
 
 
 def torch_peer(cfg, optimizer: str, args) -> dict:
@@ -62,8 +100,7 @@ def torch_peer(cfg, optimizer: str, args) -> dict:
     model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=torch.bfloat16)
     low_rank, rest = paper_groups(model)
     if optimizer == "galore_torch":
-        from galore_torch import GaLoreAdamW
-
+        GaLoreAdamW = galore_adamw()
         groups = [
             {"params": rest},
             {
@@ -127,36 +164,28 @@ def torch_peer(cfg, optimizer: str, args) -> dict:
 
 
 def jax_side(cfg, name: str, tx, args) -> dict:
-    plain = time_steps(cfg, tx, args.batch, args.micro_batch, args.seq_len, args.steps, args.warmup)
+    """Median plain-step and refresh-step ms of this project's step, compiled once, and its memory."""
+    step, state, tokens = build_step(cfg, tx, args.batch, args.micro_batch, args.seq_len)
+    plain, state = median_ms(step, state, tokens, args.steps, args.warmup)
     refresh = plain
-    if name != "adamw":
-        refresh = time_refresh(cfg, tx, args)
+    if name != "adamw":  # every optimizer counter on a refresh (count % T == 0) before each step
+
+        def due(s):
+            return s._replace(opt_state=_with_count(s.opt_state, 0))
+
+        refresh, state = median_ms(step, state, tokens, args.refresh_steps, 1, before=due)
     stats = jax.devices()[0].memory_stats() or {}
+    m = step.memory_analysis()
     return {
         "plain_ms": plain,
         "refresh_ms": refresh,
         "peak_memory_bytes": stats.get("peak_bytes_in_use"),
+        "compiled_peak_bytes": m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes,
         "params": models.param_count(cfg),
     }
-
-
-def time_refresh(cfg, tx, args) -> float:
-    """Median ms of whole steps whose optimizer counters sit on a refresh (count % T == 0)."""
-    state = jax.jit(
-        lambda k: (lambda p: TrainState(jnp.zeros([], jnp.int32), p, tx.init(p)))(models.init_params(cfg, k))
-    )(jax.random.PRNGKey(0))
-    step = jax.jit(make_train_step(cfg, tx, args.batch // args.micro_batch), donate_argnums=0)
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (args.batch, args.seq_len + 1), 0, cfg.vocab_size)
-    times = []
-    for i in range(args.refresh_steps + 1):
-        state = state._replace(opt_state=_with_count(state.opt_state, 0))
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        state, _ = step(state, tokens)
-        jax.block_until_ready(state)
-        if i:  # the first call compiles
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def derive(row: dict, tokens: int, peak_tflops: float, gap: int = 200) -> dict:
@@ -192,41 +221,55 @@ def plot(result: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+PEERS = ("galore_torch", "adamw_torch")
+JAX_RUNS = ("adamw", "galore_vanilla", "moara_full")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_arguments(parser, steps=10, warmup=3)
     parser.add_argument("--refresh-steps", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.4)
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="the peer runs eagerly")
-    parser.add_argument(
-        "--only", nargs="*", help="subset of galore_torch, adamw_torch, adamw, galore_vanilla, moara_full"
-    )
+    parser.add_argument("--only", nargs="*", help=f"subset of {', '.join(PEERS + JAX_RUNS)}")
     parser.add_argument("--out", default=None, help="JSON path (a PNG chart goes beside it)")
     args = parser.parse_args()
+    wanted = [n for n in PEERS + JAX_RUNS if not args.only or n in args.only]
+    peers, ours = [n for n in wanted if n in PEERS], [n for n in wanted if n in JAX_RUNS]
+    if peers and ours:  # JAX's backend starts after the peers ran: let it allocate on demand
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    flags = apply_flag_sets(args.xla_flag_sets)
     import torch
 
-    cfg = models.get_config(args.model, param_dtype="bfloat16", dtype="bfloat16", remat="dots")
+    cfg = model_config(args)
     tokens = args.batch * args.seq_len
     result = {
         "model": args.model,
         "batch": args.batch,
+        "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
-        "device": jax.devices()[0].device_kind,
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
         "date": time.strftime("%Y-%m-%d"),
         "flop_formula": "6 x params x tokens per step (attention FLOPs not counted)",
+        "xla_flags_added": flags,
+        "jax_preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true"),
         "runs": {},
     }
-    for name in ("galore_torch", "adamw_torch"):
-        if not args.only or name in args.only:
-            result["runs"][name] = derive(torch_peer(cfg, name, args), tokens, args.peak_tflops)
-            print(name, json.dumps(result["runs"][name]), flush=True)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the peer's model and optimizer are gone with its frame
-    for name, tx in optimizers(args.r_base, args.block_size).items():
-        if not args.only or name in args.only:
-            result["runs"][name] = derive(jax_side(cfg, name, tx, args), tokens, args.peak_tflops)
-            print(name, json.dumps(result["runs"][name]), flush=True)
+    for name in peers:
+        result["runs"][name] = derive(torch_peer(cfg, name, args), tokens, args.peak_tflops)
+        print(name, json.dumps(result["runs"][name]), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the peer's model and optimizer are gone with its frame
+    if ours:
+        result["jax_model"] = describe(cfg)  # starts JAX's backend
+    all_tx = optimizers(args.r_base, args.block_size)
+    for name in ours:
+        result["runs"][name] = derive(jax_side(cfg, name, all_tx[name], args), tokens, args.peak_tflops)
+        print(name, json.dumps(result["runs"][name]), flush=True)
+    if ours:
+        result["device"] = jax.devices()[0].device_kind
+    else:
+        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     runs = result["runs"]
     if "moara_full" in runs and "galore_torch" in runs:
         for key in ("tokens_per_s", "tokens_per_s_refresh_amortized"):

@@ -4,6 +4,7 @@ Hugging Face parameter names, configs, checkpoint conversion and model directori
 from models.configs import FAMILIES, PRESETS, ModelConfig, get_config, list_configs
 from models.hf import config_from_hf, from_hf, to_hf, to_hf_config
 from models.hf_files import architecture, load_hf_params, read_hf_config, write_hf_dir
+from models.layers import attention_implementation
 from models.model import (
     CausalLM,
     abstract_params,
@@ -21,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "abstract_params",
     "architecture",
+    "attention_implementation",
     "build_model",
     "config_from_hf",
     "forward",

@@ -8,6 +8,7 @@ from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "deepseek_v2")
 REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = (None, "xla", "cudnn")  # None: cuDNN where it applies on a CUDA GPU, else XLA
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,9 @@ class ModelConfig:
     ``model_type`` picks the family: ``llama`` (Llama 2 / 3.2), ``qwen2`` (q/k/v biases),
     ``qwen3`` (per-head q/k RMSNorm, explicit ``head_dim``) or ``deepseek_v2`` (MLA, dense MLP).
     Framework options: ``param_dtype``, ``dtype`` (compute), ``scan_layers``, ``remat``
-    (``none | full | dots``) and ``attention_impl`` (``None``: XLA; ``'cudnn'`` on GPU).
+    (``none | full | dots``) and ``attention_impl``: ``None`` picks cuDNN's flash attention on a
+    CUDA GPU where it applies (bf16/fp16 compute, head width a multiple of 8 up to 128) and XLA's
+    otherwise (see ``models.attention_implementation``); ``'xla'`` or ``'cudnn'`` force one.
     """
 
     model_type: str = "llama"
@@ -54,6 +57,8 @@ class ModelConfig:
             raise ValueError(f"model_type must be one of {FAMILIES}, got {self.model_type!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         for f in (
             "vocab_size",
             "hidden_size",

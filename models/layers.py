@@ -6,6 +6,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from models.configs import ModelConfig, rope_scaling_type
@@ -103,8 +104,44 @@ def rope_interleaved(x, positions, inv):
     return out.reshape(x.shape).astype(x.dtype)
 
 
+# cuDNN's flash attention (through jax.nn.dot_product_attention): half-precision operands and a
+# head width that is a multiple of 8, at most 128 (256 on Hopper; 128 holds on every GPU it runs on).
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_WIDTH = 128
+
+
+def attention_width(cfg: ModelConfig) -> int:
+    """The head width attention runs at: the head size, or for MLA the wider of the query/key and
+    value widths (the narrower side is zero-padded, see :func:`causal_attention`)."""
+    if cfg.model_type == "deepseek_v2":
+        return max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+    return cfg.head_size
+
+
+def default_platform() -> str:
+    """``'cuda'``, ``'rocm'``, ``'cpu'`` or ``'tpu'``: the platform of JAX's default backend."""
+    platform = jax.default_backend()
+    if platform == "gpu":
+        version = jax.extend.backend.get_backend().platform_version.lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return platform
+
+
+def attention_implementation(cfg: ModelConfig, platform: str | None = None) -> str:
+    """``'cudnn'`` or ``'xla'``: ``cfg.attention_impl`` when set, else cuDNN's flash attention where it
+    applies (``platform`` ``'cuda'``, by default the default backend's; compute dtype bf16 or fp16; a
+    head width that is a multiple of 8, at most 128), else XLA's (float32 compute, CPU, TPU, ROCm)."""
+    if cfg.attention_impl is not None:
+        return cfg.attention_impl
+    platform = default_platform() if platform is None else platform
+    width = attention_width(cfg)
+    fits = cfg.dtype in CUDNN_DTYPES and width % 8 == 0 and width <= CUDNN_MAX_HEAD_WIDTH
+    return "cudnn" if platform == "cuda" and fits else "xla"
+
+
 def causal_attention(q, k, v, cfg: ModelConfig, scale: float | None = None):
-    """``jax.nn.dot_product_attention`` (cuDNN flash on GPU with ``attention_impl='cudnn'``).
+    """``jax.nn.dot_product_attention``: cuDNN's flash attention or XLA's, per
+    :func:`attention_implementation`.
 
     ``q (B, T, N, H)``, ``k (B, T, K, H)``, ``v (B, T, K, Hv)``. Where ``Hv != H`` (MLA) the narrower
     side is zero-padded to the wider and the output cropped to ``Hv``: zero columns of q and k add
@@ -118,7 +155,8 @@ def causal_attention(q, k, v, cfg: ModelConfig, scale: float | None = None):
     def widen(x):
         return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
 
+    impl = attention_implementation(cfg)
     out = jax.nn.dot_product_attention(
-        widen(q), widen(k), widen(v), scale=scale, is_causal=True, implementation=cfg.attention_impl
+        widen(q), widen(k), widen(v), scale=scale, is_causal=True, implementation=impl
     )
     return out[..., :hv]

@@ -30,3 +30,14 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests run only where JAX's default backend is a GPU (asked only when one was
+    collected: the question starts JAX's backend)."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked or jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU: JAX's default backend is {jax.default_backend()}")
+    for item in marked:
+        item.add_marker(skip)

@@ -1,5 +1,8 @@
-"""The benchmark scripts' own logic: the HLO reading of step_anatomy and the in-jit timing guard."""
+"""The benchmark scripts' own logic: the HLO reading of step_anatomy and train_anatomy, the in-jit
+timing guard, vs_torch.py's CPU smoke run, the GPU session driver's readers."""
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -7,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
 
 import optimizer_step  # noqa: E402
 import step_anatomy  # noqa: E402
@@ -62,7 +66,8 @@ def test_kernel_profile_groups_the_traced_loop_events_by_name(tmp_path):
     params = optimizer_step.llama2_params(hidden, inter, layers)
     tx = optimizer_step.optimizers(r_base, block)["optax_adamw"]
     result = kernel_profile.kernel_times(tx, params, params, steps=2, trace_dir=str(tmp_path))
-    assert result["plane"].startswith("/host:CPU") and result["lines"]
+    plane = "/host:CPU" if jax.default_backend() == "cpu" else f"/device:{jax.default_backend().upper()}"
+    assert result["plane"].startswith(plane) and result["lines"]
     names = [k["name"] for k in result["kernels"]]
     times = [k["ms_per_step"] for k in result["kernels"]]
     assert len(names) == len(set(names)) and times == sorted(times, reverse=True)
@@ -132,3 +137,237 @@ def test_vs_torch_derived_figures():
     assert row["tokens_per_s"] == 50_000
     assert row["tokens_per_s_refresh_amortized"] == 5000 / (100 + 2000 / 200) * 1e3
     assert row["mfu"] == 6 * 1000 * 5000 / 0.1 / 1e6
+
+
+SYNTHETIC_HLO = """HloModule m
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%b (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[4]{0} get-tuple-element(%t), index=1
+  %f1 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a
+  %f2 = f32[4]{0} fusion(%f1), kind=kLoop, calls=%fused_a
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %r = (s32[], f32[4]{0}) tuple(%j, %f2)
+}
+
+%c (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%small (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %f = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a
+}
+
+%big (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %a = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_a
+  %b = f32[4]{0} fusion(%a), kind=kInput, calls=%fused_a
+  %c = f32[4]{0} custom-call(%b), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %d = f32[4]{0} copy(%c)
+}
+
+ENTRY %main (p: f32[4], k: s32[]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %k = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4]{0}) tuple(%zero, %p)
+  %w = (s32[], f32[4]) while(%init), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"3"}}
+  %y = f32[4]{0} get-tuple-element(%w), index=1
+  ROOT %out = f32[4]{0} conditional(%k, %y, %y), branch_computations={%small, %big}
+}
+"""
+
+
+def test_program_kernels_weights_loops_by_trip_count_and_takes_the_smaller_branch():
+    import train_anatomy
+
+    r = train_anatomy.program_kernels(SYNTHETIC_HLO)
+    # Each launching instruction once: body 2 fusions + add, cond's compare, small 1, big 4.
+    assert r["kernels"] == 9
+    assert r["kernels_by_kind"] == {
+        "fusion:kLoop": 4,
+        "add": 1,
+        "compare": 1,
+        "fusion:kInput": 1,
+        "custom-call": 1,
+        "copy": 1,
+    }
+    # Body 3 x 3 trips, condition 1 x 4 checks, then the smaller (1) or the larger (4) branch.
+    assert r["launches_plain_step"] == 9 + 4 + 1 and r["launches_largest_branches"] == 9 + 4 + 4
+    assert r["cudnn_calls"] == ["__cudnn$fmhaSoftmax"] and r["loops_without_trip_count"] == 0
+
+
+def test_train_anatomy_counts_the_micro_batch_loop_and_the_memory():
+    """Smaller micro-batches of the same batch: more trips of the accumulation loop (more launches)
+    and less activation memory."""
+    import train_anatomy
+    import train_step
+
+    import models
+
+    cfg = models.get_config("llama2-tiny", param_dtype="bfloat16", dtype="bfloat16")
+    tx = train_step.optimizers(r_base=8, block=16)["adamw"]
+    runs = [train_anatomy.anatomy(cfg, tx, 8, micro, 16, None) for micro in (4, 2, 1)]  # 2, 4, 8 trips
+    launches = [r["launches_plain_step"] for r in runs]
+    assert launches[0] < launches[1] < launches[2] and launches[1] > runs[1]["kernels"]
+    assert runs[0]["peak_bytes"] > runs[1]["peak_bytes"] > runs[2]["peak_bytes"]
+    param_bytes = 2 * models.param_count(cfg)
+    for r in runs:
+        assert r["peak_bytes"] == r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
+        assert r["argument_bytes"] >= 3 * param_bytes  # parameters and AdamW's two moments
+        assert r["alias_bytes"] > 0 and r["cudnn_calls"] == []  # donated state; no cuDNN on CPU
+        assert r["loops_without_trip_count"] == 0
+    row = {
+        "model": "m",
+        "remat": "dots",
+        "layers": "scanned",
+        "attention": "xla",
+        "micro_batch": 4,
+        **runs[0],
+    }
+    assert train_anatomy.table([row]).splitlines()[-1].startswith("| m | dots | scanned | xla | 4 |")
+
+
+def test_train_step_benchmark_builds_the_asked_model():
+    import argparse
+
+    import train_step
+
+    parser = argparse.ArgumentParser()
+    train_step.add_step_arguments(parser)
+    args = parser.parse_args(
+        ["--model", "llama2-tiny", "--remat", "none", "--layers", "unrolled", "--vocab-size", "300"]
+    )
+    cfg = train_step.model_config(args)
+    assert (cfg.remat, cfg.scan_layers, cfg.vocab_size, cfg.attention_impl, cfg.dtype) == (
+        "none",
+        False,
+        300,
+        None,
+        "bfloat16",
+    )
+    args = parser.parse_args(["--model", "llama2-350m", "--attention", "xla"])
+    cfg = train_step.model_config(args)
+    assert cfg.scan_layers and cfg.attention_impl == "xla" and cfg.remat == "dots"
+
+
+@pytest.fixture
+def without_bitsandbytes(monkeypatch):
+    """A machine without bitsandbytes, where galore_torch's package __init__ fails (sys.modules
+    restored after)."""
+    import importlib.util
+
+    if importlib.util.find_spec("galore_torch") is None:
+        pytest.skip("galore-torch is not installed")
+
+    def ours(k):
+        return k.split(".")[0] in ("galore_torch", "bitsandbytes")
+
+    saved = {k: v for k, v in sys.modules.items() if ours(k)}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["bitsandbytes"] = None  # import bitsandbytes -> ModuleNotFoundError
+    yield
+    for k in [k for k in sys.modules if ours(k)]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+
+
+def test_galore_adamw_loads_without_bitsandbytes(without_bitsandbytes):
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ModuleNotFoundError):
+        import galore_torch  # noqa: F401  (its __init__ imports the 8-bit optimizer)
+    for k in [k for k in sys.modules if k.startswith("galore_torch")]:
+        del sys.modules[k]
+    GaLoreAdamW = vs_torch.galore_adamw()
+    assert GaLoreAdamW.__module__ == "galore_torch.adamw"
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    opt = GaLoreAdamW(
+        [{"params": [w], "rank": 2, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}], lr=0.1
+    )
+    before = w.detach().clone()
+    (w**2).sum().backward()
+    opt.step()
+    assert not torch.equal(before, w.detach())
+
+
+def test_vs_torch_cpu_smoke_run_writes_both_sides(tmp_path):
+    """The documented CPU smoke run, the peer's GaLore and MoARa Full only."""
+    pytest.importorskip("galore_torch")
+    out = tmp_path / "vs.json"
+    args = ["--model", "llama2-tiny", "--batch", "8", "--micro-batch", "4", "--seq-len", "32", "--steps", "1"]
+    args += ["--warmup", "1", "--refresh-steps", "1", "--no-compile", "--only", "galore_torch", "moara_full"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "vs_torch.py"), *args, "--out", str(out)],
+        cwd=BENCH.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"galore_torch", "moara_full"}
+    for run in result["runs"].values():
+        assert run["plain_ms"] > 0 and run["refresh_ms"] > 0 and run["tokens_per_s"] > 0
+    assert result["runs"]["moara_full"]["compiled_peak_bytes"] > 0
+    assert result["jax_model"]["attention"] == "xla" and result["jax_preallocate"] == "false"
+    assert result["moara_over_peer_tokens_per_s"] > 0
+
+
+def test_gpu_session_reads_pytest_counts_and_loop_step_times():
+    import gpu_session
+
+    assert gpu_session.pytest_counts("3 passed, 2 skipped, 1 error in 4.20s") == {
+        "passed": 3,
+        "skipped": 2,
+        "error": 1,
+    }
+    rows = [
+        {"step": s, "step_time_s": t, "wall_s": w} for s, t, w in [(1, 30.0, 30), (2, 1.0, 31), (3, 1.0, 32)]
+    ]
+    rows += [{"step": 4, "step_time_s": 1.2, "wall_s": 33.2}, {"step": 4, "eval_loss": 3.0, "wall_s": 35.0}]
+    rows += [{"step": 5, "step_time_s": 2.9, "wall_s": 36.1}, {"step": 6, "step_time_s": 1.1, "wall_s": 37.2}]
+    times = gpu_session.loop_step_times(rows, skip=1)  # step 1 holds the compilation
+    assert times["median_step_s"] == 1.1  # of 1.0, 1.0, 1.2, 2.9, 1.1
+    assert times["mean_plain_step_s"] == pytest.approx((1.0 + 1.0 + 1.1) / 3)  # not 4 (eval) or 5 (after it)
+    assert times["wall_per_step_s"] == pytest.approx((37.2 - 31) / 4) and times["evaluations"] == 1
+
+
+def test_gpu_session_variants_run_over_the_paper_settings():
+    import gpu_session
+
+    from train.xla_flags import GPU_FLAG_SETS
+
+    session = gpu_session.Session(Path("unused"), budget_s=1, smoke=False, jax_args=["--micro-batch", "64"])
+    for group in ("model", "flags"):
+        variants = gpu_session.variant_list(session, group)
+        labels = [label for label, _ in variants]
+        assert variants[0] == ("baseline", []) and variants[-1][1] == [] and len(set(labels)) == len(labels)
+    flag_sets = [args[1] for _, args in gpu_session.variant_list(session, "flags")[1:-1]]
+    assert flag_sets == list(GPU_FLAG_SETS)
+    # The baseline: configs/paper/llama2-350m.yaml's model settings, then --jax-args.
+    import yaml
+
+    overrides = yaml.safe_load((BENCH.parent / "configs/paper/llama2-350m.yaml").read_text())["model"][
+        "overrides"
+    ]
+    baseline = gpu_session._baseline(session)
+    assert baseline[:2] == ["--remat", overrides.get("remat", "none")] and baseline[-2:] == [
+        "--micro-batch",
+        "64",
+    ]
+    # A variant that repeats the baseline's settings is not run twice.
+    assert gpu_session._same_as_baseline(session, ["--remat", overrides.get("remat", "none")])
+    assert gpu_session._same_as_baseline(session, ["--micro-batch", "64"])
+    assert not gpu_session._same_as_baseline(session, ["--attention", "xla"])

@@ -257,3 +257,36 @@ def test_linear_layers_are_labelled_for_the_optimizer():
             params = models.abstract_params(models.get_config(name, scan_layers=scan))
             labels = set(jax.tree.leaves(mj.label_tree(params))) - {"other"}
             assert labels == set(types), (name, labels)
+
+
+def test_attention_default_is_cudnn_only_where_it_applies():
+    bf16 = models.get_config("llama2-350m", param_dtype="bfloat16", dtype="bfloat16")
+    pick = models.attention_implementation
+    assert pick(bf16, "cuda") == "cudnn"
+    assert pick(bf16, "cpu") == pick(bf16, "tpu") == pick(bf16, "rocm") == "xla"
+    assert pick(bf16.replace(dtype="float32"), "cuda") == "xla"  # cuDNN's flash attention: bf16/fp16
+    assert pick(bf16.replace(head_dim=36), "cuda") == "xla"  # not a multiple of 8
+    assert pick(bf16.replace(head_dim=160), "cuda") == "xla"  # wider than 128
+    assert pick(bf16.replace(head_dim=128), "cuda") == "cudnn"
+    # MLA runs at the wider of its query/key (64 + 32) and value (64) widths.
+    mla = models.get_config("deepseek-v2-350m", dtype="bfloat16")
+    assert pick(mla, "cuda") == "cudnn" and pick(mla.replace(qk_rope_head_dim=36), "cuda") == "xla"
+    # An explicit choice is kept wherever it is asked for.
+    assert pick(bf16.replace(attention_impl="xla"), "cuda") == "xla"
+    assert pick(bf16.replace(attention_impl="cudnn"), "cpu") == "cudnn"
+    # Without a platform, the default backend's (this machine's) decides.
+    expected = "cudnn" if models.layers.default_platform() == "cuda" else "xla"
+    assert pick(bf16) == expected
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        models.get_config("tiny", attention_impl="flash")
+
+
+def test_default_attention_on_cpu_is_the_xla_path():
+    cfg = models.get_config("llama2-tiny", param_dtype="bfloat16", dtype="bfloat16")
+    if models.layers.default_platform() == "cuda":
+        pytest.skip("on a CUDA GPU the default is cuDNN (tests/test_gpu.py compares the two)")
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jnp.arange(64, dtype=jnp.int32).reshape(2, 32)
+    default = models.forward(cfg, params, tokens)
+    xla = models.forward(cfg.replace(attention_impl="xla"), params, tokens)
+    np.testing.assert_array_equal(np.asarray(default), np.asarray(xla))

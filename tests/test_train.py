@@ -134,14 +134,15 @@ def test_sharded_2x2x2_mesh_gives_one_device_losses(tmp_path):
     """The default (MoARa on GaLore) through the whole loop; every host's optimizer on an
     8-device mesh against one device is in tests/test_sharding_optimizer.py."""
     sets = [*FAST, "train.steps=6", "checkpoint.every=0"]
-    run_cli(tmp_path / "one", *sets)
+    # Both on the host's CPU (eight CPU devices; also where a GPU is the default backend).
+    run_cli(tmp_path / "one", *sets, env={"JAX_PLATFORMS": "cpu"})
     run_cli(
         tmp_path / "eight",
         *sets,
         "mesh.data=2",
         "mesh.fsdp=2",
         "mesh.tensor=2",
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
     )
     summary = json.loads((tmp_path / "eight" / "summary.json").read_text())
     assert summary["devices"] == 8 and summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
@@ -287,7 +288,7 @@ def test_micro_batches_off_the_data_split_name_the_numbers(tmp_path):
         "train.micro_batch_size=3",
         "mesh.data=2",
         check=False,
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"},
     )
     assert proc.returncode == 2, proc.stderr
     assert "train.micro_batch_size (3) must be divisible by the mesh's data x fsdp = 2 x 1 = 2" in proc.stderr

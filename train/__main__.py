@@ -8,7 +8,7 @@ import shlex
 import sys
 
 from train import distributed
-from train.errors import EXIT_PREEMPTED, IOFault, cli
+from train.errors import EXIT_PREEMPTED, IOFault, UserError, cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,8 +58,10 @@ def train(argv=None) -> int:
         from train.store import Interrupted
 
         cfg = load_config(args.config, args.overrides)
+        _set_xla_flags(cfg, args.quiet)
         if distributed.multi_process():
             distributed.initialize()
+        _check_attention(cfg)
         from train.loop import train_and_evaluate
 
         try:
@@ -81,6 +83,31 @@ def train(argv=None) -> int:
         raise
 
 
+def _set_xla_flags(cfg, quiet: bool) -> None:
+    """The config's XLA flags, before anything starts a JAX backend (XLA reads ``XLA_FLAGS`` once,
+    when it starts)."""
+    from train import xla_flags
+
+    gpu = xla_flags.gpu_platform_expected()
+    added = xla_flags.apply(xla_flags.configured_flags(cfg.xla.gpu_flag_sets, cfg.xla.flags, gpu))
+    if added and not quiet:
+        print(f"XLA flags added: {' '.join(added)}")
+
+
+def _check_attention(cfg) -> None:
+    """``attention_impl: cudnn`` runs on a CUDA GPU only: a one-line error elsewhere."""
+    if cfg.model.overrides.get("attention_impl") != "cudnn":
+        return
+    from models.layers import default_platform
+
+    platform = default_platform()
+    if platform != "cuda":
+        raise UserError(
+            f"model.overrides.attention_impl: cudnn needs a CUDA GPU, but JAX runs on {platform}; "
+            "leave it unset for cuDNN where it applies and XLA's attention elsewhere"
+        )
+
+
 def _resume_command(argv) -> str:
     args = list(sys.argv[1:] if argv is None else argv)
     return shlex.join(["python", "-m", "train", *args, *([] if "--resume" in args else ["--resume"])])
@@ -100,6 +127,20 @@ def _report(summary: dict, run_dir: pathlib.Path) -> int:
         print("interrupted: a checkpoint was saved; continue with --resume", file=sys.stderr)
         return EXIT_PREEMPTED
     return 0
+
+
+def _check_attention(cfg) -> None:
+    """``attention_impl: cudnn`` runs on a CUDA GPU only: a one-line error elsewhere."""
+    if cfg.model.overrides.get("attention_impl") != "cudnn":
+        return
+    from models.layers import default_platform
+
+    platform = default_platform()
+    if platform != "cuda":
+        raise UserError(
+            f"model.overrides.attention_impl: cudnn needs a CUDA GPU, but JAX runs on {platform}; "
+            "leave it unset for cuDNN where it applies and XLA's attention elsewhere"
+        )
 
 
 if __name__ == "__main__":

@@ -124,6 +124,16 @@ class ProfileSection:
 
 
 @dataclass(frozen=True)
+class XlaSection:
+    # XLA compiler flags python -m train adds to XLA_FLAGS before JAX starts (train/xla_flags.py);
+    # a flag the user's XLA_FLAGS already sets keeps the user's value. gpu_flag_sets: names of
+    # train.xla_flags.GPU_FLAG_SETS, added on a CUDA GPU (null: DEFAULT_GPU_FLAG_SETS, the sets a
+    # GPU measurement showed to help); flags: raw --xla_NAME=VALUE flags, added on every backend.
+    gpu_flag_sets: list | None = None
+    flags: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     mode: str = "train"  # train | profile
     model: ModelSection = field(default_factory=ModelSection)
@@ -134,6 +144,7 @@ class RunConfig:
     mesh: MeshSection = field(default_factory=MeshSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    xla: XlaSection = field(default_factory=XlaSection)
 
 
 def _check_type(where: str, value: Any, hint: Any) -> Any:
@@ -296,6 +307,9 @@ def _validate_optimizer(o: OptimizerSection) -> None:
         finite(o.weight_decay) and o.weight_decay >= 0,
         f"optimizer.weight_decay must be >= 0, got {o.weight_decay}",
     )
+    from train.xla_flags import configured_flags
+
+    configured_flags(cfg.xla.gpu_flag_sets, cfg.xla.flags, gpu=True)  # names and forms only
     try:
         host_class(o.host)
     except ValueError as e:

@@ -1,0 +1,533 @@
+"""One call on a GPU machine: the issue-22 measurements in priority order, within a time budget.
+
+Phases (run in the order given, each skipped when its estimate exceeds the time left):
+
+- ``env``: device, driver and package versions (a child process; this driver never starts JAX,
+  whose allocator would otherwise hold 75% of the GPU for the whole session);
+- ``gpu_tests``: ``pytest -m gpu tests/test_gpu.py`` (cuDNN attention vs XLA, the refresh on the
+  device, a donated sharded step), its counts;
+- ``vs_torch_350m`` / ``vs_torch_1b``: ``benchmarks/vs_torch.py``, one process per optimizer (each
+  its own peak memory, the peers' memory gone before JAX starts): galore-torch + torch.compile and
+  MoARa Full first, then vanilla GaLore, torch's fused AdamW and this project's AdamW, merged into
+  one JSON and PNG. This project's runs take the paper config's remat and layer layout for the
+  size, ``--jax-args`` over them (e.g. the fastest variant of an earlier call). The 1B runs use
+  fewer steps; their time is estimated from the 350M step times of the same call (times the
+  parameter ratio) where those ran;
+- ``variants_model`` / ``variants_flags``: MoARa Full's 350M step (``benchmarks/train_step.py``, one
+  process each, median of ``--variant-steps``) for XLA instead of cuDNN attention, each remat
+  policy, each layer layout and two micro-batch sizes / each XLA flag set of
+  ``train.xla_flags.GPU_FLAG_SETS``, against a baseline (``configs/paper/llama2-350m.yaml``'s remat
+  and layers, ``--jax-args`` over them) run before and after them (their difference is the drift
+  of the device over the phase);
+- ``train_loop``: ``python -m train.prepare`` (the builtin corpus, byte tokenizer) and ``python -m
+  train`` at 350M with logging every step and two evaluations, against ``train_step.py`` on the same
+  model and batch: the loop's step times over the benchmark's;
+- ``full_tests``: ``python -m pytest -q -n 8`` with JAX on the GPU, its counts and failures.
+
+Everything goes to ``--out`` (the device's ``$OUT``): ``session.json`` (rewritten after every
+phase), ``vs_torch_350m.json``/``.png``, ``vs_torch_1b.json``/``.png``; ``gpu_session.sh`` tees the
+log to ``session.log``. ``--smoke`` runs the same phases at tiny sizes on any machine (CPU: the
+check of this script without a GPU).
+
+Usage (see gpu_session.sh, which installs the carried wheels first):
+  python benchmarks/gpu_session.py --out DIR [--budget-s 570] [--phases env gpu_tests ...]
+      [--jax-args "--remat dots"] [--variant-steps 5] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+
+from train.xla_flags import GPU_FLAG_SETS  # noqa: E402  (no JAX backend is started by it)
+
+METRICS_FILE = "metrics.jsonl"  # python -m train's run-dir files this driver reads
+MODEL_FILE = "model.json"
+# Parameters of the Llama 2 presets with the T5 vocabulary (models.param_count), for estimates.
+PARAMS = {"llama2-350m": 367_980_544, "llama2-1b": 1_339_299_840}
+VS_TORCH_ORDER = ("galore_torch", "moara_full", "galore_vanilla", "adamw_torch", "adamw")
+
+
+class Session:
+    """The budget, the output directory and the results of one call."""
+
+    def __init__(
+        self,
+        out: pathlib.Path,
+        budget_s: float,
+        smoke: bool,
+        variant_steps: int = 5,
+        jax_args: list | None = None,
+    ):
+        self.out, self.smoke, self.variant_steps = out, smoke, variant_steps
+        self.jax_args = list(jax_args or [])
+        self.deadline = time.monotonic() + budget_s
+        self.results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": smoke, "phases": {}}
+        self.work = pathlib.Path(tempfile.mkdtemp(prefix="gpu-session-"))
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        (self.out / "session.json").write_text(json.dumps(self.results, indent=2))
+
+    def run(self, cmd: list[str], env: dict | None = None, timeout: float | None = None) -> dict:
+        """Runs a child (its output goes to ours) within the time left; its exit, time and whether it
+        was stopped at the deadline."""
+        timeout = max(1.0, min(timeout or self.left(), self.left()))
+        print(f"\n$ {shlex.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout).returncode
+            stopped = False
+        except subprocess.TimeoutExpired:
+            rc, stopped = None, True
+        return {"rc": rc, "seconds": time.perf_counter() - t0, "stopped_at_deadline": stopped}
+
+    def capture(self, cmd: list[str], env: dict | None = None) -> tuple[int | None, str]:
+        """Runs a child within the time left and returns its exit code and output (also printed)."""
+        print(f"\n$ {shlex.join(cmd)}", flush=True)
+        try:
+            done = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env={**os.environ, **(env or {})},
+                timeout=max(1.0, self.left()),
+                capture_output=True,
+                text=True,
+            )
+        except subprocess.TimeoutExpired as e:
+            text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            print(text[-4000:], flush=True)
+            return None, text
+        print((done.stdout + done.stderr)[-4000:], flush=True)
+        return done.returncode, done.stdout + done.stderr
+
+
+def shapes(s: Session, model: str) -> dict:
+    """Model, batch and step counts of the benchmarks (tiny ones with ``--smoke``)."""
+    if s.smoke:
+        return dict(model="llama2-tiny", batch=8, micro=4, seq=32, steps=2, warmup=1, refresh=1)
+    if model == "llama2-1b":
+        return dict(model=model, batch=512, micro=128, seq=256, steps=5, warmup=2, refresh=1)
+    return dict(model=model, batch=512, micro=128, seq=256, steps=10, warmup=3, refresh=3)
+
+
+def step_args(sh: dict) -> list[str]:
+    return [
+        "--model",
+        sh["model"],
+        "--batch",
+        str(sh["batch"]),
+        "--micro-batch",
+        str(sh["micro"]),
+        "--seq-len",
+        str(sh["seq"]),
+    ]
+
+
+# ---------------------------------------------------------------- phases
+
+
+def phase_env(s: Session) -> dict:
+    code = (
+        "import json, jax, jax.extend, jaxlib, flax, optax, importlib.metadata as md\n"
+        "d = jax.devices()[0]\n"
+        "v = {}\n"
+        "for p in ('torch', 'transformers', 'galore-torch', 'grain', 'orbax-checkpoint', 'numpy'):\n"
+        "    try: v[p] = md.version(p)\n"
+        "    except md.PackageNotFoundError: v[p] = None\n"
+        "print('ENV ' + json.dumps({'jax': jax.__version__, 'jaxlib': jaxlib.__version__, "
+        "'flax': flax.__version__, 'optax': optax.__version__, 'backend': jax.default_backend(), "
+        "'device_kind': d.device_kind, 'devices': jax.device_count(), "
+        "'platform_version': jax.extend.backend.get_backend().platform_version, **v}))\n"
+    )
+    rc, text = s.capture([sys.executable, "-c", code], env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    found = re.search(r"^ENV (.*)$", text, re.M)
+    result = {"rc": rc, **(json.loads(found.group(1)) if found else {"error": text[-2000:]})}
+    query = [
+        "nvidia-smi",
+        "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
+        "--format=csv,noheader",
+    ]
+    try:
+        result["nvidia_smi"] = subprocess.run(
+            query, capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        result["nvidia_smi"] = f"not read: {e}"
+    result["python"] = sys.version.split()[0]
+    return result
+
+
+def pytest_counts(text: str) -> dict:
+    """The counts of pytest's summary line (``3 passed, 1 skipped in 2.1s``)."""
+    counts = {}
+    for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", text):
+        counts[what.rstrip("s") if what.startswith("error") else what] = int(n)
+    return counts
+
+
+def phase_gpu_tests(s: Session) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        "tests/test_gpu.py",
+    ]
+    rc, text = s.capture(cmd)
+    failures = re.findall(r"^(FAILED|ERROR) (\S+)", text, re.M)
+    return {"rc": rc, "counts": pytest_counts(text), "failures": [f[1] for f in failures]}
+
+
+def phase_full_tests(s: Session) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider"]
+    rc, text = s.capture(cmd, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    failures = re.findall(r"^(FAILED|ERROR) (.+)$", text, re.M)
+    return {"rc": rc, "counts": pytest_counts(text), "failures": [f[1][:300] for f in failures]}
+
+
+def _json(path: pathlib.Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def phase_vs_torch(s: Session, model: str) -> dict:
+    """vs_torch.py, one process per optimizer, merged."""
+    sh = shapes(s, model)
+    args = step_args(sh) + ["--steps", str(sh["steps"]), "--warmup", str(sh["warmup"])]
+    args += ["--refresh-steps", str(sh["refresh"])]
+    if s.smoke:
+        args.append("--no-compile")
+    step_s = _step_estimate(s, sh["model"])
+    merged, runs, skipped = None, {}, []
+    for name in VS_TORCH_ORDER:
+        estimate = _run_estimate(name, sh, step_s, s.smoke)
+        if s.left() < estimate:
+            skipped.append({"run": name, "estimate_s": estimate, "left_s": s.left()})
+            continue
+        out = s.work / f"vs_torch_{sh['model']}_{name}.json"
+        ours = [] if name in ("galore_torch", "adamw_torch") else paper_args(sh["model"]) + s.jax_args
+        run = s.run(
+            [sys.executable, "benchmarks/vs_torch.py", *args, *ours, "--only", name, "--out", str(out)]
+        )
+        data = _json(out)
+        if data is None:
+            runs[name] = {"error": "no result", **run}
+            continue
+        runs[name] = {**data["runs"][name], "wall_s": run["seconds"]}
+        merged = merged or {k: v for k, v in data.items() if k != "runs"}
+        if "jax_model" in data:
+            merged["jax_model"], merged["device"] = data["jax_model"], data["device"]
+    if merged is None:
+        return {"runs": runs, "skipped": skipped}
+    merged["runs"] = {k: v for k, v in runs.items() if "plain_ms" in v}
+    done = merged["runs"]
+    if "moara_full" in done and "galore_torch" in done:
+        for key in ("tokens_per_s", "tokens_per_s_refresh_amortized"):
+            merged[f"moara_over_peer_{key}"] = done["moara_full"][key] / done["galore_torch"][key]
+    if "moara_full" in done and "galore_vanilla" in done:
+        merged["moara_over_galore_refresh_amortized"] = (
+            done["galore_vanilla"]["tokens_per_s_refresh_amortized"]
+            / done["moara_full"]["tokens_per_s_refresh_amortized"]
+        )
+    ours = shlex.join(paper_args(sh["model"]) + s.jax_args)
+    merged["command"] = (
+        f"python benchmarks/vs_torch.py {shlex.join(args)} [{ours}] --only NAME (one process each)"
+    )
+    merged["skipped"] = skipped
+    merged["errors"] = {k: v for k, v in runs.items() if "plain_ms" not in v}
+    path = s.out / f"vs_torch_{model.split('-')[-1]}.json"
+    path.write_text(json.dumps(merged, indent=2))
+    if merged["runs"]:
+        from vs_torch import plot
+
+        plot(merged, path.with_suffix(".png"))
+    return merged
+
+
+def _step_estimate(s: Session, model: str) -> float:
+    """Seconds per training step of ``model``: measured here, or scaled from 350M by parameters."""
+    measured = (s.results["phases"].get("vs_torch_350m") or {}).get("runs", {})
+    ms = [r["plain_ms"] for r in measured.values() if "plain_ms" in r]
+    if s.smoke:
+        return 0.5
+    base = statistics.median(ms) / 1e3 if ms else 1.0
+    return base * PARAMS.get(model, PARAMS["llama2-350m"]) / PARAMS["llama2-350m"]
+
+
+def _run_estimate(name: str, sh: dict, step_s: float, smoke: bool) -> float:
+    """Seconds one vs_torch.py run takes: start and compilation, the steps, the refreshes (the
+    peer's refresh, 168 SVDs, took 10.6 s at 350M on an H100 and grows about 8x at 1B)."""
+    if smoke:
+        return 20.0
+    steps = sh["warmup"] + sh["steps"]
+    if name in ("galore_torch", "adamw_torch"):
+        svd = 10.6 * (8 if sh["model"] == "llama2-1b" else 1)
+        refreshes = (sh["refresh"] + 1) * svd if name == "galore_torch" else 0.0
+        return 90 + steps * 0.8 * step_s + refreshes
+    return 60 + (steps + sh["refresh"] + 1) * step_s
+
+
+def paper_args(model: str) -> list[str]:
+    """``train_step.py`` arguments for the model settings of ``configs/paper/MODEL.yaml`` (its
+    ``remat`` and ``scan_layers``: what ``python -m train`` runs at that size); none for a model
+    without a paper config."""
+    import yaml
+
+    path = ROOT / "configs" / "paper" / f"{model}.yaml"
+    if not path.is_file():
+        return []
+    overrides = (yaml.safe_load(path.read_text()).get("model") or {}).get("overrides") or {}
+    args = ["--remat", overrides.get("remat", "none")]  # ModelConfig's default remat is none
+    if "scan_layers" in overrides:
+        args += ["--layers", "scanned" if overrides["scan_layers"] else "unrolled"]
+    return args
+
+
+def variant_list(s: Session, group: str) -> list[tuple[str, list[str]]]:
+    """``(label, train_step.py arguments over the baseline's)`` of one group of step-speed variants
+    (``model``: attention, remat, layer layout, micro-batch; ``flags``: each XLA flag set), the
+    baseline (the paper config's settings, ``s.jax_args`` over them) first and last."""
+    if group == "flags":
+        out = [(f"xla flags {name}", ["--xla-flag-sets", name]) for name in GPU_FLAG_SETS]
+    else:  # in the order of what they tell, in case the time runs out
+        small, large = ("2", "8") if s.smoke else ("64", "256")
+        out = [
+            ("attention xla", ["--attention", "xla"]),
+            ("remat dots, scanned layers", ["--remat", "dots", "--layers", "scanned"]),
+            ("remat dots", ["--remat", "dots"]),
+            (f"micro-batch {small}", ["--micro-batch", small]),
+            ("remat full", ["--remat", "full"]),
+            ("remat none", ["--remat", "none"]),
+            ("unrolled layers", ["--layers", "unrolled"]),
+            (f"micro-batch {large}", ["--micro-batch", large]),
+        ]
+    return [("baseline", [])] + out + [("baseline again (drift)", [])]
+
+
+def _baseline(s: Session) -> list[str]:
+    return paper_args(shapes(s, "llama2-350m")["model"]) + s.jax_args
+
+
+def _options(args: list[str]) -> dict[str, tuple[str, ...]]:
+    """``--name values...`` tokens as a dict (the last occurrence of a name wins, as in argparse)."""
+    out: dict[str, tuple[str, ...]] = {}
+    name = None
+    for a in args:
+        if a.startswith("--"):
+            name = a
+            out[name] = ()
+        elif name is not None:
+            out[name] += (a,)
+    return out
+
+
+def _same_as_baseline(s: Session, extra: list[str]) -> bool:
+    """Whether the variant ``extra`` only repeats settings the baseline already has."""
+    base = {"--layers": ("preset",), **_options(_baseline(s))}
+    return bool(extra) and all(base.get(k) == v for k, v in _options(extra).items())
+
+
+def phase_variants(s: Session, group: str) -> dict:
+    sh = shapes(s, "llama2-350m")
+    steps = (
+        ["--steps", "2", "--warmup", "1"] if s.smoke else ["--steps", str(s.variant_steps), "--warmup", "2"]
+    )
+    base = _baseline(s)
+    rows = []
+    estimate = 20.0 if s.smoke else 45.0 + (2 + s.variant_steps) * _step_estimate(s, "llama2-350m")
+    for label, extra in variant_list(s, group):
+        if _same_as_baseline(s, extra):
+            continue
+        if s.left() < estimate:
+            rows.append({"variant": label, "skipped": f"{s.left():.0f}s left, estimate {estimate:.0f}s"})
+            continue
+        out = s.work / f"variant_{group}_{len(rows)}.json"
+        # The variant's arguments come last: argparse keeps the last value of a repeated option.
+        cmd = [sys.executable, "benchmarks/train_step.py", *step_args(sh), *steps, "--only", "moara_full"]
+        run = s.run(cmd + base + extra + ["--out", str(out)])
+        data = _json(out)
+        row = {"variant": label, "args": extra, "wall_s": run["seconds"]}
+        if data is None:
+            stopped = " (stopped at the deadline)" if run["stopped_at_deadline"] else ""
+            row["error"] = f"rc {run['rc']}{stopped}"
+        else:
+            row |= {"ms": data["ms"]["moara_full"], "attention": data["attention"], "remat": data["remat"]}
+            row |= {"scan_layers": data["scan_layers"], "micro_batch": data["micro_batch"]}
+            row["xla_flags"] = data["xla_flags"]
+        rows.append(row)
+        s.results["phases"][f"variants_{group}"] = {"rows": rows}
+        s.save()
+    base_ms = [r["ms"] for r in rows if r["variant"].startswith("baseline") and "ms" in r]
+    for r in rows:
+        if base_ms and "ms" in r:
+            r["over_baseline"] = r["ms"] / base_ms[0]
+    result = {"rows": rows, "model": sh["model"], "batch": sh["batch"], "seq_len": sh["seq"]}
+    result["baseline_args"] = base
+    if len(base_ms) == 2:
+        result["baseline_drift"] = base_ms[1] / base_ms[0] - 1
+    timed = [r for r in rows if "ms" in r]
+    if timed:
+        result["fastest"] = min(timed, key=lambda r: r["ms"])["variant"]
+    return result
+
+
+def phase_train_loop(s: Session) -> dict:
+    """python -m train with logging and evaluation on, against train_step.py on the same model."""
+    store, run_dir = s.work / "store", s.work / "run"
+    base = [
+        "--config",
+        "configs/paper/llama2-350m.yaml",
+        "--set",
+        "data.source=builtin",
+        "--set",
+        "data.tokenizer=bytes",
+    ]
+    prep = s.run([sys.executable, "-m", "train.prepare", *base, "--out", str(store), "--quiet"])
+    if prep["rc"] != 0:
+        return {"error": "prepare failed", **prep}
+    steps, every = (8, 4) if s.smoke else (40, 20)
+    sets = [
+        "data.source=store",
+        f"data.store={store}",
+        "data.tokenizer=bytes",
+        f"train.steps={steps}",
+        f"train.eval_every={every}",
+        "train.eval_batches=2",
+        "train.log_every=1",
+        "checkpoint.every=0",
+    ]
+    if s.smoke:
+        sets += ["model.name=tiny", "model.overrides={}", "train.batch_size=16", "train.micro_batch_size=8"]
+        sets += ["train.seq_len=32", "optimizer.r_base=16", "optimizer.block_size=16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "train",
+        "--config",
+        "configs/paper/llama2-350m.yaml",
+        "--run-dir",
+        str(run_dir),
+    ]
+    train = s.run(cmd + [a for x in sets for a in ("--set", x)] + ["--quiet"])
+    if train["rc"] != 0:
+        return {"error": "python -m train failed", **train}
+    model = json.loads((run_dir / MODEL_FILE).read_text())
+    rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
+    result = {"train": train, "loop": loop_step_times(rows, skip=3), "vocab_size": model["vocab_size"]}
+    sh = shapes(s, "llama2-350m")
+    args = step_args(sh)
+    if s.smoke:
+        args = ["--model", "tiny", "--batch", "16", "--micro-batch", "8", "--seq-len", "32", "--r-base", "16"]
+        args += ["--block-size", "16"]
+    out = s.work / "train_step_same_model.json"
+    cmd = [sys.executable, "benchmarks/train_step.py", *args, "--vocab-size", str(model["vocab_size"])]
+    cmd += ["--remat", model["remat"], "--layers", "scanned" if model["scan_layers"] else "unrolled"]
+    cmd += ["--only", "moara_full", "--steps", "10", "--warmup", "3", "--out", str(out)]
+    bench = s.run(cmd)
+    data = _json(out)
+    if data is None:
+        return {**result, "error": "train_step.py failed", "bench": bench}
+    ms = data["ms"]["moara_full"]
+    loop = result["loop"]
+    result |= {"benchmark_ms": ms, "benchmark_command": shlex.join(cmd[1:])}
+    result |= {f"{k[:-2]}_over_benchmark": v * 1e3 / ms for k, v in loop.items() if k.endswith("_s") and v}
+    return result
+
+
+def loop_step_times(rows: list[dict], skip: int) -> dict:
+    """Step times of a run's metrics rows after the first ``skip`` steps: the median (the steady
+    step), the mean of the steps that neither evaluate nor follow an evaluation, and the wall time
+    per step with everything (logging, evaluation) in it."""
+    steps = {r["step"]: r for r in rows if "step_time_s" in r}
+    evals = {r["step"] for r in rows if "eval_loss" in r}
+    kept = [steps[k] for k in sorted(steps) if k > skip]
+    if len(kept) < 2:
+        return {}
+    plain = [r["step_time_s"] for r in kept if r["step"] not in evals and r["step"] - 1 not in evals]
+    first, last = kept[0], kept[-1]
+    return {
+        "median_step_s": statistics.median(r["step_time_s"] for r in kept),
+        "mean_plain_step_s": statistics.fmean(plain) if plain else None,
+        "wall_per_step_s": (last["wall_s"] - first["wall_s"]) / (last["step"] - first["step"]),
+        "steps": len(kept),
+        "evaluations": len(evals),
+    }
+
+
+PHASES = {
+    "env": (lambda s: 20.0, phase_env),
+    "gpu_tests": (lambda s: 60.0, phase_gpu_tests),
+    "vs_torch_350m": (lambda s: 150.0, lambda s: phase_vs_torch(s, "llama2-350m")),
+    "vs_torch_1b": (lambda s: 150.0, lambda s: phase_vs_torch(s, "llama2-1b")),
+    "variants_model": (lambda s: 60.0, lambda s: phase_variants(s, "model")),
+    "variants_flags": (lambda s: 60.0, lambda s: phase_variants(s, "flags")),
+    "train_loop": (lambda s: 60.0 if s.smoke else 170.0, phase_train_loop),
+    "full_tests": (lambda s: 240.0, phase_full_tests),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-session-out")
+    parser.add_argument("--budget-s", type=float, default=570.0, help="stop starting work after this")
+    parser.add_argument("--phases", nargs="+", default=["env", "gpu_tests", "vs_torch_350m", "train_loop"])
+    parser.add_argument("--variant-steps", type=int, default=5)
+    parser.add_argument(
+        "--jax-args",
+        default="",
+        help="train_step.py options over the paper config's for this project's runs (vs_torch, variants), "
+        "e.g. '--remat dots --micro-batch 64'",
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU): a check of this script")
+    args = parser.parse_args(argv)
+    unknown = [p for p in args.phases if p not in PHASES]
+    if unknown:
+        parser.error(f"unknown phase(s) {unknown}; known: {', '.join(PHASES)}")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    s = Session(out, args.budget_s, args.smoke, args.variant_steps, shlex.split(args.jax_args))
+    s.results["jax_args"] = s.jax_args
+    for name in args.phases:
+        need = PHASES[name][0](s)
+        if s.left() < need:
+            s.results["phases"][name] = {"skipped": f"{s.left():.0f}s left, needs at least {need:.0f}s"}
+            print(f"\n=== {name}: skipped ({s.results['phases'][name]['skipped']})", flush=True)
+            s.save()
+            continue
+        print(f"\n=== {name} ({s.left():.0f}s left)", flush=True)
+        t0 = time.perf_counter()
+        s.results["phases"][name] = PHASES[name][1](s)
+        s.results["phases"][name]["phase_s"] = time.perf_counter() - t0
+        s.save()
+    s.results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    s.save()
+    print(json.dumps({k: v for k, v in s.results.items() if k != "phases"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""What a whole training step compiles to: memory against the device, kernels, launches and
+whether cuDNN attention lowered, per remat policy, layer layout, attention and micro-batch size.
+
+Compiles ``python -m train``'s step (``train.step.make_train_step``: forward and backward over the
+micro-batches with gradients accumulated in a ``lax.scan``, the optimizer update and
+``apply_updates``, the state donated) of a Llama 2 preset in bf16 on a global batch of
+``--batch`` sequences of ``--seq-len`` tokens, and reads the compiled program:
+
+- memory: XLA's memory analysis of the compiled step: arguments (parameters, optimizer state,
+  tokens), outputs, the bytes outputs share with donated arguments, and temporaries (activations
+  kept for the backward pass, gradients, the accumulator, the refresh branch's scratch). The peak is
+  arguments + outputs - aliased + temporaries: what the step holds at once, against the H100's
+  80 GB (79.1 GiB) and against the 75% of it JAX's allocator takes by default;
+- kernels: launching instructions of the program (fusions, library and custom calls, copies) in
+  the entry computation and the loops and branches it runs, each counted once; launches: those
+  weighted by the loops' trip counts (the micro-batch scan, the layer scan), taking at each
+  conditional the branch with fewest kernels (a plain step, not a basis refresh);
+- cudnn: the cuDNN custom calls in the program (``__cudnn$fmhaSoftmax`` forward and
+  ``...Backward``): flash attention lowered.
+
+These are compile-time figures, not measurements of a run. ``--target h100`` compiles for an
+NVIDIA H100 without one (XLA's deviceless GPU compilation, as ``step_anatomy.py``; needs the JAX
+CUDA plugin, no GPU). Without a device there is no autotuning and cuDNN builds no graph (its
+workspace is not in the figures); buffer sizes and fusion do not depend on either.
+
+Usage:
+  python benchmarks/train_anatomy.py --target h100 [--models llama2-350m llama2-1b]
+      [--remat none dots full] [--layers scanned unrolled] [--attention xla cudnn]
+      [--micro-batch 128] [--optimizer moara_full] [--xla-flag-sets SET ...] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import re
+import sys
+import time
+
+# A deviceless CUDA compilation must not try to open a GPU (set before JAX is imported).
+if "h100" in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+
+import models
+from train.step import TrainState, make_train_step
+
+H100_BYTES = 84929347584  # device_memory_size of step_anatomy's H100 target (79.1 GiB)
+JAX_DEFAULT_MEM_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([\w\-]+)\((.*)$")
+_HEADER = re.compile(r"^(?:ENTRY )?%(\S+) ")
+# Instructions that launch nothing: views, bookkeeping, the ends of asynchronous pairs.
+_NO_KERNEL = {
+    "parameter",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "constant",
+    "after-all",
+    "add-dependency",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+    "domain",
+}
+_CONTROL = {"while", "conditional", "call"}
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """Instruction lines of each computation of HLO text, and the entry computation's name."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.split("\n"):
+        if current is None:
+            m = _HEADER.match(line)
+            if m and line.rstrip().endswith("{"):
+                current = m.group(1)
+                comps[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
+        elif line.startswith("}"):
+            current = None
+        else:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _called(line: str, key: str) -> list[str]:
+    m = re.search(key + r"=\{([^}]*)\}", line) or re.search(key + r"=(%[\w.\-]+)", line)
+    return re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+
+
+def program_kernels(hlo_text: str) -> dict:
+    """Kernels (each launching instruction once), launches per plain step (trip-count weighted, the
+    smallest branch of each conditional), the same with the largest branches, kernel kinds, and the
+    cuDNN custom-call targets of optimised HLO text."""
+    comps, entry = _computations(hlo_text)
+    kinds: collections.Counter = collections.Counter()
+    seen: set[str] = set()
+    unknown_trips = 0
+
+    def walk(name: str) -> tuple[int, int]:
+        """(launches with smallest branches, with largest branches) of one run of ``name``."""
+        nonlocal unknown_trips
+        first = name not in seen
+        seen.add(name)
+        low = high = 0
+        for line in comps[name]:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            op = m.group(3)
+            if op in _NO_KERNEL or op.endswith("-done"):
+                continue
+            if op == "while":
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                n = int(trip.group(1)) if trip else 1
+                unknown_trips += trip is None
+                body_lo, body_hi = walk(_called(line, "body")[0])
+                cond_lo, cond_hi = walk(_called(line, "condition")[0])
+                low += n * body_lo + (n + 1) * cond_lo
+                high += n * body_hi + (n + 1) * cond_hi
+            elif op == "conditional":
+                branches = _called(line, "branch_computations") or (
+                    _called(line, "true_computation") + _called(line, "false_computation")
+                )
+                runs = [walk(b) for b in branches]
+                low += min(r[0] for r in runs)
+                high += max(r[1] for r in runs)
+            elif op == "call":
+                lo, hi = walk(_called(line, "to_apply")[0])
+                low, high = low + lo, high + hi
+            else:
+                if first:
+                    kind = op
+                    if op == "fusion":
+                        k = re.search(r'"kind":"(\w+)"', line) or re.search(r"kind=(\w+)", line)
+                        kind = f"fusion:{k.group(1) if k else '?'}"
+                    kinds[kind] += 1
+                low += 1
+                high += 1
+        return low, high
+
+    low, high = walk(entry)
+    cudnn = sorted(set(re.findall(r'custom_call_target="(__cudnn[^"]*)"', hlo_text)))
+    return {
+        "kernels": sum(kinds.values()),
+        "launches_plain_step": low,
+        "launches_largest_branches": high,
+        "loops_without_trip_count": unknown_trips,
+        "kernels_by_kind": dict(kinds),
+        "cudnn_calls": cudnn,
+    }
+
+
+def _placement(target: str):
+    """The sharding (None: the default device) and device label of the compilation target."""
+    if target == "local":
+        return None, jax.devices()[0].device_kind
+    from step_anatomy import _placement as step_placement
+
+    return step_placement(target)
+
+
+def abstract_state(cfg: models.ModelConfig, tx, sharding) -> TrainState:
+    """The train state of ``cfg`` under ``tx`` as ``ShapeDtypeStruct``s (nothing allocated)."""
+    params = models.abstract_params(cfg)
+    state = TrainState(jax.ShapeDtypeStruct([], jnp.int32), params, jax.eval_shape(tx.init, params))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+
+
+def anatomy(cfg: models.ModelConfig, tx, batch: int, micro_batch: int, seq_len: int, sharding) -> dict:
+    """Memory, kernels and cuDNN calls of the compiled, donated training step of ``cfg``."""
+    state = abstract_state(cfg, tx, sharding)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=sharding)
+    step = jax.jit(make_train_step(cfg, tx, batch // micro_batch), donate_argnums=0)
+    t0 = time.perf_counter()
+    compiled = step.lower(state, tokens).compile()
+    compile_s = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return {
+        "argument_bytes": m.argument_size_in_bytes,
+        "output_bytes": m.output_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes,
+        "temp_bytes": m.temp_size_in_bytes,
+        "peak_bytes": peak,
+        "fits_h100": peak <= H100_BYTES,
+        "fits_jax_default_pool": peak <= JAX_DEFAULT_MEM_FRACTION * H100_BYTES,
+        "compile_s": compile_s,
+        **program_kernels(compiled.as_text()),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a Markdown table."""
+    lines = [
+        "| model | remat | layers | attention | micro-batch | peak (GiB) | temp (GiB) | fits 80 GB | "
+        "fits 75% | kernels | launches/step | cuDNN calls |",
+        "|---|---|---|---|---:|---:|---:|---|---|---:|---:|---|",
+    ]
+    for r in rows:
+        cudnn = ", ".join(c.replace("__cudnn$", "") for c in r["cudnn_calls"]) or "none"
+        lines.append(
+            f"| {r['model']} | {r['remat']} | {r['layers']} | {r['attention']} | {r['micro_batch']} | "
+            f"{r['peak_bytes'] / 2**30:.1f} | {r['temp_bytes'] / 2**30:.1f} | "
+            f"{'yes' if r['fits_h100'] else 'no'} | {'yes' if r['fits_jax_default_pool'] else 'no'} | "
+            f"{r['kernels']} | {r['launches_plain_step']} | {cudnn} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="local", choices=("local", "h100"))
+    parser.add_argument("--models", nargs="+", default=["llama2-350m", "llama2-1b"])
+    parser.add_argument("--remat", nargs="+", default=["none", "dots", "full"])
+    parser.add_argument(
+        "--layers", nargs="+", default=["scanned", "unrolled"], choices=("scanned", "unrolled")
+    )
+    parser.add_argument("--attention", nargs="+", default=["xla", "cudnn"], choices=("xla", "cudnn"))
+    parser.add_argument("--micro-batch", nargs="+", type=int, default=[128])
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (32000)")
+    parser.add_argument(
+        "--optimizer", default="moara_full", choices=("adamw", "galore_vanilla", "moara_full")
+    )
+    parser.add_argument("--xla-flag-sets", nargs="*", default=[], help="train.xla_flags.GPU_FLAG_SETS names")
+    parser.add_argument("--out", default=None, help="JSON path (rewritten after every compile)")
+    args = parser.parse_args()
+    if args.xla_flag_sets:  # before the backend starts
+        from train.xla_flags import GPU_FLAG_SETS, merged
+
+        flags = [f for s in args.xla_flag_sets for f in GPU_FLAG_SETS[s]]
+        os.environ["XLA_FLAGS"] = merged(os.environ.get("XLA_FLAGS", ""), flags)[0]
+    from train_step import optimizers
+
+    sharding, device = _placement(args.target)
+    tx = optimizers(256, 32)[args.optimizer]
+    result = {
+        "device": device,
+        "jax": jax.__version__,
+        "optimizer": args.optimizer,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "note": "compile-time figures (XLA memory analysis of the compiled step), not measurements",
+        "rows": [],
+    }
+    grid = itertools.product(args.models, args.remat, args.layers, args.attention, args.micro_batch)
+    for name, remat, layers, attention, micro in grid:
+        overrides = dict(param_dtype="bfloat16", dtype="bfloat16", remat=remat, attention_impl=attention)
+        if args.vocab_size:
+            overrides["vocab_size"] = args.vocab_size
+        cfg = models.get_config(name, scan_layers=layers == "scanned", **overrides)
+        row = {"model": name, "remat": remat, "layers": layers, "attention": attention, "micro_batch": micro}
+        try:
+            row |= anatomy(cfg, tx, args.batch, micro, args.seq_len, sharding)
+        except Exception as e:  # a configuration XLA cannot compile is a result too
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
+            continue
+        result["rows"].append(row)
+        print(
+            f"{name} remat={remat} {layers} {attention} micro={micro}: "
+            f"peak {row['peak_bytes'] / 2**30:.2f} GiB "
+            f"(temp {row['temp_bytes'] / 2**30:.2f}), kernels {row['kernels']}, launches "
+            f"{row['launches_plain_step']}, cudnn {row['cudnn_calls']}, compile {row['compile_s']:.0f}s",
+            flush=True,
+        )
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+    print(table([r for r in result["rows"] if "error" not in r]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
