@@ -260,6 +260,9 @@ def validate(cfg: RunConfig) -> None:
         cfg.checkpoint.keep >= 1 and cfg.checkpoint.every >= 0,
         "checkpoint.keep must be >= 1 and checkpoint.every >= 0",
     )
+    from train.xla_flags import configured_flags
+
+    configured_flags(cfg.xla.gpu_flag_sets, cfg.xla.flags, gpu=True)  # names and forms only
     unknown_writers = [w for w in cfg.metrics.writers if w not in WRITERS]
     _need(not unknown_writers, f"metrics.writers: unknown {unknown_writers} (known: {', '.join(WRITERS)})")
     p = cfg.profile
@@ -307,9 +310,6 @@ def _validate_optimizer(o: OptimizerSection) -> None:
         finite(o.weight_decay) and o.weight_decay >= 0,
         f"optimizer.weight_decay must be >= 0, got {o.weight_decay}",
     )
-    from train.xla_flags import configured_flags
-
-    configured_flags(cfg.xla.gpu_flag_sets, cfg.xla.flags, gpu=True)  # names and forms only
     try:
         host_class(o.host)
     except ValueError as e:
