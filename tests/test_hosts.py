@@ -68,17 +68,19 @@ def test_a_registered_host_runs_through_moara_adamw_and_keeps_its_first_bases(fr
     assert set(mj.module_alignment(grads[-1], s_frozen, block_size=8)) == {"q", "down"}
 
 
-def test_the_trainer_takes_a_registered_host_and_an_import_path(frozen_galore, monkeypatch):
+def test_the_trainer_takes_a_registered_host_and_an_import_path(frozen_galore):
     from train.config import load_config
     from train.step import make_optimizer, schedule
 
     config = str(ROOT / "configs" / "tiny.yaml")
-    for host in ("frozen_galore", f"{__name__}:ToyHost"):  # ToyHost: imported and registered
-        cfg = load_config(config, [f"optimizer.host={host}"])
-        tx = make_optimizer(cfg.optimizer, schedule(cfg), 0.0, peak_lr=cfg.train.lr)
-        assert mj.state_bytes(jax.eval_shape(tx.init, _params()))["projection_bases"] > 0
-    assert mj.HOSTS["toy"] is ToyHost
-    monkeypatch.delitem(mj.HOSTS, "toy")
+    try:
+        for host in ("frozen_galore", f"{__name__}:ToyHost"):  # ToyHost: imported and registered
+            cfg = load_config(config, [f"optimizer.host={host}"])
+            tx = make_optimizer(cfg.optimizer, schedule(cfg), 0.0, peak_lr=cfg.train.lr)
+            assert mj.state_bytes(jax.eval_shape(tx.init, _params()))["projection_bases"] > 0
+        assert mj.HOSTS["toy"] is ToyHost
+    finally:  # the registry is the process's: other tests of this process see the built-in hosts
+        mj.HOSTS.pop("toy", None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -250,7 +250,7 @@ def test_a_real_full_disk_ends_the_run_with_74_and_resume_after_freeing_space(tm
     # The filesystem holds the run's small files and two checkpoints (plus the space check's
     # margin for neither a third): the save at step 12 finds it full.
     reference = tmp_path / "reference"
-    run_cli(reference, *SETS)
+    run_cli(reference, *SETS, in_process=False)  # processes of their own, as the ones on the disk
     uninterrupted = losses(reference)
     checkpoint = sum(p.stat().st_size for p in (reference / "checkpoints" / "4").rglob("*") if p.is_file())
     disk = tmp_path / "disk"
@@ -258,7 +258,7 @@ def test_a_real_full_disk_ends_the_run_with_74_and_resume_after_freeing_space(tm
     if reason:
         pytest.skip(reason)
     try:
-        proc = run_cli(disk / "run", *SETS, check=False)
+        proc = run_cli(disk / "run", *SETS, check=False, in_process=False)
         assert proc.returncode == EXIT_IO_ERROR, proc.stderr[-3000:]
         err = proc.stderr.strip().splitlines()
         assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -267,7 +267,7 @@ def test_a_real_full_disk_ends_the_run_with_74_and_resume_after_freeing_space(tm
         kept = sorted(int(p.name) for p in (disk / "run" / "checkpoints").iterdir())
         assert kept and f"the last complete checkpoint, step {kept[-1]}," in err[0]
         subprocess.run(["mount", "-o", f"remount,size={64 << 20}", str(disk)], check=True)
-        run_cli(disk / "run", *SETS, extra=["--resume"])
+        run_cli(disk / "run", *SETS, extra=["--resume"], in_process=False)
         got = losses(disk / "run")
         assert sorted(got) == list(range(1, 13))
         np.testing.assert_allclose(

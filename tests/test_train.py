@@ -1,7 +1,9 @@
 """The training program end to end on tiny configs (CPU): CLI, metrics, resume after SIGTERM,
 an 8-device sharded run, data edge cases, config errors, compare and profiling."""
 
+import contextlib
 import gzip
+import io
 import json
 import os
 import pathlib
@@ -31,19 +33,32 @@ FAST = [
 ]
 
 
-def run_cli(run_dir, *sets, extra=(), env=None, check=True, quiet=True, **kw):
-    args = [sys.executable, "-m", "train", "--config", TINY, "--run-dir", str(run_dir)] + ["--quiet"] * quiet
-    for s in sets:
-        args += ["--set", s]
-    proc = subprocess.run(
-        args + list(extra),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=600,
-        **kw,
-    )
+def run_cli(run_dir, *sets, extra=(), env=None, check=True, quiet=True, in_process=None, **kw):
+    """``python -m train`` on the tiny config: its exit status and output. In this process
+    (``train.__main__.main``, the same code with the interpreter's start-up saved) unless a test
+    needs a process of its own: an environment of its own (``env``: device counts, platforms) or
+    ``in_process=False`` (a real command line, or runs compared with ones in subprocesses)."""
+    argv = ["--config", TINY, "--run-dir", str(run_dir)] + ["--quiet"] * quiet
+    argv += [x for s in sets for x in ("--set", s)] + list(extra)
+    if in_process is None:
+        in_process = env is None and not kw
+    if in_process:
+        from train.__main__ import main
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        proc = subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-m", "train", *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
+            timeout=600,
+            **kw,
+        )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -55,7 +70,10 @@ def losses(run_dir):
 
 
 def test_cli_end_to_end_loss_falls_and_outputs_are_complete(tmp_path):
-    proc = run_cli(tmp_path / "run", *FAST, "train.steps=30", "train.eval_every=10", quiet=False)
+    # The real command line, in a process of its own.
+    proc = run_cli(
+        tmp_path / "run", *FAST, "train.steps=30", "train.eval_every=10", quiet=False, in_process=False
+    )
     banner = proc.stdout.splitlines()
     assert banner[0].startswith("model: tiny, ") and "in the embedding and LM head" in banner[0]
     assert banner[1].startswith("optimizer: moara on galore, r_base 16") and "'down': 32" in banner[1]
@@ -91,7 +109,7 @@ def test_resume_after_sigterm_and_sigkill_equals_uninterrupted(tmp_path):
     steps logged past its last checkpoint), resumed again: every step logged once, with the
     uninterrupted run's losses. The data come from a token store (the builtin text's)."""
     sets = [*FAST, "train.steps=24", "checkpoint.every=8", "train.micro_batch_size=4"]
-    run_cli(tmp_path / "full", *sets)
+    run_cli(tmp_path / "full", *sets, in_process=False)  # as the interrupted runs: processes
     cut = tmp_path / "cut"
 
     def start(*extra):
@@ -120,7 +138,7 @@ def test_resume_after_sigterm_and_sigkill_equals_uninterrupted(tmp_path):
     proc.wait(timeout=60)
     logged = [r["step"] for r in read_metrics(cut / "metrics.jsonl") if "loss" in r]
     assert (cut / ".lock").exists() and 16 < max(logged) < 24
-    resumed = run_cli(cut, *sets, extra=["--resume"])
+    resumed = run_cli(cut, *sets, extra=["--resume"], in_process=False)
     # checkpoint 16, or 8 when the kill came while orbax was still writing 16
     start = int(resumed.stdout.split("resuming from step ")[1].split()[0])
     assert start in (8, 16) and start < max(logged)  # rows past the checkpoint were logged
@@ -338,7 +356,10 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "path", sorted(str(p) for p in (ROOT / "configs").rglob("*.yaml") if p.name != "base.yaml")
+    # every run config (base files are layered under others; an experiment's plan is the evidence
+    # runner's, checked in tests/test_evidence.py)
+    "path",
+    sorted(str(p) for p in (ROOT / "configs").rglob("*.yaml") if p.name not in ("base.yaml", "plan.yaml")),
 )
 def test_every_shipped_config_validates_and_names_a_model(path):
     import models
