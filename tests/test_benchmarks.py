@@ -107,6 +107,7 @@ def test_fused_kernel_experiment_computes_decompose_then_project(shape, rank, bl
     assert low.dtype == dtype and err < (1e-2 if dtype == jnp.bfloat16 else 1e-5)
 
 
+@pytest.mark.slow
 def test_train_step_benchmark_times_finite_donated_steps():
     """time_steps builds its state inside jit (the donated step refuses shared buffers) and
     raises on a non-finite loss; a tiny bf16 model runs through it."""
@@ -208,6 +209,7 @@ def test_program_kernels_weights_loops_by_trip_count_and_takes_the_smaller_branc
     assert r["cudnn_calls"] == ["__cudnn$fmhaSoftmax"] and r["loops_without_trip_count"] == 0
 
 
+@pytest.mark.slow
 def test_train_anatomy_counts_the_micro_batch_loop_and_the_memory():
     """Smaller micro-batches of the same batch: more trips of the accumulation loop (more launches)
     and less activation memory."""
@@ -302,6 +304,7 @@ def test_galore_adamw_loads_without_bitsandbytes(without_bitsandbytes):
     assert not torch.equal(before, w.detach())
 
 
+@pytest.mark.slow
 def test_vs_torch_cpu_smoke_run_writes_both_sides(tmp_path):
     """The documented CPU smoke run, the peer's GaLore and MoARa Full only."""
     pytest.importorskip("galore_torch")

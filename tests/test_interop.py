@@ -72,7 +72,13 @@ def random_params(cfg, seed=0):
     return jax.tree_util.tree_map_with_path(perturb, params)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize(
+    "name",  # the fast lane: Llama 2 and DeepSeek-V2 (MLA), the two code paths apart
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n in ("llama3.2-tiny", "qwen2.5-tiny", "qwen3-tiny") else n
+        for n in FAMILIES
+    ],
+)
 def test_every_family_writes_a_directory_transformers_loads(name, tmp_path):
     scan = name != "llama2-tiny"  # stacked layers split into per-layer tensors, and not
     cfg = models.get_config(name, scan_layers=scan)
@@ -204,6 +210,7 @@ def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(run, exported)
     assert json.loads((exported / "training_run.json").read_text())["step"] == 4
 
 
+@pytest.mark.slow
 def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, capsys):
     from train.checkpoint import read_params
 
@@ -265,6 +272,7 @@ def test_export_keeps_no_tokenizer_that_would_encode_otherwise(tmp_path, monkeyp
     assert not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_init_from_starts_the_run_from_the_exported_weights(run, exported):
     """The first step's loss is the exported model's loss on the first batch (computed here by
     transformers), and the run's model is the directory's."""
@@ -287,6 +295,7 @@ def test_init_from_starts_the_run_from_the_exported_weights(run, exported):
     assert json.loads((new / "model.json").read_text())["name"] == exported.name
 
 
+@pytest.mark.slow
 def test_init_from_mismatches_are_one_line_errors(run, exported, tmp_path):
     from train.config import load_config
     from train.model import model_config
@@ -337,6 +346,7 @@ SHARDED_LOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_loading_puts_each_block_on_its_device(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
@@ -412,6 +422,7 @@ def test_evaluate_matches_hand_computed_scores(tmp_path):
     assert report["perplexity"]["fox"]["ppl"] == pytest.approx(np.exp(-total / count), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_evaluate_agrees_with_transformers(run, exported, tmp_path):
     """The exported run scored by train.evaluate --hf and by transformers with its own
     tokenizer, lm-evaluation-harness' way (context and pair encoded, the context cut off)."""

@@ -105,6 +105,7 @@ def test_a_failed_checkpoint_save_stops_cleanly_and_resume_continues(
     assert RunDir(run).summary()["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_a_save_that_fails_in_orbaxs_writer_thread_leaves_no_partial_checkpoint(
     tmp_path, capsys, monkeypatch
 ):
@@ -130,7 +131,12 @@ def test_a_save_that_fails_in_orbaxs_writer_thread_leaves_no_partial_checkpoint(
 
 @pytest.mark.parametrize(
     "where",
-    ["metrics", "tensorboard", "summary", "plot", "metrics and summary", "run files"],
+    # the fast lane: one write during the steps and one before them
+    ["metrics", "run files"]
+    + [
+        pytest.param(w, marks=pytest.mark.slow)
+        for w in ("tensorboard", "summary", "plot", "metrics and summary")
+    ],
 )
 def test_a_failed_write_of_the_runs_files_stops_cleanly(where, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
@@ -189,6 +195,7 @@ def test_a_failed_write_of_the_runs_files_stops_cleanly(where, tmp_path, capsys,
         assert summary["status"] == "io_error" and summary["steps"] >= 7
 
 
+@pytest.mark.slow
 def test_commands_other_than_the_trainer_exit_74(tmp_path, capsys, monkeypatch):
     from train import evaluate, export, prepare
     from train.store import building

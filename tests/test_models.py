@@ -225,7 +225,7 @@ def test_scanned_and_unscanned_params_give_same_logits():
     )
 
 
-@pytest.mark.parametrize("name", ["llama2-tiny", "deepseek-v2-tiny"])
+@pytest.mark.parametrize("name", ["llama2-tiny", pytest.param("deepseek-v2-tiny", marks=pytest.mark.slow)])
 def test_bf16_forward_is_finite_and_close(name):
     cfg = models.get_config(name)
     params = models.init_params(cfg, jax.random.PRNGKey(0))

@@ -38,6 +38,7 @@ def wait_for_steps(proc, run_dir, n, timeout=300):
     raise AssertionError(f"the run did not reach {n} logged steps: {proc.communicate()[1][-2000:]}")
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_busy_run_dir_is_refused_and_writes_nothing(tmp_path):
     run = tmp_path / "run"
     first = start_cli(run, *FAST, "train.steps=400", "checkpoint.every=0")
@@ -114,6 +115,7 @@ def test_verification_names_each_kind_of_damage(finished_run, tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [truncate])  # each kind of damage: test_verification_names_...
 def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finished_run, tmp_path):
     run = tmp_path / "run"
@@ -130,6 +132,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finish
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == list(range(1, 11))
 
 
+@pytest.mark.slow
 def test_no_usable_checkpoint_is_one_error_naming_each_tried(finished_run, tmp_path):
     from train.checkpoint import Checkpointer
     from train.rundir import RunDir
@@ -154,6 +157,7 @@ def test_no_usable_checkpoint_is_one_error_naming_each_tried(finished_run, tmp_p
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_divergence_stops_the_run_keeps_the_checkpoint_before_it_and_spares_a_completed_summary(tmp_path):
     run = tmp_path / "run"
     run_cli(run, *FAST, "train.steps=4", "checkpoint.every=2")

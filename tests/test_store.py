@@ -91,6 +91,7 @@ STALL = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_prepare_then_rerun_gives_the_identical_store(sig, tmp_path):
     paths = write_corpus(tmp_path / "corpus", files=6)
@@ -218,6 +219,38 @@ def test_a_store_is_reused_not_rebuilt(tmp_path, monkeypatch):
     pathlib.Path(paths[0]).write_text(json.dumps({"text": "changed"}) + "\n")
     monkeypatch.undo()
     assert open_store(cfg, quiet=True).directory != first.directory
+
+
+def test_prepare_builds_the_store_the_trainer_then_finds(tmp_path, monkeypatch, capsys):
+    """``python -m train.prepare`` (its main, in this process) builds the store a data section's
+    run then opens from the cache without building; its refusals are one line each."""
+    from train import prepare
+
+    paths = write_corpus(tmp_path / "corpus", files=2)
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    sets = ["data.source=files", f"data.paths={json.dumps(paths)}", f"data.cache_dir={tmp_path / 'cache'}"]
+    argv = ["--config", tiny] + [x for s in sets for x in ("--set", s)]
+    assert prepare.main([*argv, "--workers", "1", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    directory = out.split("token store ")[1].split(":")[0]
+    manifest = json.loads((pathlib.Path(directory) / token_store.MANIFEST).read_text())
+    documents = {s: manifest["splits"][s]["documents"] for s in token_store.SPLITS}
+    assert f"train {documents['train']:,} documents" in out and sum(documents.values()) == 80
+    monkeypatch.setattr(token_store, "build", lambda *a, **k: pytest.fail("built again"))
+    assert (
+        str(open_store(files_section(paths, cache_dir=str(tmp_path / "cache")), quiet=True).directory)
+        == directory
+    )
+    for more, message in [
+        (["--workers", "0"], "error: --workers must be >= 1, got 0"),
+        (
+            ["--set", "data.source=store", "--set", "data.store=x"],
+            "error: data.source is store: there is nothing",
+        ),
+    ]:
+        assert prepare.main([*argv, *more]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(message), err
 
 
 @pytest.fixture(scope="module")
@@ -443,6 +476,7 @@ SHARDED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_8_device_mesh_reads_the_same_global_batches_as_one_device(tmp_path):
     paths = write_corpus(tmp_path / "corpus", files=2)
     named = str(tmp_path / "s")

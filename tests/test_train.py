@@ -69,6 +69,7 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in rows}
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_loss_falls_and_outputs_are_complete(tmp_path):
     # The real command line, in a process of its own.
     proc = run_cli(
@@ -104,6 +105,7 @@ def test_cli_end_to_end_loss_falls_and_outputs_are_complete(tmp_path):
     assert saved.train.steps == 30
 
 
+@pytest.mark.slow
 def test_resume_after_sigterm_and_sigkill_equals_uninterrupted(tmp_path):
     """Stopped by SIGTERM (saved, exit 75), resumed and killed by SIGKILL (its lock left behind,
     steps logged past its last checkpoint), resumed again: every step logged once, with the
@@ -148,6 +150,7 @@ def test_resume_after_sigterm_and_sigkill_equals_uninterrupted(tmp_path):
     np.testing.assert_allclose([again[s] for s in full], [full[s] for s in full], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_sharded_2x2x2_mesh_gives_one_device_losses(tmp_path):
     """The default (MoARa on GaLore) through the whole loop; every host's optimizer on an
     8-device mesh against one device is in tests/test_sharding_optimizer.py."""
@@ -168,6 +171,7 @@ def test_sharded_2x2x2_mesh_gives_one_device_losses(tmp_path):
     np.testing.assert_allclose([eight[s] for s in one], [one[s] for s in one], rtol=2e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host", ["ldadam", "subtrack_pp"])
 def test_profile_reads_the_bases_of_other_hosts(host, tmp_path):
     run_cli(
@@ -210,6 +214,7 @@ def test_profile_writes_allocation_that_training_reads(tmp_path):
     assert used == allocation["ranks"]
 
 
+@pytest.mark.slow
 def test_sweep_then_compare(tmp_path):
     """A two-point sweep over condition layers (layered over tiny.yaml), run again (nothing to
     do), then ``train.compare`` on its runs."""
@@ -298,6 +303,7 @@ def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message, capsys):
     assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
+@pytest.mark.slow
 def test_micro_batches_off_the_data_split_name_the_numbers(tmp_path):
     proc = run_cli(
         tmp_path / "bad",
@@ -312,6 +318,7 @@ def test_micro_batches_off_the_data_split_name_the_numbers(tmp_path):
     assert "train.micro_batch_size (3) must be divisible by the mesh's data x fsdp = 2 x 1 = 2" in proc.stderr
 
 
+@pytest.mark.slow
 def test_missing_config_file_is_a_clean_error(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "train", "--config", str(tmp_path / "nope.yaml")],
@@ -323,6 +330,7 @@ def test_missing_config_file_is_a_clean_error(tmp_path):
     assert proc.returncode == 2 and "config file not found" in proc.stderr
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     proc = run_cli(
         tmp_path / "nan",
@@ -338,6 +346,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert f"the last checkpoint before it, step {ckpts[-1]}, is kept in" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bad_records_are_skipped_and_counted(tmp_path):
     p = tmp_path / "shard.jsonl.gz"
     with gzip.open(p, "wb") as f:
@@ -391,6 +400,7 @@ def test_paper_configs_reproduce_paper_optimizer_state(condition, mib):
     assert round(mj.state_bytes(state)["moments"] / 2**20, 2) == mib
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("condition,mib", [("galore", 538.57), ("full", 650.88)])
 @pytest.mark.parametrize("host", ["fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
 def test_paper_host_configs_build_the_host(host, condition, mib):
@@ -442,6 +452,7 @@ def test_paper_host_configs_build_the_host(host, condition, mib):
         assert mj.state_bytes(state)["moments"] == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host", ["fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
 def test_cli_trains_on_another_host(host, tmp_path):
     run_cli(tmp_path / host, *FAST, "train.steps=30", "train.eval_every=10", f"optimizer.host={host}")
@@ -465,6 +476,7 @@ def test_labels_command_prints_the_optimizer_view():
     assert "moments 650.88" in lines[-1]
 
 
+@pytest.mark.slow
 def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path):
     sets = [*FAST, "train.steps=4", "checkpoint.every=2"]
     run_cli(tmp_path / "run", *sets)
@@ -480,6 +492,7 @@ def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path)
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
 
 
+@pytest.mark.slow
 def test_non_finite_parameters_are_never_checkpointed(tmp_path):
     proc = run_cli(
         tmp_path / "inf",
@@ -495,6 +508,7 @@ def test_non_finite_parameters_are_never_checkpointed(tmp_path):
     assert not ckpt_dir.exists() or not [p for p in ckpt_dir.iterdir() if p.name.isdigit()]
 
 
+@pytest.mark.slow
 def test_resumed_profile_records_like_an_uninterrupted_one(tmp_path):
     sets = [*FAST, "mode=profile", "profile.every=2", "checkpoint.every=2"]
     run_cli(tmp_path / "whole", *sets, "profile.steps=8")

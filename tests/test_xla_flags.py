@@ -78,6 +78,7 @@ def test_gpu_is_not_expected_when_jax_platforms_excludes_it(monkeypatch):
     assert not xla_flags.gpu_platform_expected()
 
 
+@pytest.mark.slow
 def test_train_sets_configured_flags_before_jax_starts(tmp_path):
     """A CPU-effective flag from the config takes effect: the run sees two host devices."""
     run = tmp_path / "run"

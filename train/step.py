@@ -145,7 +145,7 @@ def make_train_step(
             grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads, state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree_utils.tree_norm(grads)}
         if with_alignment:
             metrics["alignment"] = mj.matrix_alignment(grads, opt_state, block_size=alignment_block)
         return TrainState(state.step + 1, params, opt_state), metrics
