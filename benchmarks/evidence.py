@@ -83,9 +83,7 @@ PACKED = (*RECORD_FILES, RUNNER_FILE, TRAIN_LOG)
 FINISHED = ("completed", "failed")  # RunDir.state: a summary that says completed, nan or diverged
 # The wheels a bare GPU machine lacks (.library/device/KINDS.md lists what it has): grain and the
 # two of its requirements that are not there. Python 3.12, manylinux x86_64.
-WHEEL_SPECS = ("grain==0.2.18", "array-record==0.8.6", "portpicker==1.6.0")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64")
-PLATFORMS += ("manylinux2014_x86_64", "manylinux1_x86_64")
+WHEELS_SCRIPT = CODE / "benchmarks" / "gpu_wheels.sh"  # the GPU sessions' one wheel set
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint")
 VERSIONS += ("grain", "numpy", "sentencepiece")
 TRAVEL_LIMIT_MIB = 64
@@ -654,11 +652,10 @@ def cmd_stage(args) -> int:
             copied += 1
     print(f"data: {copied} file(s) in {root / DATA}")
     if not args.no_wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-        cmd += ["--python-version", "3.12", "--implementation", "cp"]
-        cmd += [x for p in PLATFORMS for x in ("--platform", p)] + ["-d", str(root / WHEELS), *WHEEL_SPECS]
-        print("wheels: " + " ".join(["python3", *cmd[1:]]))
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        print(f"wheels: bash {WHEELS_SCRIPT.relative_to(CODE)} {root / WHEELS}")
+        subprocess.run(
+            ["bash", str(WHEELS_SCRIPT), str(root / WHEELS)], check=True, stdout=subprocess.DEVNULL
+        )
     sizes = travel_size(root, [DATA, WHEELS])
     total = sum(sizes.values())
     parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())

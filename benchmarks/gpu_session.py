@@ -53,10 +53,9 @@ BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
-from train.xla_flags import GPU_FLAG_SETS  # noqa: E402  (no JAX backend is started by it)
+from train.rundir import RunDir  # noqa: E402  (neither starts a JAX backend)
+from train.xla_flags import GPU_FLAG_SETS  # noqa: E402
 
-METRICS_FILE = "metrics.jsonl"  # python -m train's run-dir files this driver reads
-MODEL_FILE = "model.json"
 # Parameters of the Llama 2 presets with the T5 vocabulary (models.param_count), for estimates.
 PARAMS = {"llama2-350m": 367_980_544, "llama2-1b": 1_339_299_840}
 VS_TORCH_ORDER = ("galore_torch", "moara_full", "galore_vanilla", "adamw_torch", "adamw")
@@ -435,8 +434,9 @@ def phase_train_loop(s: Session) -> dict:
     train = s.run(cmd + [a for x in sets for a in ("--set", x)] + ["--quiet"])
     if train["rc"] != 0:
         return {"error": "python -m train failed", **train}
-    model = json.loads((run_dir / MODEL_FILE).read_text())
-    rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
+    run = RunDir(run_dir)
+    model = json.loads(run.model_file.read_text())
+    rows = run.rows(None)
     result = {"train": train, "loop": loop_step_times(rows, skip=3), "vocab_size": model["vocab_size"]}
     sh = shapes(s, "llama2-350m")
     args = step_args(sh)

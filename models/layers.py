@@ -108,6 +108,7 @@ def rope_interleaved(x, positions, inv):
 # head width that is a multiple of 8, at most 128 (256 on Hopper; 128 holds on every GPU it runs on).
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_WIDTH = 128
+CUDNN_MIN_CAPABILITY = 8.0  # cuDNN's flash attention: Ampere (sm80) or newer
 
 
 def attention_width(cfg: ModelConfig) -> int:
@@ -127,16 +128,33 @@ def default_platform() -> str:
     return platform
 
 
-def attention_implementation(cfg: ModelConfig, platform: str | None = None) -> str:
+def cuda_compute_capability() -> float | None:
+    """The default device's CUDA compute capability (e.g. 9.0 on an H100), None elsewhere."""
+    value = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def attention_implementation(
+    cfg: ModelConfig, platform: str | None = None, compute_capability: float | None = None
+) -> str:
     """``'cudnn'`` or ``'xla'``: ``cfg.attention_impl`` when set, else cuDNN's flash attention where it
-    applies (``platform`` ``'cuda'``, by default the default backend's; compute dtype bf16 or fp16; a
-    head width that is a multiple of 8, at most 128), else XLA's (float32 compute, CPU, TPU, ROCm)."""
+    applies (``platform`` ``'cuda'``, by default the default backend's, on a GPU of compute
+    capability ``CUDNN_MIN_CAPABILITY`` or newer (by default the default device's; a platform
+    given without one is taken as such a GPU); compute dtype bf16 or fp16; a head width that is a
+    multiple of 8, at most 128), else XLA's (float32 compute, CPU, TPU, ROCm, older GPUs)."""
     if cfg.attention_impl is not None:
         return cfg.attention_impl
-    platform = default_platform() if platform is None else platform
+    if platform is None:
+        platform = default_platform()
+        if platform == "cuda" and compute_capability is None:
+            compute_capability = cuda_compute_capability()
     width = attention_width(cfg)
     fits = cfg.dtype in CUDNN_DTYPES and width % 8 == 0 and width <= CUDNN_MAX_HEAD_WIDTH
-    return "cudnn" if platform == "cuda" and fits else "xla"
+    capable = compute_capability is None or compute_capability >= CUDNN_MIN_CAPABILITY
+    return "cudnn" if platform == "cuda" and capable and fits else "xla"
 
 
 def causal_attention(q, k, v, cfg: ModelConfig, scale: float | None = None):

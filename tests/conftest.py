@@ -2,12 +2,20 @@
 token stores and compiled programs cached under the session's temporary directory, never the
 user's caches."""
 
+import importlib.util
 import os
 
 import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _cuda_plugin() -> bool:
+    """Whether JAX's CUDA plugin is installed (then JAX may run on a GPU)."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
 
 
 @pytest.hookimpl(trylast=True)  # after the tmp_path plugin's
@@ -19,16 +27,21 @@ def pytest_configure(config):
     their compilation is reused. Set before any test module is imported (and compiles); the
     parent of the base temp dir is shared by the xdist workers of one session."""
     root = config._tmp_path_factory.getbasetemp().parent
-    # Compiled with LLVM's optimisation off: the tests' programs are tiny, so XLA compiling them,
-    # not running them, is most of the suite's time (the contract battery's convergence tests:
-    # 37.6 CPU seconds with XLA's default level, 22.1 with this). It does not change what the
-    # programs compute: XLA's own passes (fusion, layout) still run, and LLVM keeps IEEE
-    # semantics at every level (XLA's CPU fast-math is off). MOARA_JAX_TEST_OPTIMIZE=1 runs the
-    # suite at XLA's default level.
-    if os.environ.get("MOARA_JAX_TEST_OPTIMIZE") != "1":
+    # On the CPU, compiled with LLVM's optimisation off: the tests' programs are tiny, so XLA
+    # compiling them, not running them, is most of the suite's time (`python -m pytest -q
+    # tests/test_transforms.py -k converges`: 37.6 CPU seconds at XLA's default level, 22.1 with
+    # this). XLA's own passes (fusion, layout) still run and LLVM keeps IEEE semantics at every
+    # level (XLA's CPU fast-math is off); the whole suite passes at either level.
+    # MOARA_JAX_TEST_OPTIMIZE=1 runs it at XLA's default; with a GPU plugin it always does.
+    if os.environ.get("MOARA_JAX_TEST_OPTIMIZE") != "1" and not _cuda_plugin():
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_backend_optimization_level" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    # One process of its own: not a process of a scheduler's or an outer run's job (the trainer's
+    # CLI runs in the test process), and offline (Hugging Face hubs are never reached).
+    for name in ("SLURM_JOB_ID", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        os.environ.pop(name, None)
+    os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     os.environ.update(
         {
             "MOARA_JAX_CACHE": str(root / "moara-jax-cache"),

@@ -19,7 +19,7 @@ import pytest
 from test_train import FAST, TINY, losses, run_cli
 
 from train import __main__ as trainer
-from train.errors import EXIT_IO_ERROR, IOFault, errno_in_text, io_operation, machine_errno
+from train.errors import EXIT_IO_ERROR, IOFault, UserError, errno_in_text, io_operation, machine_errno
 from train.metrics import TensorBoardSink
 from train.rundir import RunDir
 
@@ -76,8 +76,21 @@ def test_errors_of_the_machine_are_told_from_others():
     # orbax writes through tensorstore, whose errors carry the errno in their message
     message = "RESOURCE_EXHAUSTED: Failed writing: \"x/d/1\": No space left on device [os_error_code='28']"
     assert machine_errno(ValueError(message)) == errno.ENOSPC == errno_in_text(message)
-    assert machine_errno(ValueError("Read-only file system")) == errno.EROFS
+    assert (
+        machine_errno(ValueError('PERMISSION_DENIED: Error opening "x": Read-only file system'))
+        == errno.EROFS
+    )
+    assert machine_errno(ValueError("Read-only file system")) is None  # no library status: not told
     assert machine_errno(ValueError("shapes differ")) is None
+    try:  # an OSError under another exception
+        try:
+            raise fault(errno.EIO)
+        except OSError as e:
+            raise RuntimeError("writing failed") from e
+    except RuntimeError as e:
+        assert machine_errno(e) == errno.EIO
+    # a user's error that quotes a system message about the user's own file stays the user's
+    assert machine_errno(UserError("cannot read data file x: [Errno 13] Permission denied")) is None
     with pytest.raises(IOFault, match=r"^writing x /p failed: input/output error$"):
         with io_operation("writing x", "/p"):
             raise fault(errno.EIO)
@@ -103,6 +116,42 @@ def test_a_failed_checkpoint_save_stops_cleanly_and_resume_continues(
     assert code == 0, err
     assert losses(run) == pytest.approx(uninterrupted, rel=1e-6)
     assert RunDir(run).summary()["status"] == "completed"
+
+
+def test_a_save_the_filesystem_has_no_room_for_is_refused_before_it_starts(tmp_path, capsys, monkeypatch):
+    from train import checkpoint as checkpointing
+
+    run = tmp_path / "run"
+    usage = checkpointing.shutil.disk_usage
+
+    def full_after_4(path):
+        real = usage(path)
+        saved = [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+        return real._replace(free=256 << 10) if saved else real  # 256 KiB once checkpoint 4 is there
+
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", full_after_4)
+    code, err = train(run, capsys)
+    line = assert_one_io_error(code, err, "saving checkpoint 8 to")
+    assert "failed: no space left on device (it needs " in line and " MiB, 0.2 MiB are free)" in line
+    assert "the last complete checkpoint, step 4," in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4"]  # nothing begun for 8
+
+
+def test_resume_finishes_a_run_whose_last_writes_failed(tmp_path, capsys, monkeypatch):
+    """All steps done and checkpointed, but the metric writer's files failed when they were
+    flushed at the end: the summary says io_error; ``--resume`` runs no step and completes it."""
+    run = tmp_path / "run"
+    sets = ["metrics.writers=[jsonl,tensorboard]"]
+    monkeypatch.setattr(TensorBoardSink, "close", failing(errno.EIO))
+    code, err = train(run, capsys, *sets)
+    line = assert_one_io_error(code, err, f"writing TensorBoard events to {run / 'tensorboard'} failed")
+    assert "the last complete checkpoint, step 12," in line
+    assert RunDir(run).summary()["status"] == "io_error" and RunDir(run).summary()["steps"] == 12
+    monkeypatch.undo()
+    code, err = train(run, capsys, *sets, resume=True)
+    summary = RunDir(run).summary()
+    assert code == 0 and summary["status"] == "completed" and summary["steps"] == 12, err
+    assert summary["final_eval_ppl"] == RunDir(run).evals()[-1]["eval_ppl"]
 
 
 @pytest.mark.slow

@@ -268,6 +268,8 @@ def test_attention_default_is_cudnn_only_where_it_applies():
     assert pick(bf16.replace(head_dim=36), "cuda") == "xla"  # not a multiple of 8
     assert pick(bf16.replace(head_dim=160), "cuda") == "xla"  # wider than 128
     assert pick(bf16.replace(head_dim=128), "cuda") == "cudnn"
+    assert pick(bf16, "cuda", compute_capability=7.5) == "xla"  # before Ampere: no flash attention
+    assert pick(bf16, "cuda", compute_capability=9.0) == "cudnn"
     # MLA runs at the wider of its query/key (64 + 32) and value (64) widths.
     mla = models.get_config("deepseek-v2-350m", dtype="bfloat16")
     assert pick(mla, "cuda") == "cudnn" and pick(mla.replace(qk_rope_head_dim=36), "cuda") == "xla"

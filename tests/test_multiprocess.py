@@ -249,6 +249,7 @@ def _relay(*pieces: bytes, pause: float = 0.0) -> tuple[bytes, distributed._Rela
 
 
 def test_launcher_relay_drops_jaxlib_dump_and_names_the_lost_process(monkeypatch):
+    monkeypatch.setattr(distributed, "_HOLD_S", 10.0)  # the fatal line comes well inside the hold
     fatal = JAXLIB_DUMP.index(b"F1124")
     connected = b"moara-jax-worker-connected\n"
     out, relay = _relay(connected + JAXLIB_DUMP[:fatal], JAXLIB_DUMP[fatal:] + b"more\n", pause=0.5)
@@ -267,7 +268,8 @@ def test_launcher_relay_drops_jaxlib_dump_and_names_the_lost_process(monkeypatch
     assert line.startswith("error: process 0 of 2 did not connect to every process through the coordinator")
 
 
-def test_launcher_relay_passes_other_output_and_takes_the_declared_status():
+def test_launcher_relay_passes_other_output_and_takes_the_declared_status(monkeypatch):
+    monkeypatch.setattr(distributed, "_HOLD_S", 0.2)  # released well before the next piece
     log = b"E1124 04:06:09.291011   15628 some_file.cc:12] a C++ error, then nothing fatal\n"
     out, relay = _relay(b"plain\n" + log, b"no newline", b"moara-jax-worker-exit-status 75\n", pause=1.5)
     assert out == b"plain\n" + log + b"no newline"

@@ -64,7 +64,7 @@ def test_every_named_set_is_known_to_this_jaxlib_and_unknown_flags_are_refused()
         xla_flags.check_known(["--xla_gpu_enable_latency_hiding_scheduler=true", "--xla_not_a_flag=1"])
 
 
-def test_apply_refuses_once_a_backend_runs_and_adds_nothing_twice():
+def test_apply_refuses_once_a_backend_runs_and_leaves_the_users_value():
     jax.devices()  # this process's backend is up: XLA has read its flags
     env = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
     with pytest.raises(UserError, match="already running"):

@@ -78,8 +78,8 @@ def train(argv=None) -> int:
 
     try:
         return cli(body)
-    except Exception:
-        distributed.before_traceback()  # an unexpected error may be a lost peer's doing
+    except Exception as e:
+        distributed.before_traceback(e)  # an unexpected runtime error may be a lost peer's doing
         raise
 
 
@@ -127,20 +127,6 @@ def _report(summary: dict, run_dir: pathlib.Path) -> int:
         print("interrupted: a checkpoint was saved; continue with --resume", file=sys.stderr)
         return EXIT_PREEMPTED
     return 0
-
-
-def _check_attention(cfg) -> None:
-    """``attention_impl: cudnn`` runs on a CUDA GPU only: a one-line error elsewhere."""
-    if cfg.model.overrides.get("attention_impl") != "cudnn":
-        return
-    from models.layers import default_platform
-
-    platform = default_platform()
-    if platform != "cuda":
-        raise UserError(
-            f"model.overrides.attention_impl: cudnn needs a CUDA GPU, but JAX runs on {platform}; "
-            "leave it unset for cuDNN where it applies and XLA's attention elsewhere"
-        )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import jax
 import orbax.checkpoint as ocp
 
+from train.distributed import any_process
 from train.errors import IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
 from train.rundir import CHECKPOINTS, RunDir
 
@@ -32,7 +33,7 @@ class _MachineFaultRecords(logging.Filter):
     machine (no space, ...): the trainer reports that failure itself, in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
             return True
         error = record.exc_info[1] if record.exc_info else None
         return errno_in_text(record.getMessage()) is None and (error is None or machine_errno(error) is None)
@@ -126,12 +127,12 @@ class Checkpointer:
         )
         with io_operation(f"saving checkpoint {step} to", self.directory):
             free = shutil.disk_usage(self.directory).free
-        if free < need:
-            raise IOFault(
-                f"saving checkpoint {step} to",
-                self.directory,
-                f"{cause(errno.ENOSPC)} (it needs {need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free)",
-            )
+        # The save is collective: every process refuses it when one has no room.
+        if any_process(free < need):
+            room = f"it needs {need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free"
+            if free >= need:
+                room = "another process's filesystem has too little room"
+            raise IOFault(f"saving checkpoint {step} to", self.directory, f"{cause(errno.ENOSPC)} ({room})")
 
     def _record_finished(self) -> None:
         """Checksums of the checkpoints saved so far (waits for an asynchronous save to end)."""

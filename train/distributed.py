@@ -158,11 +158,12 @@ def declare_exit(status: int) -> None:
             os.write(2, _EXIT_TAG + str(status).encode() + b"\n")
 
 
-def before_traceback() -> None:
-    """An unexpected error in a multi-process trainer may come from a lost peer (a collective or
-    a barrier that fails): waits for the coordination service's verdict, which ends this process
-    when a peer is lost (the launcher then says so), before the traceback is shown."""
-    if _initialized:
+def before_traceback(error: BaseException) -> None:
+    """An unexpected runtime error in a multi-process trainer may come from a lost peer (a
+    collective or a barrier that fails: jaxlib raises ``RuntimeError``s): waits for the
+    coordination service's verdict, which ends this process when a peer is lost (the launcher
+    then says so), before the traceback is shown. Other errors (bugs) show at once."""
+    if _initialized and isinstance(error, RuntimeError):
         time.sleep(heartbeat_timeout() + 10)
     declare_exit(1)
 
@@ -201,6 +202,20 @@ class StopSignals:
             return self.requested
         previous, self._pending = self._pending, self._vote(self.requested)
         return previous is not None and bool(previous)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` holds in any process (every process must call it at the same point)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    global _any_vote
+    _any_vote = _any_vote or _Vote()
+    return bool(_any_vote(flag))
+
+
+_any_vote = None
 
 
 class _Vote:

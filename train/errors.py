@@ -47,24 +47,37 @@ class IOFault(Exception):
 MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 # Libraries that write through their own I/O layer (orbax through tensorstore) raise their own
-# exception types; the system error is in the message as "[os_error_code='28']" or as strerror.
+# exception types with an absl status ("RESOURCE_EXHAUSTED: ... No space left on device
+# [os_error_code='28']"): the system error is in the message.
 _OS_ERROR_CODE = re.compile(r"os_error_code\s*=\s*'?(\d+)")
+_ABSL_STATUS = re.compile(
+    r"\b(RESOURCE_EXHAUSTED|PERMISSION_DENIED|DATA_LOSS|UNAVAILABLE|INTERNAL|UNKNOWN|FAILED_PRECONDITION): "
+)
 _STRERRORS = {os.strerror(code): code for code in MACHINE_ERRNOS}
 
 
 def machine_errno(e: BaseException) -> int | None:
-    """The errno of a machine fault that ``e`` reports (an ``OSError``, or a library's error
-    whose message carries one), else None."""
-    if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:
-        return e.errno
-    return None if isinstance(e, OSError) else errno_in_text(str(e))
+    """The errno of a machine fault that ``e`` reports: an ``OSError`` (``e`` or what it was
+    raised from), or a library's error whose message carries one; else None. A ``UserError`` is
+    never one (its text may quote a system message about the user's own file)."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return None
+        if isinstance(seen, OSError):
+            return seen.errno if seen.errno in MACHINE_ERRNOS else None
+        seen = seen.__cause__ or seen.__context__
+    return errno_in_text(str(e))
 
 
 def errno_in_text(text: str) -> int | None:
-    """The errno of a machine fault named in a library's error message, else None."""
+    """The errno of a machine fault that a library's status message names: its
+    ``os_error_code``, or a system message after an absl status code; else None."""
     match = _OS_ERROR_CODE.search(text)
-    if match and int(match.group(1)) in MACHINE_ERRNOS:
-        return int(match.group(1))
+    if match:
+        return int(match.group(1)) if int(match.group(1)) in MACHINE_ERRNOS else None
+    if not _ABSL_STATUS.search(text):
+        return None
     return next((code for message, code in _STRERRORS.items() if message in text), None)
 
 

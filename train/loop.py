@@ -66,8 +66,8 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
         run.check_resumable(to_dict(cfg))
     setup = make_setup(cfg, quiet, clock)
     ckpt = Checkpointer(run, cfg.checkpoint.keep, cfg.checkpoint.every, enabled=main)
-    start = restore_or_init(setup, ckpt, resume, main)
-    if start.step >= setup.total_steps and run.summary_file.is_file():
+    start = restore_or_init(setup, ckpt, resume, main, say)
+    if start.step >= setup.total_steps and run.status() == "completed":
         ckpt.close()
         if main:
             print(f"{run} is already complete at step {start.step}; nothing to do")
@@ -193,7 +193,7 @@ class Start:
     extra: dict  # what the checkpoint saved beside the state: iterator, guard, recorder
 
 
-def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool) -> Start:
+def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, say=print) -> Start:
     """The newest usable checkpoint (``--resume``), else a new state: from ``model.init_from``'s
     weights or a seeded init, made directly in its shardings."""
     if resume and ckpt.steps():
@@ -208,8 +208,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool) 
             if main:
                 print(f"resuming from step {int(state.step)} ({ckpt.directory / str(step)})")
             return Start(state, int(state.step), step, extra)
-    if resume and main:
-        print(f"no checkpoint in {ckpt.directory}; starting from scratch")
+    if resume:
+        say(f"no checkpoint in {ckpt.directory}; starting from scratch")
     if setup.cfg.model.init_from is not None:
         params = init_from_params(setup.cfg, setup.model_cfg, setup.shardings.params)
         state = jax.jit(setup.start_from, out_shardings=setup.shardings, donate_argnums=0)(params)
@@ -351,7 +351,10 @@ class StepLoop:
         self.guard = DivergenceGuard(t.divergence_factor, t.zero_grad_steps)
         self.guard.load(start.extra.get("guard", {}))
         self.batches = Batches(setup, start.extra.get("iterator"))
-        self.last_eval: float | None = None
+        # A resumed run's last evaluation so far (the writer has dropped the rows after its
+        # checkpoint): the final one when no step is left to run.
+        evals = run.evals() if start.resumed_from is not None else []
+        self.last_eval: float | None = evals[-1]["eval_loss"] if evals else None
         self.last_done = 0.0  # when the metrics of the last step read became available
         self._cpu = jax.local_devices(backend="cpu")[0]
 
@@ -494,30 +497,33 @@ def finish(
     if outcome.fault is not None:
         ckpt.abandon()
     summary = make_summary(setup, run, start, loop, outcome, clock)
-    unwritten = None
-    try:
-        if loop.recorder is not None:  # a partial profile gives no allocation; --resume finishes it
-            done = outcome.status == "completed" and main
+    unwritten, summary_written = None, False
+    if loop.recorder is not None:  # a partial profile gives no allocation; --resume finishes it
+        done = outcome.status == "completed" and main
+        try:
             summary["profile"] = profiling.write_outputs(loop.recorder, run.path, setup.cfg) if done else None
-        if main:  # one writer per run dir in a multi-host run
+        except IOFault as e:
+            unwritten, summary["profile"] = e, None
+    if main:  # one writer per run dir in a multi-host run
+        try:
             with io_operation("writing the summary", run.summary_file):
                 written = run.write_summary(summary)
+            summary_written = True
             if written != run.summary_file:
                 print(f"{run} holds a completed run; this attempt's summary is {written.name}")
             plot_curves(run)
-    except IOFault as e:
-        unwritten = e
+        except IOFault as e:
+            unwritten = unwritten or e
     if outcome.fault is None and unwritten is None:
         return summary
-    fault = outcome.fault or unwritten
     kept = ckpt.complete_steps()
     notes = [
         f"the last complete checkpoint, step {kept[-1]}, is in {ckpt.directory}"
         if kept
         else "no checkpoint was saved",
-        f"{run.summary_file.name} was not written" if unwritten and outcome.fault else "",
+        f"{run.summary_file.name} was not written" if main and not summary_written and outcome.fault else "",
     ]
-    raise fault.with_note("; ".join(filter(None, notes)))
+    raise (outcome.fault or unwritten).with_note("; ".join(filter(None, notes)))
 
 
 def _report_stop(outcome: Outcome, ckpt: Checkpointer) -> None:

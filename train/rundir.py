@@ -155,13 +155,15 @@ class RunDir:
         return (self.summary() or {}).get("status")
 
     def state(self) -> str:
-        """``completed``, ``resumable`` (checkpoints of an unfinished run), ``failed`` or ``new``."""
+        """``completed``, ``resumable`` (checkpoints of an unfinished run), ``failed`` (stopped by
+        the divergence guard before any checkpoint) or ``new`` (also a run a fault of the machine
+        stopped before its first checkpoint: it is run again)."""
         status = self.status()
         if status == "completed":
             return "completed"
         if self.has_checkpoints():
             return "resumable"
-        return "failed" if status in ("nan", "diverged", "io_error") else "new"
+        return "failed" if status in ("nan", "diverged") else "new"
 
     def sessions(self) -> list:
         """The ``(start, end, host)`` of the run's earlier sessions, for overlap checks."""
@@ -244,7 +246,9 @@ class RunDir:
         path = self.summary_file
         if summary["status"] != "completed" and self.status() == "completed":
             path = self.path / f"summary.{summary['status']}.json"
-        path.write_text(json.dumps(summary, indent=2, default=str))
+        tmp = path.with_name(path.name + ".tmp")  # a write cut short never leaves a torn summary
+        tmp.write_text(json.dumps(summary, indent=2, default=str))
+        os.replace(tmp, path)
         return path
 
 

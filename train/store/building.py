@@ -187,9 +187,10 @@ def build(directory: pathlib.Path, p: Plan, workers: int | None = None, quiet: b
     builds a directory at a time; another waits for it and then reads its manifest."""
     directory = pathlib.Path(directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        lock = open(directory / ".lock", "a+")  # noqa: SIM115 - closed below
-    except OSError as e:
+        with io_operation("creating the token store", directory):
+            directory.mkdir(parents=True, exist_ok=True)
+            lock = open(directory / ".lock", "a+")  # noqa: SIM115 - closed below
+    except OSError as e:  # not a fault of the machine: e.g. a file where the directory should be
         raise UserError(f"cannot create the token store {directory}: {e}") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
