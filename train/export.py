@@ -2,7 +2,7 @@
 a run's checkpoint as a Hugging Face model directory that ``transformers`` (and through it
 lm-evaluation-harness or vLLM) loads: ``config.json``, ``generation_config.json``, safetensors
 weights and the tokenizer files (a run's ``tokenizer.json`` as it is; a sentencepiece unigram
-model converted to one), which encode as the run did. Needs the ``[hf]`` extra (safetensors,
+or BPE model converted to one), which encode as the run did. Needs the ``[hf]`` extra (safetensors,
 transformers, tokenizers), not torch."""
 
 from __future__ import annotations
@@ -94,14 +94,16 @@ def _write_hf(tok: HFTokenizer, out: pathlib.Path) -> list[str]:
 
 
 def sentencepiece_tokenizer_json(tok: SentencePieceTokenizer):
-    """A ``tokenizers.Tokenizer`` that encodes as the sentencepiece unigram model ``tok`` does (no
-    post-processor: nothing appended), or the reason there is none. Sentencepiece's pipeline:
-    its normalisation rule (the precompiled character map), extra whitespace removed, ``▁`` put
-    first and for every space, pieces never crossing a ``▁``, the Viterbi segmentation over
-    the pieces' scores (unknown characters as UNK, or as bytes with byte fallback). Differs from
-    sentencepiece only where two segmentations tie (sentencepiece sums scores in float32 over the
-    whole text) and for a text holding a control piece literally (e.g. ``</s>``: transformers
-    matches it as the special token)."""
+    """A ``tokenizers.Tokenizer`` that encodes as the sentencepiece model ``tok`` does (no
+    post-processor: nothing appended), or the reason there is none. Sentencepiece's pipeline: its
+    normalisation rule (the precompiled character map), extra whitespace removed, ``▁`` put first
+    and for every space; then its model. A unigram model: the Viterbi segmentation over the pieces'
+    scores, pieces never crossing a ``▁`` (unknown characters as UNK, or as bytes with byte
+    fallback); differs from sentencepiece only where two segmentations tie (sentencepiece sums
+    scores in float32 over the whole text) and for a text holding a control piece literally (e.g.
+    ``</s>``: transformers matches it as the special token). A BPE model (Llama 2's): the merges
+    of two pieces into a third, first the merge whose result scores highest, as sentencepiece
+    picks them; runs of unknown characters as one UNK, or as bytes with byte fallback."""
     try:
         from sentencepiece import sentencepiece_model_pb2
         from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -112,22 +114,32 @@ def sentencepiece_tokenizer_json(tok: SentencePieceTokenizer):
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString(tok.path.read_bytes())
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
-    if trainer.model_type != trainer.UNIGRAM:
-        return None, "only sentencepiece unigram models are converted; train with the model's tokenizer.json"
+    if trainer.model_type not in (trainer.UNIGRAM, trainer.BPE):
+        return None, "only sentencepiece unigram and BPE models are converted"
     unsupported = [
         name
         for name, on in (
             ("treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix),
-            ("split_digits", trainer.split_digits),
             ("user-defined pieces", any(p.type == p.USER_DEFINED for p in proto.pieces)),
         )
         if on
     ]
     if unsupported:
         return None, f"the sentencepiece model uses {', '.join(unsupported)}, which are not converted"
-    model = models.Unigram(
-        [(p.piece, p.score) for p in proto.pieces], unk_id=trainer.unk_id, byte_fallback=trainer.byte_fallback
-    )
+    if trainer.model_type == trainer.UNIGRAM:
+        model = models.Unigram(
+            [(p.piece, p.score) for p in proto.pieces],
+            unk_id=trainer.unk_id,
+            byte_fallback=trainer.byte_fallback,
+        )
+    else:
+        model = models.BPE(
+            {p.piece: i for i, p in enumerate(proto.pieces)},
+            _bpe_merges(proto),
+            unk_token=proto.pieces[trainer.unk_id].piece,
+            fuse_unk=True,
+            byte_fallback=trainer.byte_fallback,
+        )
     converted = Tokenizer(model)
     steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
     if norm.remove_extra_whitespaces:
@@ -137,12 +149,31 @@ def sentencepiece_tokenizer_json(tok: SentencePieceTokenizer):
     if norm.escape_whitespaces:
         steps.append(normalizers.Replace(" ", "\u2581"))
     converted.normalizer = normalizers.Sequence(steps)
-    if trainer.split_by_whitespace:
+    # BPE merges only into pieces of the vocabulary, which keeps them inside a word, or makes the
+    # whitespace-only pieces (``▁▁``) of a model trained with them: no pre-tokenizer.
+    if trainer.split_by_whitespace and trainer.model_type == trainer.UNIGRAM:
         converted.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
     converted.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
     return converted, ""
+
+
+def _bpe_merges(proto) -> list[tuple[str, str]]:
+    """A sentencepiece BPE model's pieces as ``tokenizers`` merges: every split of a normal piece
+    into two pieces, ranked by the merged piece's score (highest first, as sentencepiece merges),
+    then by the pieces' ids."""
+    ids = {p.piece: i for i, p in enumerate(proto.pieces)}
+    ranked = []
+    for i, p in enumerate(proto.pieces):
+        if p.type != p.NORMAL:
+            continue
+        for k in range(1, len(p.piece)):
+            left, right = p.piece[:k], p.piece[k:]
+            if left in ids and right in ids:
+                ranked.append((-p.score, i, ids[left], ids[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _write_sentencepiece(tok: SentencePieceTokenizer, out: pathlib.Path, max_length: int):
