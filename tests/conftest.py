@@ -39,7 +39,9 @@ def pytest_configure(config):
             os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
     # One process of its own: not a process of a scheduler's or an outer run's job (the trainer's
     # CLI runs in the test process), and offline (Hugging Face hubs are never reached).
-    for name in ("SLURM_JOB_ID", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    for name in [n for n in os.environ if n.startswith("SLURM_")]:
+        os.environ.pop(name)
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         os.environ.pop(name, None)
     os.environ.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     os.environ.update(

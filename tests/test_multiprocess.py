@@ -52,24 +52,52 @@ def _args(run_dir, extra=()) -> list[str]:
     return args + [x for s in SETS for x in ("--set", s)] + list(extra)
 
 
-class Pair:
-    """Two launchers of one run (processes 0 and 1), their output in files beside the run dir."""
-
-    def __init__(self, run_dir: pathlib.Path, name: str, *extra: str):
+def free_port(candidates=range(0, 1)) -> int:
+    """A port nothing listens on: the system's pick, or the first free one of ``candidates``."""
+    for port in candidates:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise AssertionError(f"no free port in {candidates}")
+
+
+def slurm_step(process: int, job_id: int) -> dict:
+    """The variables ``srun --ntasks=2`` sets on one node for task ``process`` that jax.distributed
+    reads (the coordinator is the first node of the step on port 61440 + job id mod 4096)."""
+    return {
+        "SLURM_JOB_ID": str(job_id),
+        "SLURM_STEP_NODELIST": "127.0.0.1",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": str(process),
+        "SLURM_LOCALID": str(process),
+    }
+
+
+class Pair:
+    """Two launchers of one run (processes 0 and 1), their output in files beside the run dir;
+    started with JAX's variables, or (``slurm``) as the two tasks of a SLURM job step."""
+
+    def __init__(self, run_dir: pathlib.Path, name: str, *extra: str, slurm: bool = False):
         self.run_dir, self.logs, self.procs = run_dir, [], []
         metrics = run_dir / METRICS
         self.stale = metrics.stat().st_ino if metrics.exists() else None  # replaced when resuming
+        if slurm:
+            job_id = free_port(range(61440, 65536)) - 61440
+        else:
+            port = free_port()
         for i in range(2):
-            env = environment(
-                2,
-                run_dir.parent / "xla-cache",
-                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                JAX_NUM_PROCESSES="2",
-                JAX_PROCESS_ID=str(i),
-            )
+            if slurm:
+                launch = slurm_step(i, job_id)
+            else:
+                launch = {
+                    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                    "JAX_NUM_PROCESSES": "2",
+                    "JAX_PROCESS_ID": str(i),
+                }
+            env = environment(2, run_dir.parent / "xla-cache", **launch)
             out, err = (run_dir.parent / f"{name}.{i}.{ext}" for ext in ("out", "err"))
             self.logs.append((out, err))
             with open(out, "w") as o, open(err, "w") as e:
@@ -192,8 +220,9 @@ def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
     pair.procs[0].kill()
     took0 = assert_peer_lost(pair, 1, killed_at)
 
-    # 4. Resumed to the end.
-    pair = Pair(run, "finish", "--resume")
+    # 4. Resumed to the end, as the two tasks of a SLURM job step (jax.distributed finds the
+    # coordinator, the number of processes and each one's id in SLURM's variables).
+    pair = Pair(run, "finish", "--resume", slurm=True)
     codes = [pair.wait(i) for i in range(2)]
     assert codes == [0, 0], pair.report()
     assert pair.resumed_from() >= 12
@@ -274,6 +303,49 @@ def test_launcher_relay_passes_other_output_and_takes_the_declared_status(monkey
     out, relay = _relay(b"plain\n" + log, b"no newline", b"moara-jax-worker-exit-status 75\n", pause=1.5)
     assert out == b"plain\n" + log + b"no newline"
     assert relay.declared == 75 and not relay.peer_lost and not relay.connected
+
+
+def test_which_environments_run_as_several_processes(monkeypatch):
+    """JAX's coordinator variables, or a SLURM job step of several tasks; not a SLURM allocation's
+    shell (no step: jax.distributed could not find the nodes) nor a step of one task."""
+    assert not distributed.multi_process()  # the test session: none of them
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
+    assert distributed.multi_process()
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
+    step = slurm_step(1, 7)
+    for name, value in step.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.multi_process()
+    assert distributed.peer_lost_line([0]).startswith("error: process 1 of 2 lost process 0 (")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert not distributed.multi_process()
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.delenv("SLURM_STEP_NODELIST")  # salloc's shell: a job, no step
+    assert not distributed.multi_process()
+
+
+def test_jax_variables_take_precedence_over_slurms(monkeypatch):
+    """With JAX's three variables in a SLURM step (one task per host driving all its GPUs),
+    jax.distributed reads nothing from SLURM, which would give the task GPU ``SLURM_LOCALID``
+    alone; in a SLURM step without them it reads SLURM's."""
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(distributed, "_initialized", False)
+    for name, value in slurm_step(1, 7).items():
+        monkeypatch.setenv(name, value)
+    distributed.initialize()
+    assert "cluster_detection_method" not in calls[-1] and "process_id" not in calls[-1]
+    launch = {"JAX_COORDINATOR_ADDRESS": "host0:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    distributed.initialize()
+    assert calls[-1]["cluster_detection_method"] == "deactivate"
+    assert (calls[-1]["num_processes"], calls[-1]["process_id"]) == (2, 1)
+    monkeypatch.setenv("JAX_PROCESS_ID", "one")
+    with pytest.raises(UserError, match="JAX_PROCESS_ID must be a whole number"):
+        distributed.initialize()
 
 
 def test_heartbeat_timeout_from_the_environment(monkeypatch):

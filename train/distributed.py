@@ -3,12 +3,13 @@ process on SIGTERM/SIGINT, and a launcher that turns the loss of a peer process 
 exit status ``EXIT_PEER_LOST``.
 
 ``python -m train`` runs this way when ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and
-``JAX_PROCESS_ID``) or ``SLURM_JOB_ID`` is set. The command then is a small launcher (``launch``)
-that starts the trainer as its child process, because jaxlib ends a process whose peer is lost
-from C++: its coordination client aborts (``LOG(FATAL)``, a stack dump, status 134) as soon as the
-coordination service reports the error, at once when process 0 (which hosts the service) is
-gone, after the heartbeat timeout when another is; the client's ``missed_heartbeat_callback``
-cannot take a Python function in jaxlib 0.10.2 (it fails with ``std::bad_cast``). The launcher
+``JAX_PROCESS_ID``) is set, or as a task of a SLURM job step of several tasks (``multi_process``).
+The command then is a small launcher (``launch``) that starts the trainer as its child process,
+because jaxlib ends a process whose peer is lost from C++: its coordination client aborts
+(``LOG(FATAL)``, a stack dump, status 134) as soon as the coordination service reports the error,
+at once when process 0 (which hosts the service) is gone, after the heartbeat timeout when another
+is; the client's ``missed_heartbeat_callback`` cannot take a Python function in jaxlib 0.10.2 (it
+fails with ``std::bad_cast``). The launcher
 relays the trainer's C++ output (file descriptor 2; the trainer's Python ``sys.stderr`` goes
 straight to the launcher's), drops jaxlib's dump, prints ``peer_lost_line()`` and exits
 ``EXIT_PEER_LOST``. A trainer that ends for its own reason declares its status to the launcher
@@ -49,9 +50,19 @@ _HOLD_S = 1.0  # C++ log lines wait this long for a following fatal line that dr
 _initialized = False
 
 
+# What jax.distributed reads from a SLURM job step (its SlurmCluster): all must be set.
+SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
 def multi_process() -> bool:
-    """Whether ``python -m train`` runs as one of several processes."""
-    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("SLURM_JOB_ID"))
+    """Whether ``python -m train`` runs as one of several processes: ``JAX_COORDINATOR_ADDRESS``
+    is set, or it is a task of a SLURM job step of several tasks (``srun``). In a SLURM
+    allocation's shell (no step) or a step of one task it runs alone."""
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    tasks = env.get("SLURM_NTASKS", "").strip()
+    return all(env.get(v) for v in SLURM_STEP_VARS) and tasks.isdigit() and int(tasks) > 1
 
 
 def is_worker() -> bool:
@@ -125,6 +136,10 @@ def initialize() -> None:
             if not os.environ[var].strip().isdigit():
                 raise UserError(f"{var} must be a whole number, got {os.environ[var]!r}")
             env[key] = int(os.environ[var])
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") and len(env) == 2:
+        # JAX's three variables say it all: no cluster's (SLURM's) variables read, which would
+        # also give the process one GPU of its host.
+        env["cluster_detection_method"] = "deactivate"
     jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
