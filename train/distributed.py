@@ -9,11 +9,11 @@ because jaxlib ends a process whose peer is lost from C++: its coordination clie
 (``LOG(FATAL)``, a stack dump, status 134) as soon as the coordination service reports the error,
 at once when process 0 (which hosts the service) is gone, after the heartbeat timeout when another
 is; the client's ``missed_heartbeat_callback`` cannot take a Python function in jaxlib 0.10.2 (it
-fails with ``std::bad_cast``). The launcher
-relays the trainer's C++ output (file descriptor 2; the trainer's Python ``sys.stderr`` goes
-straight to the launcher's), drops jaxlib's dump, prints ``peer_lost_line()`` and exits
-``EXIT_PEER_LOST``. A trainer that ends for its own reason declares its status to the launcher
-first, so a failure at jax's shutdown barrier after that does not change it.
+fails with ``std::bad_cast``). The launcher relays the trainer's C++ output (file descriptor 2;
+the trainer's Python ``sys.stderr`` goes straight to the launcher's), drops jaxlib's dump, prints
+``peer_lost_line()`` and exits ``EXIT_PEER_LOST``. A trainer that ends for its own reason declares
+its status to the launcher first, so a failure at jax's shutdown barrier after that does not
+change it.
 
 Timeouts: a peer that stops sending heartbeats for ``$MOARA_JAX_HEARTBEAT_TIMEOUT`` seconds
 (default ``HEARTBEAT_TIMEOUT_S``) is lost; every process must connect within
