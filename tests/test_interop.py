@@ -321,9 +321,10 @@ def test_sentencepiece_models_export_to_a_tokenizer_that_encodes_alike(model_typ
 
 
 def test_export_keeps_no_tokenizer_that_would_encode_otherwise(tmp_path, monkeypatch):
-    """A sentencepiece model of another kind (here ``char``) is not converted; and tokenizer files
-    with which ``AutoTokenizer`` would encode otherwise than the run (here T5Tokenizer's config,
-    which appends EOS) are removed, the note naming the text that differs."""
+    """A sentencepiece model of another kind (here ``char``) or with unused pieces is not
+    converted; and tokenizer files with which ``AutoTokenizer`` would encode otherwise than the
+    run (here T5Tokenizer's config, which appends EOS) are removed, the note naming the text that
+    differs."""
     for kind in ("char", "unigram"):
         train_sentencepiece(tmp_path / kind, kind)
     out = tmp_path / "out"
@@ -334,6 +335,15 @@ def test_export_keeps_no_tokenizer_that_would_encode_otherwise(tmp_path, monkeyp
         and "only sentencepiece unigram and BPE models are converted" in note
         and not any(out.iterdir())
     )
+    # an unused piece (sentencepiece merges through it, then splits it again)
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((tmp_path / "unigram.model").read_bytes())
+    proto.pieces[10].type = proto.pieces[10].UNUSED
+    (tmp_path / "unused.model").write_bytes(proto.SerializeToString())
+    files, note = exporting.write_tokenizer(SentencePieceTokenizer(str(tmp_path / "unused.model")), out, 32)
+    assert files == [] and "uses unused pieces, which are not converted" in note and not any(out.iterdir())
 
     def t5_tokenizer(tok, directory, max_length):  # the export before issue 23
         (directory / "spiece.model").write_bytes(tok.path.read_bytes())

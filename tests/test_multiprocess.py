@@ -64,13 +64,16 @@ def free_port(candidates=range(0, 1)) -> int:
     raise AssertionError(f"no free port in {candidates}")
 
 
-def slurm_step(process: int, job_id: int) -> dict:
-    """The variables ``srun --ntasks=2`` sets on one node for task ``process`` that jax.distributed
-    reads (the coordinator is the first node of the step on port 61440 + job id mod 4096)."""
+def slurm_step(process: int, job_id: int, allocation_tasks: int = 2) -> dict:
+    """SLURM's variables that jax.distributed and the trainer read, as ``srun --ntasks=2`` sets them
+    on one node for task ``process`` (the coordinator is the step's first node on port 61440 + job
+    id mod 4096); ``SLURM_NTASKS`` the allocation's ``allocation_tasks`` where srun kept the
+    allocation's environment (``--preserve-env``)."""
     return {
         "SLURM_JOB_ID": str(job_id),
         "SLURM_STEP_NODELIST": "127.0.0.1",
-        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS": str(allocation_tasks),
+        "SLURM_STEP_NUM_TASKS": "2",
         "SLURM_PROCID": str(process),
         "SLURM_LOCALID": str(process),
     }
@@ -90,7 +93,7 @@ class Pair:
             port = free_port()
         for i in range(2):
             if slurm:
-                launch = slurm_step(i, job_id)
+                launch = slurm_step(i, job_id, allocation_tasks=4)
             else:
                 launch = {
                     "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
@@ -220,8 +223,9 @@ def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
     pair.procs[0].kill()
     took0 = assert_peer_lost(pair, 1, killed_at)
 
-    # 4. Resumed to the end, as the two tasks of a SLURM job step (jax.distributed finds the
-    # coordinator, the number of processes and each one's id in SLURM's variables).
+    # 4. Resumed to the end, as the two tasks of a SLURM job step of an allocation of 4 tasks
+    # (jax.distributed finds the coordinator and each one's id in SLURM's variables; the number
+    # of processes is the step's).
     pair = Pair(run, "finish", "--resume", slurm=True)
     codes = [pair.wait(i) for i in range(2)]
     assert codes == [0, 0], pair.report()
@@ -307,42 +311,54 @@ def test_launcher_relay_passes_other_output_and_takes_the_declared_status(monkey
 
 def test_which_environments_run_as_several_processes(monkeypatch):
     """JAX's coordinator variables, or a SLURM job step of several tasks; not a SLURM allocation's
-    shell (no step: jax.distributed could not find the nodes) nor a step of one task."""
+    shell (no step: jax.distributed could not find the nodes) nor a step of one task, also where
+    ``SLURM_NTASKS`` is still the allocation's."""
     assert not distributed.multi_process()  # the test session: none of them
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
     assert distributed.multi_process()
     monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
-    step = slurm_step(1, 7)
-    for name, value in step.items():
+    for name, value in slurm_step(1, 7, allocation_tasks=4).items():
         monkeypatch.setenv(name, value)
-    assert distributed.multi_process()
+    assert distributed.multi_process() and distributed.slurm_step_tasks() == 2
     assert distributed.peer_lost_line([0]).startswith("error: process 1 of 2 lost process 0 (")
-    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # salloc's interactive step (--preserve-env)
     assert not distributed.multi_process()
-    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")  # no step count: SLURM_NTASKS
+    assert distributed.slurm_step_tasks() == 4
     monkeypatch.delenv("SLURM_STEP_NODELIST")  # salloc's shell: a job, no step
     assert not distributed.multi_process()
 
 
-def test_jax_variables_take_precedence_over_slurms(monkeypatch):
-    """With JAX's three variables in a SLURM step (one task per host driving all its GPUs),
-    jax.distributed reads nothing from SLURM, which would give the task GPU ``SLURM_LOCALID``
-    alone; in a SLURM step without them it reads SLURM's."""
+def test_jax_variables_take_precedence_over_slurms(tmp_path):
+    """JAX's three variables in a SLURM step (one task per host driving all its GPUs): nothing is
+    read from SLURM, whose ``SLURM_LOCALID`` would leave the process that one GPU of its host."""
+    launch = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "1"}
+    env = environment(2, tmp_path / "xla-cache", **slurm_step(1, 7), **launch, JAX_PROCESS_ID="0")
+    probe = (
+        "from train import distributed; distributed.initialize(); import jax; "
+        "print(jax.process_count(), jax.config.read('jax_cuda_visible_devices'), jax.device_count())"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1", "all", "2"], proc.stdout
+
+
+def test_a_slurm_step_gives_jax_the_steps_number_of_processes(monkeypatch):
+    """SLURM_NTASKS (what jax.distributed reads) may be the allocation's: the trainer passes the
+    step's count; JAX's own variables are checked."""
     import jax
 
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
     monkeypatch.setattr(distributed, "_initialized", False)
-    for name, value in slurm_step(1, 7).items():
+    for name, value in slurm_step(1, 7, allocation_tasks=4).items():
         monkeypatch.setenv(name, value)
     distributed.initialize()
-    assert "cluster_detection_method" not in calls[-1] and "process_id" not in calls[-1]
-    launch = {"JAX_COORDINATOR_ADDRESS": "host0:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
-    for name, value in launch.items():
-        monkeypatch.setenv(name, value)
-    distributed.initialize()
-    assert calls[-1]["cluster_detection_method"] == "deactivate"
-    assert (calls[-1]["num_processes"], calls[-1]["process_id"]) == (2, 1)
+    assert calls[-1]["num_processes"] == 2 and "cluster_detection_method" not in calls[-1]
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "one")
     with pytest.raises(UserError, match="JAX_PROCESS_ID must be a whole number"):
         distributed.initialize()

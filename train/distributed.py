@@ -52,17 +52,27 @@ _initialized = False
 
 # What jax.distributed reads from a SLURM job step (its SlurmCluster): all must be set.
 SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+# Where jax.distributed puts the coordinator of a SLURM step.
+SLURM_COORDINATOR = "on the step's first node, port 61440 + SLURM_JOB_ID mod 4096 or $JAX_COORDINATOR_PORT"
+
+
+def slurm_step_tasks() -> int:
+    """The number of tasks of the SLURM job step this process is a task of (0: none). The step's
+    own count (``SLURM_STEP_NUM_TASKS``), which ``SLURM_NTASKS`` (what jax.distributed reads) is
+    not where srun kept the allocation's environment (``--preserve-env``, salloc's interactive
+    step); ``SLURM_NTASKS`` where a SLURM sets no step count."""
+    env = os.environ
+    if not all(env.get(v) for v in SLURM_STEP_VARS):
+        return 0
+    tasks = env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]).strip()
+    return int(tasks) if tasks.isdigit() else 0
 
 
 def multi_process() -> bool:
     """Whether ``python -m train`` runs as one of several processes: ``JAX_COORDINATOR_ADDRESS``
     is set, or it is a task of a SLURM job step of several tasks (``srun``). In a SLURM
-    allocation's shell (no step) or a step of one task it runs alone."""
-    env = os.environ
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        return True
-    tasks = env.get("SLURM_NTASKS", "").strip()
-    return all(env.get(v) for v in SLURM_STEP_VARS) and tasks.isdigit() and int(tasks) > 1
+    allocation's shell or a step of one task (salloc's interactive step too) it runs alone."""
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or slurm_step_tasks() > 1
 
 
 def is_worker() -> bool:
@@ -88,7 +98,7 @@ def _process() -> tuple[str, str]:
     env = os.environ
     return (
         env.get("JAX_PROCESS_ID", env.get("SLURM_PROCID", "?")),
-        env.get("JAX_NUM_PROCESSES", env.get("SLURM_NTASKS", "?")),
+        env.get("JAX_NUM_PROCESSES", str(slurm_step_tasks() or "?")),
     )
 
 
@@ -97,7 +107,7 @@ def peer_lost_line(lost: list[int] | None = None, connected: bool = True) -> str
     ``connected``: whether the trainer had connected to every process."""
     me, n = _process()
     if not connected:
-        where = os.environ.get("JAX_COORDINATOR_ADDRESS", "the SLURM job's first host")
+        where = os.environ.get("JAX_COORDINATOR_ADDRESS", SLURM_COORDINATOR)
         return (
             f"error: process {me} of {n} did not connect to every process through the coordinator "
             f"{where} within {INIT_TIMEOUT_S} s (or one was lost meanwhile): start all {n} with the "
@@ -140,6 +150,8 @@ def initialize() -> None:
         # JAX's three variables say it all: no cluster's (SLURM's) variables read, which would
         # also give the process one GPU of its host.
         env["cluster_detection_method"] = "deactivate"
+    elif not os.environ.get("JAX_COORDINATOR_ADDRESS") and slurm_step_tasks() > 1:
+        env.setdefault("num_processes", slurm_step_tasks())  # the step's, not the allocation's
     jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
@@ -150,7 +162,7 @@ def initialize() -> None:
         )
     except Exception as e:  # noqa: BLE001 - jaxlib raises several types
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        where = os.environ.get("JAX_COORDINATOR_ADDRESS", "the SLURM job's first host")
+        where = os.environ.get("JAX_COORDINATOR_ADDRESS", SLURM_COORDINATOR)
         raise UserError(f"jax.distributed.initialize (coordinator {where}) failed: {first}") from None
     _initialized = True
     if is_worker():

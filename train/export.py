@@ -97,13 +97,19 @@ def sentencepiece_tokenizer_json(tok: SentencePieceTokenizer):
     """A ``tokenizers.Tokenizer`` that encodes as the sentencepiece model ``tok`` does (no
     post-processor: nothing appended), or the reason there is none. Sentencepiece's pipeline: its
     normalisation rule (the precompiled character map), extra whitespace removed, ``▁`` put first
-    and for every space; then its model. A unigram model: the Viterbi segmentation over the pieces'
-    scores, pieces never crossing a ``▁`` (unknown characters as UNK, or as bytes with byte
-    fallback); differs from sentencepiece only where two segmentations tie (sentencepiece sums
-    scores in float32 over the whole text) and for a text holding a control piece literally (e.g.
-    ``</s>``: transformers matches it as the special token). A BPE model (Llama 2's): the merges
-    of two pieces into a third, first the merge whose result scores highest, as sentencepiece
-    picks them; runs of unknown characters as one UNK, or as bytes with byte fallback."""
+    and for every space; then its model, unknown characters as UNK (a run of them as one) or as
+    bytes with byte fallback:
+
+    - unigram (T5's): the Viterbi segmentation over the pieces' scores, pieces never crossing a
+      ``▁``; differs from sentencepiece where two segmentations tie (sentencepiece sums scores in
+      float32 over the whole text, so rounding decides);
+    - BPE (Llama 2's kind): merges of two pieces into a third, the one whose result scores highest
+      first; differs from sentencepiece where two different results score the same (sentencepiece
+      merges the leftmost pair first, the converted tokenizer the lower piece id).
+
+    Either differs for a text holding a control piece literally (e.g. ``</s>``: transformers
+    matches it as the special token). Models with user-defined or unused pieces, or whitespace as
+    a suffix, are not converted."""
     try:
         from sentencepiece import sentencepiece_model_pb2
         from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -121,6 +127,7 @@ def sentencepiece_tokenizer_json(tok: SentencePieceTokenizer):
         for name, on in (
             ("treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix),
             ("user-defined pieces", any(p.type == p.USER_DEFINED for p in proto.pieces)),
+            ("unused pieces", any(p.type == p.UNUSED for p in proto.pieces)),
         )
         if on
     ]
@@ -149,8 +156,8 @@ def sentencepiece_tokenizer_json(tok: SentencePieceTokenizer):
     if norm.escape_whitespaces:
         steps.append(normalizers.Replace(" ", "\u2581"))
     converted.normalizer = normalizers.Sequence(steps)
-    # BPE merges only into pieces of the vocabulary, which keeps them inside a word, or makes the
-    # whitespace-only pieces (``▁▁``) of a model trained with them: no pre-tokenizer.
+    # Sentencepiece's BPE does not split at whitespace when encoding: a piece crosses a ``▁`` only
+    # where the vocabulary has one that does (``▁▁``, a model trained with whitespace-only pieces).
     if trainer.split_by_whitespace and trainer.model_type == trainer.UNIGRAM:
         converted.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
     converted.decoder = decoders.Sequence(
