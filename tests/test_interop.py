@@ -145,20 +145,25 @@ def test_bad_directories_are_named(tmp_path):
 # ------------------------------------------------------------- a trained run, exported and back
 
 
-def train_sentencepiece(prefix: pathlib.Path, model_type: str = "unigram") -> pathlib.Path:
-    """A 60-piece sentencepiece model (pad 0, EOS 1, UNK 2, no BOS) trained on a small corpus."""
+def train_sentencepiece(
+    prefix: pathlib.Path, model_type: str = "unigram", texts=None, vocab_size: int = 60, **settings
+) -> pathlib.Path:
+    """A sentencepiece model (pad 0, EOS 1, UNK 2, no BOS) trained on ``texts`` (default: a small
+    corpus for 60 pieces), with sentencepiece's trainer ``settings``."""
     corpus = prefix.with_name("corpus.txt")
-    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)))
+    texts = texts or [f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)]
+    corpus.write_text("\n".join(texts))
     spm.SentencePieceTrainer.train(
         input=str(corpus),
         model_prefix=str(prefix),
         model_type=model_type,
-        vocab_size=60,
+        vocab_size=vocab_size,
         eos_id=1,
         pad_id=0,
         unk_id=2,
         bos_id=-1,
         minloglevel=2,
+        **settings,
     )
     return prefix.with_suffix(".model")
 
@@ -273,22 +278,10 @@ def test_sentencepiece_models_export_to_a_tokenizer_that_encodes_alike(model_typ
     from train.sources import builtin_documents
 
     docs = builtin_documents()
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(d.replace("\n", " ") for d in docs[:60]))
-    spm.SentencePieceTrainer.train(
-        input=str(corpus),
-        model_prefix=str(tmp_path / "sp"),
-        model_type=model_type,
-        vocab_size=1000,
-        eos_id=1,
-        pad_id=0,
-        unk_id=2,
-        bos_id=-1,
-        character_coverage=0.999,
-        minloglevel=2,
-        **settings,
-    )
-    ours = SentencePieceTokenizer(str(tmp_path / "sp.model"))
+    texts = [d.replace("\n", " ") for d in docs[:60]]
+    settings = {"character_coverage": 0.999, **settings}
+    model = train_sentencepiece(tmp_path / "sp", model_type, texts, vocab_size=1000, **settings)
+    ours = SentencePieceTokenizer(str(model))
     out = tmp_path / "out"
     out.mkdir()
     files, note = exporting.write_tokenizer(ours, out, 1 << 20)
