@@ -46,6 +46,7 @@ if "h100" in sys.argv:
 
 import jax
 import jax.numpy as jnp
+from train_step import apply_flag_sets, compiled_peak_bytes, optimizers
 
 import models
 from train.step import TrainState, make_train_step
@@ -186,7 +187,7 @@ def anatomy(cfg: models.ModelConfig, tx, batch: int, micro_batch: int, seq_len: 
     compiled = step.lower(state, tokens).compile()
     compile_s = time.perf_counter() - t0
     m = compiled.memory_analysis()
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    peak = compiled_peak_bytes(compiled)
     return {
         "argument_bytes": m.argument_size_in_bytes,
         "output_bytes": m.output_size_in_bytes,
@@ -237,12 +238,7 @@ def main() -> None:
     parser.add_argument("--xla-flag-sets", nargs="*", default=[], help="train.xla_flags.GPU_FLAG_SETS names")
     parser.add_argument("--out", default=None, help="JSON path (rewritten after every compile)")
     args = parser.parse_args()
-    if args.xla_flag_sets:  # before the backend starts
-        from train.xla_flags import GPU_FLAG_SETS, merged
-
-        flags = [f for s in args.xla_flag_sets for f in GPU_FLAG_SETS[s]]
-        os.environ["XLA_FLAGS"] = merged(os.environ.get("XLA_FLAGS", ""), flags)[0]
-    from train_step import optimizers
+    apply_flag_sets(args.xla_flag_sets)  # before the backend starts
 
     sharding, device = _placement(args.target)
     tx = optimizers(256, 32)[args.optimizer]

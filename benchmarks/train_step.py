@@ -127,6 +127,12 @@ def add_step_arguments(parser: argparse.ArgumentParser, steps: int = 5, warmup: 
     )
 
 
+def compiled_peak_bytes(compiled) -> int:
+    """XLA's peak device memory of a compiled program: arguments + outputs - donated + temporaries."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
 def apply_flag_sets(names: list[str]) -> list[str]:
     """Adds the named GPU flag sets to ``XLA_FLAGS`` (before JAX starts its backend); the flags added."""
     from train import xla_flags

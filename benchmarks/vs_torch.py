@@ -50,6 +50,7 @@ from train_step import (
     add_step_arguments,
     apply_flag_sets,
     build_step,
+    compiled_peak_bytes,
     describe,
     median_ms,
     model_config,
@@ -175,15 +176,11 @@ def jax_side(cfg, name: str, tx, args) -> dict:
 
         refresh, state = median_ms(step, state, tokens, args.refresh_steps, 1, before=due)
     stats = jax.devices()[0].memory_stats() or {}
-    m = step.memory_analysis()
     return {
         "plain_ms": plain,
         "refresh_ms": refresh,
         "peak_memory_bytes": stats.get("peak_bytes_in_use"),
-        "compiled_peak_bytes": m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes,
+        "compiled_peak_bytes": compiled_peak_bytes(step),
         "params": models.param_count(cfg),
     }
 

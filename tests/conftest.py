@@ -34,9 +34,10 @@ def pytest_configure(config):
     # level (XLA's CPU fast-math is off); the whole suite passes at either level.
     # MOARA_JAX_TEST_OPTIMIZE=1 runs it at XLA's default; with a GPU plugin it always does.
     if os.environ.get("MOARA_JAX_TEST_OPTIMIZE") != "1" and not _cuda_plugin():
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_backend_optimization_level" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+        from train.xla_flags import merged  # the user's XLA_FLAGS win
+
+        level = ["--xla_backend_optimization_level=0"]
+        os.environ["XLA_FLAGS"] = merged(os.environ.get("XLA_FLAGS", ""), level)[0]
     # One process of its own: not a process of a scheduler's or an outer run's job (the trainer's
     # CLI runs in the test process), and offline (Hugging Face hubs are never reached).
     for name in [n for n in os.environ if n.startswith("SLURM_")]:

@@ -41,8 +41,8 @@ def test_gpu_sets_only_on_a_gpu_and_raw_flags_everywhere():
         == list(xla_flags.GPU_FLAG_SETS["latency_hiding"] + xla_flags.GPU_FLAG_SETS["cublas_gemm"]) + raw
     )
     assert xla_flags.configured_flags(sets, raw, gpu=False) == raw
-    defaults = xla_flags.configured_flags(None, [], gpu=True)
-    assert defaults == [f for s in xla_flags.DEFAULT_GPU_FLAG_SETS for f in xla_flags.GPU_FLAG_SETS[s]]
+    assert xla_flags.DEFAULT_GPU_FLAG_SETS == ()  # none on until a GPU measurement shows it helps
+    assert xla_flags.configured_flags(None, raw, gpu=True) == raw
     with pytest.raises(UserError, match=r"xla.gpu_flag_sets: unknown set\(s\) \['fast'\]"):
         xla_flags.configured_flags(["fast"], [], gpu=False)
     with pytest.raises(UserError, match="is not an XLA flag of the form"):
@@ -74,8 +74,18 @@ def test_apply_refuses_once_a_backend_runs_and_leaves_the_users_value():
 
 
 def test_gpu_is_not_expected_when_jax_platforms_excludes_it(monkeypatch):
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert not xla_flags.gpu_platform_expected()
+    import importlib.util
+
+    def find_spec(name):  # JAX's CUDA 13 plugin installed, and no other
+        return object() if name == "jax_plugins.xla_cuda13" else None
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    for platforms, expected in ((None, True), ("cuda", True), ("cuda,cpu", True), ("cpu", False)):
+        if platforms is None:
+            monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+        else:
+            monkeypatch.setenv("JAX_PLATFORMS", platforms)
+        assert xla_flags.gpu_platform_expected() is expected, platforms
 
 
 @pytest.mark.slow

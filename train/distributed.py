@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import select
@@ -235,14 +236,12 @@ def any_process(flag: bool) -> bool:
     """Whether ``flag`` holds in any process (every process must call it at the same point)."""
     import jax
 
-    if jax.process_count() == 1:
-        return flag
-    global _any_vote
-    _any_vote = _any_vote or _Vote()
-    return bool(_any_vote(flag))
+    return flag if jax.process_count() == 1 else bool(_shared_vote()(flag))
 
 
-_any_vote = None
+@functools.cache
+def _shared_vote() -> _Vote:
+    return _Vote()
 
 
 class _Vote:

@@ -8,9 +8,9 @@ Batches shard over ``(data, fsdp)``.
 
 Multi-host: ``jax.distributed.initialize()`` runs first (``python -m train`` calls it when
 ``JAX_COORDINATOR_ADDRESS`` (with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``) is set, or in a
-SLURM job step of several tasks); the
-mesh then spans every process's devices. Every process reads the same seeded data stream and
-transfers only the shards of the global batch its devices hold.
+SLURM job step of several tasks); the mesh then spans every process's devices. Every process
+reads the same seeded data stream and transfers only the shards of the global batch its devices
+hold.
 """
 
 from __future__ import annotations
