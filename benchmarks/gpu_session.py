@@ -292,18 +292,18 @@ def _run_estimate(name: str, sh: dict, step_s: float, smoke: bool) -> float:
 
 def paper_args(model: str) -> list[str]:
     """``train_step.py`` arguments for the model settings of ``configs/paper/MODEL.yaml`` (its
-    ``remat`` and ``scan_layers``: what ``python -m train`` runs at that size); none for a model
-    without a paper config."""
-    import yaml
+    ``remat`` and layer layout, resolved as ``python -m train`` resolves them: the config's layers
+    over the model preset); none for a model without a paper config."""
+    import models
+    from train.config import load_config
+    from train.model import model_config
 
     path = ROOT / "configs" / "paper" / f"{model}.yaml"
     if not path.is_file():
         return []
-    overrides = (yaml.safe_load(path.read_text()).get("model") or {}).get("overrides") or {}
-    args = ["--remat", overrides.get("remat", "none")]  # ModelConfig's default remat is none
-    if "scan_layers" in overrides:
-        args += ["--layers", "scanned" if overrides["scan_layers"] else "unrolled"]
-    return args
+    cfg = load_config(path)
+    resolved = model_config(cfg, models.get_config(cfg.model.name).vocab_size)
+    return ["--remat", resolved.remat, "--layers", "scanned" if resolved.scan_layers else "unrolled"]
 
 
 def variant_list(s: Session, group: str) -> list[tuple[str, list[str]]]:
@@ -346,7 +346,7 @@ def _options(args: list[str]) -> dict[str, tuple[str, ...]]:
 
 def _same_as_baseline(s: Session, extra: list[str]) -> bool:
     """Whether the variant ``extra`` only repeats settings the baseline already has."""
-    base = {"--layers": ("preset",), **_options(_baseline(s))}
+    base = _options(_baseline(s))
     return bool(extra) and all(base.get(k) == v for k, v in _options(extra).items())
 
 

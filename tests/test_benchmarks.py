@@ -359,18 +359,15 @@ def test_gpu_session_variants_run_over_the_paper_settings():
         assert variants[0] == ("baseline", []) and variants[-1][1] == [] and len(set(labels)) == len(labels)
     flag_sets = [args[1] for _, args in gpu_session.variant_list(session, "flags")[1:-1]]
     assert flag_sets == list(GPU_FLAG_SETS)
-    # The baseline: configs/paper/llama2-350m.yaml's model settings, then --jax-args.
-    import yaml
-
-    overrides = yaml.safe_load((BENCH.parent / "configs/paper/llama2-350m.yaml").read_text())["model"][
-        "overrides"
-    ]
+    # The baseline: configs/paper/llama2-350m.yaml's model settings (remat dots; the preset's
+    # scanned layers; 60M: none, unrolled), then --jax-args; no paper config, train_step's defaults.
+    assert gpu_session.paper_args("llama2-350m") == ["--remat", "dots", "--layers", "scanned"]
+    assert gpu_session.paper_args("llama2-60m") == ["--remat", "none", "--layers", "unrolled"]
+    assert gpu_session.paper_args("tiny") == []
     baseline = gpu_session._baseline(session)
-    assert baseline[:2] == ["--remat", overrides.get("remat", "none")] and baseline[-2:] == [
-        "--micro-batch",
-        "64",
-    ]
+    assert baseline == ["--remat", "dots", "--layers", "scanned", "--micro-batch", "64"]
     # A variant that repeats the baseline's settings is not run twice.
-    assert gpu_session._same_as_baseline(session, ["--remat", overrides.get("remat", "none")])
+    assert gpu_session._same_as_baseline(session, ["--remat", "dots", "--layers", "scanned"])
     assert gpu_session._same_as_baseline(session, ["--micro-batch", "64"])
+    assert not gpu_session._same_as_baseline(session, ["--layers", "unrolled"])
     assert not gpu_session._same_as_baseline(session, ["--attention", "xla"])
