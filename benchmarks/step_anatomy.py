@@ -38,8 +38,11 @@ import optax
 from optimizer_step import SIZES, llama2_params, optimizers
 
 # Facts of an NVIDIA H100 80GB HBM3 (SXM) for XLA's deviceless GPU compiler (GpuTargetConfig).
+# The cuDNN version is stated twice: jaxlib 0.11 dropped ``dnn_version_info`` (its parser passes
+# over it) and reads ``gpu_device_info.dnn_version``, which 0.10 has too. The CUDA runtime is the
+# installed plugin's (``{cuda}``): 12.8 for jax-cuda12-plugin, 13.0 for jax-cuda13-plugin.
 H100_TARGET_CONFIG = """
-gpu_device_info {
+gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
   shared_memory_per_block: 49152
@@ -55,15 +58,29 @@ gpu_device_info {
   clock_rate_ghz: 1.98
   device_memory_size: 84929347584
   shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 }
+  cuda_compute_capability {{ major: 9 }}
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
-}
+  dnn_version: "9.7.0"
+}}
 platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 7 }
-runtime_version { major: 12 minor: 8 }
+dnn_version_info {{ major: 9 minor: 7 }}
+runtime_version {{ {cuda} }}
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
+
+
+def h100_target_config() -> str:
+    """``H100_TARGET_CONFIG`` for the CUDA plugin JAX has (its runtime's major version)."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("jax-cuda13-plugin")
+        cuda = "major: 13 minor: 0"
+    except importlib.metadata.PackageNotFoundError:
+        cuda = "major: 12 minor: 8"
+    return H100_TARGET_CONFIG.format(cuda=cuda)
+
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -128,7 +145,7 @@ def _placement(target: str):
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(
-        platform="cuda", target_config=H100_TARGET_CONFIG, topology="1x1x1"
+        platform="cuda", target_config=h100_target_config(), topology="1x1x1"
     )
     mesh = topologies.make_mesh(topology, (1,), ("d",))
     return jax.sharding.NamedSharding(

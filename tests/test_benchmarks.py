@@ -26,6 +26,24 @@ def test_entry_kernels_counts_one_fusion_and_its_bytes():
     assert traffic == 2 * 4 * 1000  # one f32[1000] read, one written
 
 
+@pytest.mark.parametrize("plugin, runtime", [("jax-cuda12-plugin", 12), ("jax-cuda13-plugin", 13)])
+def test_h100_target_config_suits_the_installed_cuda_plugin(monkeypatch, plugin, runtime):
+    """The deviceless H100 target: the CUDA runtime of the plugin JAX has, and the cuDNN version
+    where jaxlib 0.10 reads it and where 0.11 does (it dropped ``dnn_version_info``)."""
+    import importlib.metadata
+
+    def version(name):
+        if name != plugin:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "0.11.2"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    config = step_anatomy.h100_target_config()
+    assert f"runtime_version {{ major: {runtime} " in config
+    assert 'dnn_version: "9.7.0"' in config and "dnn_version_info { major: 9 minor: 7 }" in config
+    assert config.count("{") == config.count("}") and "{cuda}" not in config
+
+
 def test_anatomy_of_adamw_reads_and_writes_every_state_buffer():
     hidden, inter, layers, r_base, block = optimizer_step.SIZES["tiny"]
     params = jax.eval_shape(lambda: optimizer_step.llama2_params(hidden, inter, layers))
@@ -123,6 +141,7 @@ def test_train_step_benchmark_times_finite_donated_steps():
 
 def test_vs_torch_peer_has_the_papers_groups_and_the_same_model():
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")  # the peer is a PyTorch model
     import models
 
     cfg = models.get_config("llama2-tiny")

@@ -237,8 +237,12 @@ def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
     want, got = losses(one), losses(run)
     # The same program on the same 4-device mesh; only the all-reduces differ (gloo across the
     # two processes), which may add the 4 partial sums in another order: float32 rounding, at
-    # most 1.6e-7 relative (1-2 ulps of the loss) measured here, room for other CPUs and orders.
-    np.testing.assert_allclose([got[s] for s in want], [want[s] for s in want], rtol=1e-5)
+    # most 1.6e-7 relative (1-2 ulps of the loss) with JAX 0.10.2. An exact SVD at a projection
+    # refresh can turn such a difference into a turn of the basis where singular values near the
+    # rank cut almost tie: with JAX 0.11.2 (Python 3.12), up to 3.5e-5 at steps 20-24, after the
+    # refresh at step 16. A resume off by a step, or a lost all-reduce, is off by more than 1e-2
+    # (the losses of neighbouring steps differ by 0.5% or more).
+    np.testing.assert_allclose([got[s] for s in want], [want[s] for s in want], rtol=1e-4)
     # One writer: the files and checkpoints of a one-process run, nothing else.
     names = {p.name for p in run.iterdir()}
     assert names == {p.name for p in one.iterdir()}, names
