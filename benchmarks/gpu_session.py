@@ -308,12 +308,14 @@ def paper_args(model: str) -> list[str]:
 
 def variant_list(s: Session, group: str) -> list[tuple[str, list[str]]]:
     """``(label, train_step.py arguments over the baseline's)`` of one group of step-speed variants
-    (``model``: attention, remat, layer layout, micro-batch; ``flags``: each XLA flag set), the
+    (``model``: attention, remat, layer layout, micro-batch, the loss in chunks; ``flags``: each XLA
+    flag set), the
     baseline (the paper config's settings, ``s.jax_args`` over them) first and last."""
     if group == "flags":
         out = [(f"xla flags {name}", ["--xla-flag-sets", name]) for name in GPU_FLAG_SETS]
     else:  # in the order of what they tell, in case the time runs out
         small, large = ("2", "8") if s.smoke else ("64", "256")
+        chunk = "8" if s.smoke else "32"
         out = [
             ("attention xla", ["--attention", "xla"]),
             ("remat dots, scanned layers", ["--remat", "dots", "--layers", "scanned"]),
@@ -323,6 +325,11 @@ def variant_list(s: Session, group: str) -> list[tuple[str, list[str]]]:
             ("remat none", ["--remat", "none"]),
             ("unrolled layers", ["--layers", "unrolled"]),
             (f"micro-batch {large}", ["--micro-batch", large]),
+            (f"loss in chunks of {chunk}", ["--loss-chunk", chunk]),
+            (
+                f"remat none, unrolled layers, loss in chunks of {chunk}",
+                ["--remat", "none", "--layers", "unrolled", "--loss-chunk", chunk],
+            ),
         ]
     return [("baseline", [])] + out + [("baseline again (drift)", [])]
 

@@ -1,5 +1,6 @@
 """What a whole training step compiles to: memory against the device, kernels, launches and
-whether cuDNN attention lowered, per remat policy, layer layout, attention and micro-batch size.
+whether cuDNN attention lowered, per remat policy, layer layout, attention, micro-batch size and
+the loss's chunk of positions.
 
 Compiles ``python -m train``'s step (``train.step.make_train_step``: forward and backward over the
 micro-batches with gradients accumulated in a ``lax.scan``, the optimizer update and
@@ -26,7 +27,8 @@ workspace is not in the figures); buffer sizes and fusion do not depend on eithe
 Usage:
   python benchmarks/train_anatomy.py --target h100 [--models llama2-350m llama2-1b]
       [--remat none dots full] [--layers scanned unrolled] [--attention xla cudnn]
-      [--micro-batch 128] [--optimizer moara_full] [--xla-flag-sets SET ...] [--out FILE.json]
+      [--micro-batch 128] [--loss-chunk 0 32] [--optimizer moara_full] [--xla-flag-sets SET ...]
+      [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -204,14 +206,15 @@ def anatomy(cfg: models.ModelConfig, tx, batch: int, micro_batch: int, seq_len: 
 def table(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
     lines = [
-        "| model | remat | layers | attention | micro-batch | peak (GiB) | temp (GiB) | fits 80 GB | "
-        "fits 75% | kernels | launches/step | cuDNN calls |",
-        "|---|---|---|---|---:|---:|---:|---|---|---:|---:|---|",
+        "| model | remat | layers | attention | micro-batch | loss chunk | peak (GiB) | temp (GiB) | "
+        "fits 80 GB | fits 75% | kernels | launches/step | cuDNN calls |",
+        "|---|---|---|---|---:|---:|---:|---:|---|---|---:|---:|---|",
     ]
     for r in rows:
         cudnn = ", ".join(c.replace("__cudnn$", "") for c in r["cudnn_calls"]) or "none"
         lines.append(
             f"| {r['model']} | {r['remat']} | {r['layers']} | {r['attention']} | {r['micro_batch']} | "
+            f"{r.get('loss_chunk', 0) or 'none'} | "
             f"{r['peak_bytes'] / 2**30:.1f} | {r['temp_bytes'] / 2**30:.1f} | "
             f"{'yes' if r['fits_h100'] else 'no'} | {'yes' if r['fits_jax_default_pool'] else 'no'} | "
             f"{r['kernels']} | {r['launches_plain_step']} | {cudnn} |"
@@ -229,6 +232,9 @@ def main() -> None:
     )
     parser.add_argument("--attention", nargs="+", default=["xla", "cudnn"], choices=("xla", "cudnn"))
     parser.add_argument("--micro-batch", nargs="+", type=int, default=[128])
+    parser.add_argument(
+        "--loss-chunk", nargs="+", type=int, default=[0], help="positions per chunk of the loss (0: none)"
+    )
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (32000)")
@@ -252,13 +258,17 @@ def main() -> None:
         "note": "compile-time figures (XLA memory analysis of the compiled step), not measurements",
         "rows": [],
     }
-    grid = itertools.product(args.models, args.remat, args.layers, args.attention, args.micro_batch)
-    for name, remat, layers, attention, micro in grid:
+    grid = itertools.product(
+        args.models, args.remat, args.layers, args.attention, args.micro_batch, args.loss_chunk
+    )
+    for name, remat, layers, attention, micro, chunk in grid:
         overrides = dict(param_dtype="bfloat16", dtype="bfloat16", remat=remat, attention_impl=attention)
+        overrides["loss_chunk"] = chunk
         if args.vocab_size:
             overrides["vocab_size"] = args.vocab_size
         cfg = models.get_config(name, scan_layers=layers == "scanned", **overrides)
         row = {"model": name, "remat": remat, "layers": layers, "attention": attention, "micro_batch": micro}
+        row["loss_chunk"] = chunk
         try:
             row |= anatomy(cfg, tx, args.batch, micro, args.seq_len, sharding)
         except Exception as e:  # a configuration XLA cannot compile is a result too
@@ -268,7 +278,7 @@ def main() -> None:
             continue
         result["rows"].append(row)
         print(
-            f"{name} remat={remat} {layers} {attention} micro={micro}: "
+            f"{name} remat={remat} {layers} {attention} micro={micro} loss_chunk={chunk}: "
             f"peak {row['peak_bytes'] / 2**30:.2f} GiB "
             f"(temp {row['temp_bytes'] / 2**30:.2f}), kernels {row['kernels']}, launches "
             f"{row['launches_plain_step']}, cudnn {row['cudnn_calls']}, compile {row['compile_s']:.0f}s",

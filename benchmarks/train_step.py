@@ -13,7 +13,7 @@ user's own flags win) before JAX starts its backend.
 Usage:
   python benchmarks/train_step.py [--model llama2-350m] [--batch 512] [--micro-batch 128]
       [--seq-len 256] [--steps 5] [--remat dots] [--attention auto] [--layers preset]
-      [--xla-flag-sets SET ...] [--only NAME ...] [--out FILE]
+      [--loss-chunk 0] [--xla-flag-sets SET ...] [--only NAME ...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def time_steps(cfg, tx, batch: int, micro: int, seq_len: int, steps: int, warmup
 
 
 def model_config(args: argparse.Namespace) -> models.ModelConfig:
-    """The benchmarked model: ``--model`` in bf16 with ``--remat``, ``--attention``, ``--layers`` and
-    ``--vocab-size``."""
-    overrides = dict(param_dtype="bfloat16", dtype="bfloat16", remat=args.remat)
+    """The benchmarked model: ``--model`` in bf16 with ``--remat``, ``--attention``, ``--layers``,
+    ``--loss-chunk`` and ``--vocab-size``."""
+    overrides = dict(param_dtype="bfloat16", dtype="bfloat16", remat=args.remat, loss_chunk=args.loss_chunk)
     overrides["attention_impl"] = None if args.attention == "auto" else args.attention
     if args.layers != "preset":
         overrides["scan_layers"] = args.layers == "scanned"
@@ -101,6 +101,7 @@ def describe(cfg: models.ModelConfig) -> dict:
         "remat": cfg.remat,
         "scan_layers": cfg.scan_layers,
         "attention": models.attention_implementation(cfg),
+        "loss_chunk": cfg.loss_chunk,
         "vocab_size": cfg.vocab_size,
         "params": models.param_count(cfg),
     }
@@ -121,6 +122,9 @@ def add_step_arguments(parser: argparse.ArgumentParser, steps: int = 5, warmup: 
         "--attention", default="auto", choices=("auto", "xla", "cudnn"), help="auto: cuDNN where it applies"
     )
     parser.add_argument("--layers", default="preset", choices=("preset", "scanned", "unrolled"))
+    parser.add_argument(
+        "--loss-chunk", type=int, default=0, help="LM head and loss this many positions at a time (0: all)"
+    )
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the preset's")
     parser.add_argument(
         "--xla-flag-sets", nargs="*", default=[], help="names of train.xla_flags.GPU_FLAG_SETS"

@@ -18,9 +18,12 @@ class ModelConfig:
     ``model_type`` picks the family: ``llama`` (Llama 2 / 3.2), ``qwen2`` (q/k/v biases),
     ``qwen3`` (per-head q/k RMSNorm, explicit ``head_dim``) or ``deepseek_v2`` (MLA, dense MLP).
     Framework options: ``param_dtype``, ``dtype`` (compute), ``scan_layers``, ``remat``
-    (``none | full | dots``) and ``attention_impl``: ``None`` picks cuDNN's flash attention on a
+    (``none | full | dots``), ``attention_impl``: ``None`` picks cuDNN's flash attention on a
     CUDA GPU where it applies (bf16/fp16 compute, head width a multiple of 8 up to 128) and XLA's
-    otherwise (see ``models.attention_implementation``); ``'xla'`` or ``'cudnn'`` force one.
+    otherwise (see ``models.attention_implementation``); ``'xla'`` or ``'cudnn'`` force one; and
+    ``loss_chunk``: ``models.cross_entropy`` computes the LM head and the loss this many positions
+    at a time and recomputes them in the backward pass, so no ``(batch, seq, vocab)`` logits are
+    held (0: all positions at once).
     """
 
     model_type: str = "llama"
@@ -50,6 +53,7 @@ class ModelConfig:
     scan_layers: bool = False
     remat: str = "none"
     attention_impl: str | None = None
+    loss_chunk: int = 0
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -59,6 +63,8 @@ class ModelConfig:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk must be a non-negative integer, got {self.loss_chunk!r}")
         for f in (
             "vocab_size",
             "hidden_size",

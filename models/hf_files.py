@@ -32,7 +32,15 @@ ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
 }
 # ModelConfig fields that say how this project runs a model, not what the model is.
-FRAMEWORK_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat", "attention_impl", "name")
+FRAMEWORK_FIELDS = (
+    "param_dtype",
+    "dtype",
+    "scan_layers",
+    "remat",
+    "attention_impl",
+    "loss_chunk",
+    "name",
+)
 
 
 def architecture(cfg: ModelConfig) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from models.configs import ModelConfig
 from models.deepseek_v2 import MLAttention
@@ -48,12 +49,13 @@ class _ScanBody(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder-only LM with HF parameter names; logits are float32."""
+    """Decoder-only LM with HF parameter names; logits are float32 (with ``head=False``: the
+    final norm's output, before the LM head)."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, head: bool = True):
         cfg = self.cfg
         embed = nn.Embed(
             cfg.vocab_size,
@@ -84,6 +86,8 @@ class CausalLM(nn.Module):
             for i in range(cfg.num_hidden_layers):
                 x = layer(cfg, name=f"layers_{i}")(x, positions)
         x = rms_norm(cfg, "norm", "embed")(x)
+        if not head:
+            return x
         if cfg.tie_word_embeddings:
             logits = embed.attend(x)
         else:
@@ -130,6 +134,59 @@ def logical_axes(cfg: ModelConfig) -> dict[str, Any]:
 def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
     """Logits ``(batch, seq, vocab)`` in float32 for int tokens ``(batch, seq)``."""
     return build_model(cfg).apply({"params": params}, tokens)
+
+
+def hidden_states(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    """The final norm's output ``(batch, seq, hidden)`` in the compute dtype: ``forward`` without
+    the LM head."""
+    return build_model(cfg).apply({"params": params}, tokens, head=False)
+
+
+def head_kernel(cfg: ModelConfig, params: dict[str, Any]) -> jax.Array:
+    """The LM head as a ``(hidden, vocab)`` matrix (the embedding's transpose when tied)."""
+    if cfg.tie_word_embeddings:
+        return params["embed_tokens"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
+
+def _summed_cross_entropy(x: jax.Array, kernel: jax.Array, labels: jax.Array, dtype) -> jax.Array:
+    """Summed next-token cross entropy of hidden states ``x (..., hidden)`` against ``labels``:
+    the LM head as ``forward`` computes it (operands in the compute dtype, logits in float32)."""
+    logits = jnp.dot(x.astype(dtype), kernel.astype(dtype)).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
+
+
+def cross_entropy(
+    cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, labels: jax.Array
+) -> jax.Array:
+    """Mean cross entropy of the logits of ``tokens (batch, seq)`` against ``labels (batch, seq)``.
+
+    With ``cfg.loss_chunk`` set, the LM head and the loss run ``loss_chunk`` positions at a time
+    (a ``lax.scan`` over the sequence, so each chunk keeps the batch's sharding) under
+    ``jax.checkpoint``: the backward pass recomputes each chunk's logits instead of keeping
+    ``(batch, seq, vocab)`` of them, which at a 32k vocabulary is most of a small model's
+    activation memory. The value equals the unchunked one up to float summation order."""
+    seq = tokens.shape[1]
+    if not cfg.loss_chunk or cfg.loss_chunk >= seq:
+        logits = forward(cfg, params, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    x = hidden_states(cfg, params, tokens)
+    kernel = head_kernel(cfg, params)
+    chunk_loss = jax.checkpoint(functools.partial(_summed_cross_entropy, dtype=jnp.dtype(cfg.dtype)))
+    c = cfg.loss_chunk
+    n = seq // c
+
+    def body(total, xs):
+        x_chunk, label_chunk = xs
+        return total + chunk_loss(x_chunk, kernel, label_chunk), None
+
+    def chunks(a):  # (batch, n * c, ...) -> (n, batch, c, ...)
+        return jnp.moveaxis(a[:, : n * c].reshape((a.shape[0], n, c) + a.shape[2:]), 1, 0)
+
+    total, _ = jax.lax.scan(body, jnp.zeros([], jnp.float32), (chunks(x), chunks(labels)))
+    if n * c < seq:
+        total = total + chunk_loss(x[:, n * c :], kernel, labels[:, n * c :])
+    return total / labels.size
 
 
 def param_count(cfg: ModelConfig) -> int:

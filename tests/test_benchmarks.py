@@ -257,7 +257,12 @@ def test_train_anatomy_counts_the_micro_batch_loop_and_the_memory():
         "micro_batch": 4,
         **runs[0],
     }
-    assert train_anatomy.table([row]).splitlines()[-1].startswith("| m | dots | scanned | xla | 4 |")
+
+    def last_line(r):
+        return train_anatomy.table([r]).splitlines()[-1]
+
+    assert last_line(row).startswith("| m | dots | scanned | xla | 4 | none |")
+    assert last_line(row | {"loss_chunk": 32}).startswith("| m | dots | scanned | xla | 4 | 32 |")
 
 
 def test_train_step_benchmark_builds_the_asked_model():
@@ -280,7 +285,9 @@ def test_train_step_benchmark_builds_the_asked_model():
     )
     args = parser.parse_args(["--model", "llama2-350m", "--attention", "xla"])
     cfg = train_step.model_config(args)
-    assert cfg.scan_layers and cfg.attention_impl == "xla" and cfg.remat == "dots"
+    assert cfg.scan_layers and cfg.attention_impl == "xla" and cfg.remat == "dots" and cfg.loss_chunk == 0
+    cfg = train_step.model_config(parser.parse_args(["--loss-chunk", "32"]))
+    assert cfg.loss_chunk == 32 and train_step.describe(cfg)["loss_chunk"] == 32
 
 
 @pytest.fixture
@@ -378,6 +385,7 @@ def test_gpu_session_variants_run_over_the_paper_settings():
         assert variants[0] == ("baseline", []) and variants[-1][1] == [] and len(set(labels)) == len(labels)
     flag_sets = [args[1] for _, args in gpu_session.variant_list(session, "flags")[1:-1]]
     assert flag_sets == list(GPU_FLAG_SETS)
+    assert ("loss in chunks of 32", ["--loss-chunk", "32"]) in gpu_session.variant_list(session, "model")
     # The baseline: configs/paper/llama2-350m.yaml's model settings (remat dots; the preset's
     # scanned layers; 60M: none, unrolled), then --jax-args; no paper config, train_step's defaults.
     assert gpu_session.paper_args("llama2-350m") == ["--remat", "dots", "--layers", "scanned"]

@@ -268,6 +268,7 @@ def test_sweep_then_compare(tmp_path):
         (["optimizer.rank_allocation=/no/such.json"], "allocation file not found"),
         (["metrics.writers=[jsonl,mlflow]"], "metrics.writers: unknown ['mlflow']"),
         (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
+        (["model.overrides={loss_chunk: -8}"], "model: loss_chunk must be a non-negative integer"),
         (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
         (["mode=profile", "profile.steps=6", "profile.every=10"], "profile.every (10) must be <="),

@@ -105,9 +105,9 @@ def make_optimizer(
 
 
 def loss_fn(model_cfg: models.ModelConfig, params, batch: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy of ``batch (B, seq_len + 1)``."""
-    logits = models.forward(model_cfg, params, batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    """Mean next-token cross entropy of ``batch (B, seq_len + 1)`` (in chunks of
+    ``model_cfg.loss_chunk`` positions where set)."""
+    return models.cross_entropy(model_cfg, params, batch[:, :-1], batch[:, 1:])
 
 
 def make_train_step(
