@@ -95,7 +95,7 @@ def test_train_step_in_chunks_equals_the_whole_sequence_step():
 
 
 def test_loss_chunk_is_a_model_override_of_a_run(tmp_path):
-    assert model_config(load_config(TINY, ["model.overrides={loss_chunk: 32}"]), 256).loss_chunk == 32
+    assert model_config(load_config(TINY, ["model.overrides.loss_chunk=32"]), 256).loss_chunk == 32
     assert model_config(load_config(TINY), 256).loss_chunk == 0
     # A framework key: free over a Hugging Face directory's model, as remat is.
     cfg = models.get_config("tiny", vocab_size=256)

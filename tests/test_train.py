@@ -152,8 +152,10 @@ def test_resume_after_sigterm_and_sigkill_equals_uninterrupted(tmp_path):
 
 @pytest.mark.slow
 def test_sharded_2x2x2_mesh_gives_one_device_losses(tmp_path):
-    """The default (MoARa on GaLore) through the whole loop; every host's optimizer on an
-    8-device mesh against one device is in tests/test_sharding_optimizer.py."""
+    """The default (MoARa on GaLore) through the whole loop, the eight-device run with the loss
+    in chunks of positions (their scan keeps the batch's and the LM head's shardings; the
+    two-process test in tests/test_multiprocess.py shards the whole-sequence loss); every host's
+    optimizer on an 8-device mesh against one device is in tests/test_sharding_optimizer.py."""
     sets = [*FAST, "train.steps=6", "checkpoint.every=0"]
     # Both on the host's CPU (eight CPU devices; also where a GPU is the default backend).
     run_cli(tmp_path / "one", *sets, env={"JAX_PLATFORMS": "cpu"})
@@ -163,10 +165,12 @@ def test_sharded_2x2x2_mesh_gives_one_device_losses(tmp_path):
         "mesh.data=2",
         "mesh.fsdp=2",
         "mesh.tensor=2",
+        "model.overrides.loss_chunk=8",
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
     )
     summary = json.loads((tmp_path / "eight" / "summary.json").read_text())
     assert summary["devices"] == 8 and summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert json.loads((tmp_path / "eight" / "model.json").read_text())["loss_chunk"] == 8
     one, eight = losses(tmp_path / "one"), losses(tmp_path / "eight")
     np.testing.assert_allclose([eight[s] for s in one], [one[s] for s in one], rtol=2e-4)
 
