@@ -38,16 +38,27 @@ def test_chunked_loss_and_gradients_equal_the_whole_sequence_ones(name, override
     labels = jax.random.randint(jax.random.PRNGKey(2), (3, 40), 0, cfg.vocab_size)
     loss, grads = loss_and_grads(cfg, params, tokens, labels)
     loss_c, grads_c = loss_and_grads(cfg.replace(loss_chunk=chunk), params, tokens, labels)
-    # The loss is summed in another order (float32 either way). In bf16 compute each chunk's
-    # LM-head gradient is rounded to bf16 on its own before the float32 sum over chunks, where the
-    # whole-sequence product rounds once: up to about one bf16 ulp (2^-8) of the largest entry.
-    np.testing.assert_allclose(loss_c, loss, rtol=1e-6)
-    bf16 = cfg.dtype == "bfloat16"
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        g_c = _at(grads_c, path)
-        scale = float(jnp.max(jnp.abs(g)))
-        atol = 2**-7 * scale if bf16 else 1e-5 * scale
-        np.testing.assert_allclose(g_c, g, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(loss_c, loss, rtol=1e-6)  # float32 sums in another order
+    if cfg.dtype == "float32":
+        for path, g in jax.tree_util.tree_leaves_with_path(grads):
+            scale = float(jnp.max(jnp.abs(g)))
+            np.testing.assert_allclose(
+                _at(grads_c, path), g, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
+            )
+        return
+    # In bf16 compute the two paths round differently: the whole-sequence LM-head gradient is one
+    # bf16 product over all positions (whose accumulation XLA's CPU backend did in bf16 under JAX
+    # 0.11.2: 2.0% from the float32 one), the chunked one a float32 sum of per-chunk products
+    # (0.75%; 0.52% and 0.51% under 0.10.2). So both are held against the float32-compute
+    # gradients of the same parameters, and the chunks must be as close to them (within 25%).
+    _, grads_32 = loss_and_grads(cfg.replace(dtype="float32"), params, tokens, labels)
+    for path, g32 in jax.tree_util.tree_leaves_with_path(grads_32):
+        whole, chunked = (_relative_error(_at(tree, path), g32) for tree in (grads, grads_c))
+        assert chunked <= 1.25 * whole + 1e-6, (jax.tree_util.keystr(path), chunked, whole)
+
+
+def _relative_error(x, reference):
+    return float(jnp.linalg.norm(x - reference) / jnp.linalg.norm(reference))
 
 
 def _at(tree, path):
