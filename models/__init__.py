@@ -16,6 +16,7 @@ from models.model import (
     init_params,
     logical_axes,
     param_count,
+    token_nll,
 )
 
 __all__ = [
@@ -42,5 +43,6 @@ __all__ = [
     "read_hf_config",
     "to_hf",
     "to_hf_config",
+    "token_nll",
     "write_hf_dir",
 ]

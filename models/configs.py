@@ -63,7 +63,7 @@ class ModelConfig:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
             raise ValueError(f"loss_chunk must be a non-negative integer, got {self.loss_chunk!r}")
         for f in (
             "vocab_size",

@@ -149,44 +149,53 @@ def head_kernel(cfg: ModelConfig, params: dict[str, Any]) -> jax.Array:
     return params["lm_head"]["kernel"]
 
 
-def _summed_cross_entropy(x: jax.Array, kernel: jax.Array, labels: jax.Array, dtype) -> jax.Array:
-    """Summed next-token cross entropy of hidden states ``x (..., hidden)`` against ``labels``:
+def _head_nll(x: jax.Array, kernel: jax.Array, labels: jax.Array, dtype) -> jax.Array:
+    """Cross entropy at each position of hidden states ``x (..., hidden)`` against ``labels``:
     the LM head as ``forward`` computes it (operands in the compute dtype, logits in float32)."""
     logits = jnp.dot(x.astype(dtype), kernel.astype(dtype)).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def token_nll(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, labels: jax.Array) -> jax.Array:
+    """Cross entropy ``(batch, seq)`` in float32 of the logits of ``tokens (batch, seq)`` against
+    ``labels (batch, seq)`` at each position.
+
+    With ``cfg.loss_chunk`` set, the LM head and the loss run ``loss_chunk`` positions at a time
+    (a ``lax.scan`` over the sequence, the batch axis left whole) under ``jax.checkpoint``: the
+    backward pass recomputes each chunk's logits instead of keeping ``(batch, seq, vocab)`` of
+    them, which at a 32k vocabulary is most of a small model's activation memory. The head enters
+    the scan in float32, so its gradient is summed over the chunks in float32 (a scan sums a
+    loop-invariant input's gradient in that input's dtype) and rounded to bf16 parameters once.
+    The values equal the unchunked ones up to rounding."""
+    seq = tokens.shape[1]
+    if not cfg.loss_chunk or cfg.loss_chunk >= seq:
+        return optax.softmax_cross_entropy_with_integer_labels(forward(cfg, params, tokens), labels)
+    x = hidden_states(cfg, params, tokens)
+    kernel = head_kernel(cfg, params).astype(jnp.float32)
+    nll_of = jax.checkpoint(functools.partial(_head_nll, dtype=jnp.dtype(cfg.dtype)), prevent_cse=False)
+    c = cfg.loss_chunk
+    n = seq // c
+
+    def body(carry, xs):
+        x_chunk, label_chunk = xs
+        return carry, nll_of(x_chunk, kernel, label_chunk)
+
+    def chunks(a):  # (batch, n * c, ...) -> (n, batch, c, ...)
+        return jnp.moveaxis(a[:, : n * c].reshape((a.shape[0], n, c) + a.shape[2:]), 1, 0)
+
+    _, nll = jax.lax.scan(body, None, (chunks(x), chunks(labels)))  # (n, batch, c)
+    nll = jnp.moveaxis(nll, 0, 1).reshape(labels.shape[0], n * c)
+    if n * c < seq:
+        nll = jnp.concatenate([nll, nll_of(x[:, n * c :], kernel, labels[:, n * c :])], axis=1)
+    return nll
 
 
 def cross_entropy(
     cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, labels: jax.Array
 ) -> jax.Array:
-    """Mean cross entropy of the logits of ``tokens (batch, seq)`` against ``labels (batch, seq)``.
-
-    With ``cfg.loss_chunk`` set, the LM head and the loss run ``loss_chunk`` positions at a time
-    (a ``lax.scan`` over the sequence, so each chunk keeps the batch's sharding) under
-    ``jax.checkpoint``: the backward pass recomputes each chunk's logits instead of keeping
-    ``(batch, seq, vocab)`` of them, which at a 32k vocabulary is most of a small model's
-    activation memory. The value equals the unchunked one up to float summation order."""
-    seq = tokens.shape[1]
-    if not cfg.loss_chunk or cfg.loss_chunk >= seq:
-        logits = forward(cfg, params, tokens)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    x = hidden_states(cfg, params, tokens)
-    kernel = head_kernel(cfg, params)
-    chunk_loss = jax.checkpoint(functools.partial(_summed_cross_entropy, dtype=jnp.dtype(cfg.dtype)))
-    c = cfg.loss_chunk
-    n = seq // c
-
-    def body(total, xs):
-        x_chunk, label_chunk = xs
-        return total + chunk_loss(x_chunk, kernel, label_chunk), None
-
-    def chunks(a):  # (batch, n * c, ...) -> (n, batch, c, ...)
-        return jnp.moveaxis(a[:, : n * c].reshape((a.shape[0], n, c) + a.shape[2:]), 1, 0)
-
-    total, _ = jax.lax.scan(body, jnp.zeros([], jnp.float32), (chunks(x), chunks(labels)))
-    if n * c < seq:
-        total = total + chunk_loss(x[:, n * c :], kernel, labels[:, n * c :])
-    return total / labels.size
+    """Mean cross entropy of the logits of ``tokens (batch, seq)`` against ``labels (batch, seq)``
+    (in chunks of ``cfg.loss_chunk`` positions where set: ``token_nll``)."""
+    return token_nll(cfg, params, tokens, labels).mean()
 
 
 def param_count(cfg: ModelConfig) -> int:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-import optax
 
 import models
 from train.config import MeshSection
@@ -46,9 +45,9 @@ MIN_BUCKET = 16
 def sequence_logprobs(
     model_cfg: models.ModelConfig, params, tokens: jax.Array, weights: jax.Array
 ) -> jax.Array:
-    """``sum_t weights[b, t] * log p(tokens[b, t + 1] | tokens[b, :t + 1])`` per row ``b``."""
-    logits = models.forward(model_cfg, params, tokens[:, :-1])
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    """``sum_t weights[b, t] * log p(tokens[b, t + 1] | tokens[b, :t + 1])`` per row ``b`` (the
+    LM head in chunks of ``model_cfg.loss_chunk`` positions where set, as in training)."""
+    nll = models.token_nll(model_cfg, params, tokens[:, :-1], tokens[:, 1:])
     return -(nll * weights).sum(-1)
 
 
