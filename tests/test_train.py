@@ -495,6 +495,18 @@ def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path)
     again = run_cli(tmp_path / "run", *sets, extra=["--resume"])
     assert "already complete" in again.stdout
     assert json.loads((tmp_path / "run" / "summary.json").read_text()) == summary
+    # How the model computes may change on a resume: remat, attention, the loss in chunks.
+    sets = [*sets[:-2], "train.steps=6", "checkpoint.every=2"]
+    longer = run_cli(
+        tmp_path / "run",
+        *sets,
+        "model.overrides.loss_chunk=8",
+        "model.overrides.remat=full",
+        extra=["--resume"],
+    )
+    assert longer.returncode == 0 and losses(tmp_path / "run").keys() >= {5, 6}
+    built = json.loads((tmp_path / "run" / "model.json").read_text())
+    assert (built["loss_chunk"], built["remat"]) == (8, "full")
 
 
 @pytest.mark.slow

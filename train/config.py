@@ -402,7 +402,15 @@ DEFAULT_MODEL = "tiny"  # the model of a config that names none (and has no init
 # Settings a resumed run must share with the run it continues (they shape the state or the data
 # order); everything else (steps, learning rate, logging, mesh, ...) may change.
 _FIXED_ON_RESUME = ("mode", "model", "data", "optimizer", "train.batch_size", "train.seq_len", "train.seed")
-_FREE_ON_RESUME = ("optimizer.svd", "data.workers", "data.cache_dir")
+# How the model computes, not what it is: a resume may take less memory or another attention.
+_FREE_ON_RESUME = (
+    "optimizer.svd",
+    "data.workers",
+    "data.cache_dir",
+    "model.overrides.remat",
+    "model.overrides.attention_impl",
+    "model.overrides.loss_chunk",
+)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
