@@ -309,8 +309,7 @@ def paper_args(model: str) -> list[str]:
 def variant_list(s: Session, group: str) -> list[tuple[str, list[str]]]:
     """``(label, train_step.py arguments over the baseline's)`` of one group of step-speed variants
     (``model``: attention, remat, layer layout, micro-batch, the loss in chunks; ``flags``: each XLA
-    flag set), the
-    baseline (the paper config's settings, ``s.jax_args`` over them) first and last."""
+    flag set), the baseline (the paper config's settings, ``s.jax_args`` over them) first and last."""
     if group == "flags":
         out = [(f"xla flags {name}", ["--xla-flag-sets", name]) for name in GPU_FLAG_SETS]
     else:  # in the order of what they tell, in case the time runs out

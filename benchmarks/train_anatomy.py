@@ -262,13 +262,15 @@ def main() -> None:
         args.models, args.remat, args.layers, args.attention, args.micro_batch, args.loss_chunk
     )
     for name, remat, layers, attention, micro, chunk in grid:
-        overrides = dict(param_dtype="bfloat16", dtype="bfloat16", remat=remat, attention_impl=attention)
-        overrides["loss_chunk"] = chunk
+        overrides = dict(
+            param_dtype="bfloat16", dtype="bfloat16", remat=remat, attention_impl=attention, loss_chunk=chunk
+        )
         if args.vocab_size:
             overrides["vocab_size"] = args.vocab_size
         cfg = models.get_config(name, scan_layers=layers == "scanned", **overrides)
-        row = {"model": name, "remat": remat, "layers": layers, "attention": attention, "micro_batch": micro}
-        row["loss_chunk"] = chunk
+        row = dict(
+            model=name, remat=remat, layers=layers, attention=attention, micro_batch=micro, loss_chunk=chunk
+        )
         try:
             row |= anatomy(cfg, tx, args.batch, micro, args.seq_len, sharding)
         except Exception as e:  # a configuration XLA cannot compile is a result too

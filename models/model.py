@@ -48,6 +48,25 @@ class _ScanBody(nn.Module):
         return layer(self.cfg, name="layer")(x, positions), None
 
 
+class _LMHead(nn.Module):
+    """The untied LM head's ``(hidden, vocab)`` kernel (``lm_head/kernel``, as ``nn.Dense`` names
+    and initialises it)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self):
+        cfg = self.cfg
+        init = nn.with_logical_partitioning(nn.initializers.normal(cfg.initializer_range), ("embed", "vocab"))
+        return self.param("kernel", init, (cfg.hidden_size, cfg.vocab_size), jnp.dtype(cfg.param_dtype))
+
+
+def head_logits(x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
+    """Float32 logits of hidden states ``x (..., hidden)`` through the LM head ``kernel (hidden,
+    vocab)``, the product in the compute ``dtype`` (as ``nn.Dense`` and ``nn.Embed.attend`` do)."""
+    return jnp.dot(x.astype(dtype), kernel.astype(dtype)).astype(jnp.float32)
+
+
 class CausalLM(nn.Module):
     """Decoder-only LM with HF parameter names; logits are float32 (with ``head=False``: the
     final norm's output, before the LM head)."""
@@ -88,20 +107,8 @@ class CausalLM(nn.Module):
         x = rms_norm(cfg, "norm", "embed")(x)
         if not head:
             return x
-        if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
-        else:
-            logits = nn.Dense(
-                cfg.vocab_size,
-                use_bias=False,
-                dtype=jnp.dtype(cfg.dtype),
-                param_dtype=jnp.dtype(cfg.param_dtype),
-                kernel_init=nn.with_logical_partitioning(
-                    nn.initializers.normal(cfg.initializer_range), ("embed", "vocab")
-                ),
-                name="lm_head",
-            )(x)
-        return logits.astype(jnp.float32)
+        kernel = embed.embedding.T if cfg.tie_word_embeddings else _LMHead(cfg, name="lm_head")()
+        return head_logits(x, kernel, cfg.dtype)
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:
@@ -150,10 +157,8 @@ def head_kernel(cfg: ModelConfig, params: dict[str, Any]) -> jax.Array:
 
 
 def _head_nll(x: jax.Array, kernel: jax.Array, labels: jax.Array, dtype) -> jax.Array:
-    """Cross entropy at each position of hidden states ``x (..., hidden)`` against ``labels``:
-    the LM head as ``forward`` computes it (operands in the compute dtype, logits in float32)."""
-    logits = jnp.dot(x.astype(dtype), kernel.astype(dtype)).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    """Cross entropy at each position of hidden states ``x (..., hidden)`` against ``labels``."""
+    return optax.softmax_cross_entropy_with_integer_labels(head_logits(x, kernel, dtype), labels)
 
 
 def token_nll(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, labels: jax.Array) -> jax.Array:
@@ -172,7 +177,7 @@ def token_nll(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, label
         return optax.softmax_cross_entropy_with_integer_labels(forward(cfg, params, tokens), labels)
     x = hidden_states(cfg, params, tokens)
     kernel = head_kernel(cfg, params).astype(jnp.float32)
-    nll_of = jax.checkpoint(functools.partial(_head_nll, dtype=jnp.dtype(cfg.dtype)), prevent_cse=False)
+    nll_of = jax.checkpoint(functools.partial(_head_nll, dtype=cfg.dtype), prevent_cse=False)
     c = cfg.loss_chunk
     n = seq // c
 

@@ -153,9 +153,9 @@ def test_resume_after_sigterm_and_sigkill_equals_uninterrupted(tmp_path):
 @pytest.mark.slow
 def test_sharded_2x2x2_mesh_gives_one_device_losses(tmp_path):
     """The default (MoARa on GaLore) through the whole loop, the eight-device run with the loss
-    in chunks of positions (their scan keeps the batch's and the LM head's shardings; the
-    two-process test in tests/test_multiprocess.py shards the whole-sequence loss); every host's
-    optimizer on an 8-device mesh against one device is in tests/test_sharding_optimizer.py."""
+    in chunks of positions (the two-process test in tests/test_multiprocess.py shards the
+    whole-sequence loss); every host's optimizer on an 8-device mesh against one device is in
+    tests/test_sharding_optimizer.py."""
     sets = [*FAST, "train.steps=6", "checkpoint.every=0"]
     # Both on the host's CPU (eight CPU devices; also where a GPU is the default backend).
     run_cli(tmp_path / "one", *sets, env={"JAX_PLATFORMS": "cpu"})
