@@ -1,7 +1,12 @@
 """Test helpers: a float64 NumPy reference of MoARa (Algorithm 1) in the paper's orientation and
-the tolerance used against reference implementations."""
+the tolerance used against reference implementations; the environment of a subprocess on
+several CPU devices."""
+
+import os
 
 import numpy as np
+
+from train.xla_flags import merged
 
 
 def assert_matches_reference(got, want, msg=""):
@@ -182,3 +187,11 @@ def host_run(host, state_cls, steps=4, seed=0, **kwargs):
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
         nodes.append(find_state(state, state_cls))
     return nodes
+
+
+def cpu_devices(n: int, base: dict | None = None) -> dict:
+    """``base`` (this process's environment) with JAX on ``n`` CPU devices: the device count added
+    to the session's XLA_FLAGS (its compile settings, tests/conftest.py), not in their place."""
+    base = dict(os.environ if base is None else base)
+    flags = merged(base.get("XLA_FLAGS", ""), [f"--xla_force_host_platform_device_count={n}"])[0]
+    return base | {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}

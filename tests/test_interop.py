@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import lm_harness
 import numpy as np
 import pytest
+from helpers import cpu_devices
 from lm_harness import NAME, assert_same_scores, evaluate_scores, harness_cli_scores, harness_scores
 from test_train import run_cli
 
@@ -426,7 +427,7 @@ SHARDED_LOAD = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_sharded_loading_puts_each_block_on_its_device(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices(8)
     proc = subprocess.run(
         [sys.executable, "-c", SHARDED_LOAD, str(tmp_path)],
         env=env,

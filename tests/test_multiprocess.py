@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import cpu_devices
 
 from train import distributed
 from train.distributed import HEARTBEAT_ENV
@@ -40,11 +41,13 @@ LOST_BOUND_S = 60  # a survivor stops this long after its peer's death at most (
 
 def environment(devices: int, cache: pathlib.Path, **more: str) -> dict:
     """This session's environment without a scheduler's or an outer run's process settings; a
-    persistent compilation cache spares the sessions after the first their compilation."""
+    persistent compilation cache (every program in it) spares the sessions after the first their
+    compilation."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_"))}
-    env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), HEARTBEAT_ENV: str(HEARTBEAT_S)}
-    env |= {"JAX_COMPILATION_CACHE_DIR": str(cache)}
-    return env | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} | more
+    env |= {"PYTHONPATH": str(ROOT), HEARTBEAT_ENV: str(HEARTBEAT_S), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+    env |= {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env |= {"JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    return cpu_devices(devices, env) | more
 
 
 def _args(run_dir, extra=()) -> list[str]:

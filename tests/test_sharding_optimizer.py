@@ -1,12 +1,12 @@
 """The optimizer on an 8-device CPU mesh: sharded params and state give the one-device result and
 the state keeps its sharding across updates (run in a subprocess: XLA_FLAGS must precede jax)."""
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from helpers import cpu_devices
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent("""
     + [pytest.param(h, marks=pytest.mark.slow) for h in ("fira", "osd", "ldadam", "subtrack_pp")],
 )
 def test_sharded_optimizer_matches_single_device(host):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices(8)
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, host], env=env, capture_output=True, text=True, timeout=600
     )
@@ -123,7 +123,7 @@ STATE_SHARDINGS = textwrap.dedent("""
 
 
 def test_optimizer_state_is_sharded_like_its_parameter():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices(8)
     proc = subprocess.run(
         [sys.executable, "-c", STATE_SHARDINGS], env=env, capture_output=True, text=True, timeout=600
     )

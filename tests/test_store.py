@@ -17,6 +17,7 @@ import types
 
 import numpy as np
 import pytest
+from helpers import cpu_devices
 
 from train import store as token_store
 from train.config import DataSection
@@ -487,7 +488,7 @@ def test_8_device_mesh_reads_the_same_global_batches_as_one_device(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+        env=cpu_devices(8),
     )
     assert proc.returncode == 0 and "ok 8" in proc.stdout, proc.stderr[-3000:]
 

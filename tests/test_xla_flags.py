@@ -109,7 +109,10 @@ def test_train_sets_configured_flags_before_jax_starts(tmp_path):
         "--run-dir",
         str(run),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The session's flags (its compile settings) without a device count of its own.
+    session = os.environ.get("XLA_FLAGS", "").split()
+    kept = [f for f in session if xla_flags.flag_name(f) != "xla_force_host_platform_device_count"]
+    env = dict(os.environ, XLA_FLAGS=" ".join(kept))
     proc = subprocess.run(
         args + [a for s in sets for a in ("--set", s)],
         cwd=ROOT,

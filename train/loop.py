@@ -357,6 +357,9 @@ class StepLoop:
         self.last_eval: float | None = evals[-1]["eval_loss"] if evals else None
         self.last_done = 0.0  # when the metrics of the last step read became available
         self._cpu = jax.local_devices(backend="cpu")[0]
+        # One program for the schedule: each call costs 0.05 ms, against 0.6 ms for its operations
+        # dispatched one by one (and 0.1 s to compile, against 0.5 s for theirs).
+        self._lr = jax.jit(setup.lr)
 
     def run(self, state: TrainState, step: int) -> Outcome:
         """Steps from ``step`` to the last; a fault of the machine (a write that fails) ends
@@ -417,7 +420,7 @@ class StepLoop:
         """The schedule's value, computed on the host's CPU: on an accelerator it would queue
         behind the step just dispatched and make the host wait for it."""
         with jax.default_device(self._cpu):
-            return float(self.setup.lr(count))
+            return float(self._lr(count))
 
     def read_metrics(self, step: int, metrics) -> Stop | None:
         """Reads one step's metrics (waiting for that step only), checks them, logs them."""
