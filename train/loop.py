@@ -357,8 +357,8 @@ class StepLoop:
         self.last_eval: float | None = evals[-1]["eval_loss"] if evals else None
         self.last_done = 0.0  # when the metrics of the last step read became available
         self._cpu = jax.local_devices(backend="cpu")[0]
-        # One program for the schedule: each call costs 0.05 ms, against 0.6 ms for its operations
-        # dispatched one by one (and 0.1 s to compile, against 0.5 s for theirs).
+        # One program for the schedule (tiny.yaml's, on a 2-core CPU): a call takes 0.02 ms, its
+        # operations dispatched one by one 0.2 ms; the first 0.08 s, against 0.42 s for theirs.
         self._lr = jax.jit(setup.lr)
 
     def run(self, state: TrainState, step: int) -> Outcome:
