@@ -40,14 +40,11 @@ LOST_BOUND_S = 60  # a survivor stops this long after its peer's death at most (
 
 
 def environment(devices: int, cache: pathlib.Path, **more: str) -> dict:
-    """This session's environment without a scheduler's or an outer run's process settings; a
-    persistent compilation cache (every program in it) spares the sessions after the first their
-    compilation."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAX_"))}
-    env |= {"PYTHONPATH": str(ROOT), HEARTBEAT_ENV: str(HEARTBEAT_S), "JAX_COMPILATION_CACHE_DIR": str(cache)}
-    env |= {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    env |= {"JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-    return cpu_devices(devices, env) | more
+    """This session's environment (tests/conftest.py took a scheduler's and an outer run's process
+    settings out of it, and keeps every program in a persistent compilation cache) with a cache of
+    the test's own: the sessions after the first are spared their compilation."""
+    env = os.environ | {"PYTHONPATH": str(ROOT), HEARTBEAT_ENV: str(HEARTBEAT_S)}
+    return cpu_devices(devices, env | {"JAX_COMPILATION_CACHE_DIR": str(cache)}) | more
 
 
 def _args(run_dir, extra=()) -> list[str]:
