@@ -15,14 +15,18 @@ workplace's shared data folder, downloads the wheels a bare GPU machine lacks in
 prints the size of what a GPU command would take along (at most 64 MiB).
 
 ``run`` is the one command on a bare GPU machine, from the repository root: it installs the
-carried wheels that are missing, builds the token store with all cores (``train.prepare``), then
-runs the plan's next unfinished runs, ``--concurrent`` at a time sharing the GPU. A run is started
-only when its estimated duration fits in what is left of ``--budget-s`` (estimated from finished
-runs' measured times, else from the plan's deliberately generous ``estimate_s``); at the end of
-the budget the runs still going are stopped (SIGTERM: they save a checkpoint, which a later call
-on the same warm machine resumes) and the runner exits. Runs go to ``.evidence/runs`` (git-ignored,
-kept on a warm machine between calls); runs already finished in ``RESULTS`` (committed) or there
-are skipped. The runs share an XLA compilation cache (``.evidence/xla-cache``): the seeds of a
+carried wheels that are missing, builds the token store with all cores (``train.prepare``, given
+what is left of the budget), then runs the plan's next unfinished runs, ``--concurrent`` at a time
+sharing the GPU. A run is started only when its estimated duration fits in what is left of
+``--budget-s`` (estimated from finished runs' measured times, else from the plan's deliberately
+generous ``estimate_s``, both times ``--safety``); at the end of the budget the runs still going
+are stopped (SIGTERM: they save a checkpoint) and the runner exits. A stopped run is lost in
+practice: checkpoints never come back in the archive, and this workplace gives the GPU machine
+back 30 s after a call, so only a next call that finds the same machine still warm resumes it.
+After two runs in a row end without a result no run is started, but those running go on to the
+end; an error stops and records what runs and still packs what finished. Runs go to
+``.evidence/runs`` (git-ignored); runs already finished in ``RESULTS`` (committed) or there are
+skipped. The runs share an XLA compilation cache (``.evidence/xla-cache``): the seeds of a
 condition compile one program. After each finished run, the small files of every finished run
 (``PACKED``; never checkpoints) and the session's record go into one archive,
 ``OUT/evidence.tar.gz``, beside the log ``OUT/evidence.log``, so a command cut short loses no
@@ -170,14 +174,14 @@ def steps_of(config: dict) -> int:
 @dataclasses.dataclass(frozen=True)
 class Measured:
     """A finished run's times: the process's wall time and the loop's seconds per step (evals
-    included), measured at ``concurrency`` runs sharing the device."""
+    included), measured at ``concurrency`` runs sharing the device (``Runner.share``)."""
 
     name: str
     kind: tuple
     steps: int
     wall_s: float
     per_step_s: float
-    concurrency: int
+    concurrency: float
     device: str
 
 
@@ -204,7 +208,7 @@ def measure(run_dir: pathlib.Path) -> Measured | None:
         steps,
         float(runner["wall_s"]),
         per_step,
-        int(runner.get("concurrency", 1)),
+        float(runner.get("concurrency", 1)),  # 1 in a record without it
         str(summary.get("device_kind")),
     )
 
@@ -216,11 +220,12 @@ def estimate(
     (start-up, compilation, the last checkpoint) plus ``steps`` x its seconds per step, times
     ``OTHER_KIND`` for another kind of run and times ``concurrency / its concurrency`` when more
     runs share the device (no gain from sharing assumed); the largest over the runs of the same
-    kind (else over all), times ``safety``. Without any: ``default_s x concurrency``."""
+    kind (else over all), times ``safety``. Without any: ``default_s x concurrency x safety``."""
     same = [m for m in measured if m.kind == kind]
     pool = same or measured
     if not pool:
-        return default_s * concurrency, f"the plan's estimate x {concurrency} (no run finished yet)"
+        basis = f"the plan's estimate x {concurrency} x {safety} (no run finished yet)"
+        return default_s * concurrency * safety, basis
     guesses = []
     for m in pool:
         factor = (1.0 if m.kind == kind else OTHER_KIND) * max(1.0, concurrency / m.concurrency)
@@ -317,6 +322,7 @@ class Running:
     estimate_s: float
     resumed: bool
     stopped: bool = False
+    share_s: float = 0.0  # its share of the device: the integral over its life of 1 / runs alive
 
 
 class Runner:
@@ -337,6 +343,7 @@ class Runner:
             "runs": [],
         }
         self.stop_requested = False
+        self.shared_at = self.t0  # when Runner.share last counted
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.t0)
@@ -369,10 +376,26 @@ class Runner:
         if args.workers:
             cmd += ["--workers", str(args.workers)]
         t = time.monotonic()
-        proc = subprocess.run(cmd, cwd=self.root, env=env, capture_output=True, text=True)
+        limit = max(1.0, self.left() - RESERVE_S)
+        # Its own process group: on a timeout its workers are killed with it.
+        proc = subprocess.Popen(
+            cmd,
+            cwd=self.root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise UserError(f"train.prepare did not finish in the {limit:.0f}s left of the budget") from None
         if proc.returncode:
-            raise UserError(f"train.prepare failed: {(proc.stderr or proc.stdout).strip()[-800:]}")
-        self.say(f"{proc.stdout.strip()} (prepare {time.monotonic() - t:.1f}s)")
+            raise UserError(f"train.prepare failed: {(stderr or stdout).strip()[-800:]}")
+        self.say(f"{stdout.strip()} (prepare {time.monotonic() - t:.1f}s)")
         self.session["setup_s"] = time.monotonic() - self.t0
 
     # ---- the plan's state
@@ -427,6 +450,14 @@ class Runner:
 
     # ---- the loop
 
+    def share(self, running: list[Running]) -> None:
+        """Adds to each running run its share of the device since the last call (call it before
+        the runs alive change): the time passed over the number of runs alive."""
+        now = time.monotonic()
+        for r in running:
+            r.share_s += (now - self.shared_at) / len(running)
+        self.shared_at = now
+
     def start(self, planned: Planned, estimate_s: float, basis: str) -> Running:
         run_dir = self.where(planned, True)
         resumed = RunDir(run_dir).state() == "resumable"
@@ -458,7 +489,10 @@ class Runner:
             "status": summary.get("status") if state in FINISHED else f"unfinished ({state})",
             "wall_s": wall,
             "estimate_s": r.estimate_s,
-            "concurrency": self.args.concurrent,
+            # The runs it shared the device with, as it experienced them: its wall time over its
+            # share of the device (the time-weighted harmonic mean of the runs alive), so that
+            # ``estimate``'s no-gain model gives back its time alone (wall / concurrency).
+            "concurrency": round(wall / r.share_s, 3) if r.share_s > 0 else 1.0,
             "resumed": r.resumed,
             "stopped_at_deadline": r.stopped,
             "started_at": r.started_at,
@@ -493,11 +527,40 @@ class Runner:
         concurrency = self.args.concurrent
         return estimate(kind_of(config), steps_of(config), concurrency, measured, default, self.args.safety)
 
-    def loop(self) -> None:
-        """Starts the next runs in the plan's order while they fit in the budget, packs after each
-        run that ends, stops what still runs at the end of the budget."""
-        concurrency = self.args.concurrent
+    def loop(self) -> int:
+        """Runs the plan's next runs (``schedule``); on an error too, stops and records what still
+        runs and packs what finished. Returns the number of runs in the archive."""
         running: list[Running] = []
+        try:
+            self.schedule(running)
+        finally:
+            self.end(running)
+            packed = self.pack()
+        return packed
+
+    def end(self, running: list[Running]) -> None:
+        """Stops the runs still going (after an error in ``schedule``) and records them."""
+        for r in running:
+            if r.proc.poll() is None:
+                self.say(f"{r.planned.name}: stopping (the runner stops; SIGTERM)")
+                r.stopped = True
+                r.proc.send_signal(signal.SIGTERM)
+        for r in running:
+            try:
+                r.proc.wait(timeout=max(1.0, self.left() - 3))
+            except subprocess.TimeoutExpired:
+                self.say(f"{r.planned.name}: killed (did not stop in time)")
+                r.proc.kill()
+                r.proc.wait()
+        self.share(running)
+        while running:
+            self.finish(running.pop(0))
+
+    def schedule(self, running: list[Running]) -> None:
+        """Starts the next runs in the plan's order while they fit in the budget, packs after each
+        run that ends, stops what still runs at the end of the budget. After two runs in a row
+        ended without a result it starts no more; those running go on."""
+        concurrency = self.args.concurrent
         todo = self.pending()
         self.configs: dict = {}
         crashes, started, refused = 0, 0, None
@@ -520,6 +583,7 @@ class Runner:
                     if not running:
                         todo = []
                     break
+                self.share(running)
                 running.append(self.start(planned, est, basis))
                 todo.pop(0)
                 started += 1
@@ -537,17 +601,22 @@ class Runner:
                         self.say(f"{r.planned.name}: killed (did not stop in time)")
                         r.proc.kill()
                         r.proc.wait()
-            for r in [r for r in running if r.proc.poll() is not None]:
+            ended = [r for r in running if r.proc.poll() is not None]
+            if ended:
+                self.share(running)
+            for r in ended:
                 running.remove(r)
                 record = self.finish(r)
                 finished = not record["status"].startswith("unfinished")
                 crashes = 0 if finished or r.stopped else crashes + 1
                 self.pack()
                 measured = self.measured()
-            if crashes >= 2:
-                self.say("two runs in a row ended without a result: stopping (see their output above)")
+            if crashes >= 2 and todo:
+                self.say(
+                    "two runs in a row ended without a result: no more runs start, those running go "
+                    "on (see their output above)"
+                )
                 todo = []
-                self.stop_requested = True
 
     def table(self) -> None:
         """The closing table: each run's status, wall time, concurrency, final ppl and tokens/s."""
@@ -557,7 +626,7 @@ class Runner:
             ppl = "-" if r["final_eval_ppl"] is None else f"{r['final_eval_ppl']:.3f}"
             tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
             lines.append(
-                f"{r['run']:38} {str(r['status'])[:22]:22} {r['wall_s']:7.1f} {r['concurrency']:4d} "
+                f"{r['run']:38} {str(r['status'])[:22]:22} {r['wall_s']:7.1f} {r['concurrency']:4.1f} "
                 f"{ppl:>10} {tps:>10}"
             )
         done = [r for r in rows if r["status"] in ("completed", "nan", "diverged")]
@@ -598,8 +667,7 @@ def cmd_run(args) -> int:
     signal.signal(signal.SIGINT, stop)
     say(f"plan {args.plan}; budget {runner.budget:.0f}s; {args.concurrent} run(s) at a time; root {root}")
     runner.setup()
-    runner.loop()
-    runs = runner.pack()
+    runs = runner.loop()
     runner.table()
     say(f"archive: {out / ARCHIVE} ({runs} finished run(s) of this machine)")
     return 0

@@ -4,10 +4,12 @@ the next runs' state and estimates from there, and the reports written from it."
 
 import json
 import pathlib
+import signal
 import subprocess
 import sys
 import tarfile
 import time
+import types
 
 import pytest
 
@@ -74,6 +76,15 @@ def test_estimates_scale_the_fixed_part_and_the_steps_of_finished_runs():
     # Two runs sharing the device: no gain from sharing is assumed.
     assert evidence.estimate(kind, 400, 2, [m], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
     assert evidence.estimate(kind, 400, 2, [], 300, 1.0)[0] == 600
+    # A run measured while it shared the device half its time with one other (concurrency 4/3).
+    shared = evidence.Measured("s", kind, 200, 100.0, 0.3, 4 / 3, "cpu")
+    assert evidence.estimate(kind, 400, 2, [shared], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 1.5)
+
+
+def test_the_safety_factor_applies_to_the_plans_estimate_too():
+    kind = ("train", "galore", "galore", False, "uniform")
+    est, basis = evidence.estimate(kind, 400, 2, [], 300, 1.5)
+    assert est == pytest.approx(300 * 2 * 1.5) and "x 1.5" in basis
 
 
 def test_unpack_refuses_members_outside_the_results(tmp_path):
@@ -141,6 +152,172 @@ def machine(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
         lines = "".join(json.dumps({"text": t[:2000]}) + "\n" for t in part)
         (root / ".data" / f"{split}.jsonl").write_text(lines)
     return root
+
+
+class FakeClock:
+    """``evidence.time`` for the runner's loop: seconds pass only as it sleeps."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1.8e9 + self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeRun:
+    """A ``python -m train`` process that ends ``seconds`` after it started: completed (a summary,
+    a config and metrics, as ``measure`` reads them) or crashed (exit 1, nothing written). SIGTERM
+    ends it at once, unfinished."""
+
+    def __init__(self, clock: FakeClock, run_dir: pathlib.Path, seconds: float, completes: bool):
+        self.clock, self.run_dir, self.completes = clock, run_dir, completes
+        self.end = clock.now + seconds
+        self.returncode = None
+        self.signals = []
+
+    def poll(self):
+        if self.returncode is None and self.signals:
+            self.returncode = -signal.SIGTERM
+        elif self.returncode is None and self.clock.now >= self.end:
+            self.returncode = 0 if self.completes else 1
+            if self.completes:
+                optimizer = {
+                    "name": "moara",
+                    "host": "none",
+                    "decompose": False,
+                    "rank_allocation": "uniform",
+                }
+                (self.run_dir / "config.yaml").write_text(
+                    json.dumps({"mode": "train", "optimizer": optimizer})
+                )
+                rows = [{"step": 1, "loss": 1.0, "wall_s": 1.0}, {"step": 4, "loss": 0.5, "wall_s": 1.5}]
+                (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+                (self.run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps": 4}))
+        return self.returncode
+
+    def send_signal(self, sig) -> None:
+        self.signals.append(sig)
+
+    def wait(self, timeout=None):
+        if self.poll() is None:
+            self.clock.now = max(self.clock.now, self.end)
+        return self.poll()
+
+    def kill(self) -> None:
+        self.returncode = -signal.SIGKILL
+
+
+def fake_runner(monkeypatch, plan_path, root, script, **options):
+    """A Runner of the tiny plan on a fake clock whose runs are ``FakeRun``s: ``script`` gives each
+    run's ``(seconds, completes)`` by name. Returns it, the processes it started by name, and its
+    log lines."""
+    clock, procs, lines = FakeClock(), {}, []
+
+    def popen(cmd, **kwargs):
+        run_dir = pathlib.Path(cmd[cmd.index("--run-dir") + 1])
+        procs[run_dir.name] = FakeRun(clock, run_dir, *script[run_dir.name])
+        return procs[run_dir.name]
+
+    monkeypatch.setattr(evidence, "time", clock)
+    fake = types.SimpleNamespace(Popen=popen, TimeoutExpired=subprocess.TimeoutExpired)
+    monkeypatch.setattr(evidence, "subprocess", fake)
+    args = {"budget_s": 1000, "out": str(root / "out"), "concurrent": 1, "max_runs": None}
+    args = types.SimpleNamespace(**{**args, "estimate_s": None, "safety": 1.0, **options})
+    (root / "out").mkdir(parents=True, exist_ok=True)
+    runner = evidence.Runner(args, evidence.load_plan(plan_path), root, lines.append)
+    runner.site, runner.xla_cache, runner.device, runner.versions = None, None, "cpu", {}
+    return runner, procs, lines
+
+
+def runner_record(root: pathlib.Path, name: str) -> dict:
+    return json.loads((root / evidence.SCRATCH / "runs" / "tiny" / name / evidence.RUNNER_FILE).read_text())
+
+
+def test_each_run_records_the_concurrency_it_met_not_the_setting(tmp_path, monkeypatch):
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    # --concurrent 2: profile [0, 2] and full [0, 3] together, galore [2, 4] half of its time alone.
+    script = {"profile-seed0": (2, True), "full-seed0": (3, True), "galore-seed0": (2, True)}
+    runner, procs, _ = fake_runner(monkeypatch, plan_path, root, script, concurrent=2, max_runs=3)
+    runner.loop()
+    runner.table()  # prints the recorded concurrency
+    assert sorted(procs) == sorted(script)
+    met = {name: runner_record(root, name)["concurrency"] for name in script}
+    assert met == {"profile-seed0": 2.0, "full-seed0": 2.0, "galore-seed0": pytest.approx(4 / 3, abs=1e-3)}
+    galore = evidence.measure(root / evidence.SCRATCH / "runs" / "tiny" / "galore-seed0")
+    assert galore.concurrency == pytest.approx(4 / 3, abs=1e-3)  # what the estimates scale from
+    # The next call, under --concurrent 2 too, runs one run: alone.
+    script = {"rank-seed0": (2, True)}
+    runner, procs, _ = fake_runner(monkeypatch, plan_path, root, script, concurrent=2, max_runs=1)
+    runner.loop()
+    assert list(procs) == ["rank-seed0"] and runner_record(root, "rank-seed0")["concurrency"] == 1.0
+
+
+def test_after_two_crashes_no_run_starts_and_the_running_ones_finish(tmp_path, monkeypatch):
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    script = {"profile-seed0": (1, False), "full-seed0": (1, False), "galore-seed0": (5, True)}
+    runner, procs, lines = fake_runner(monkeypatch, plan_path, root, script, concurrent=3)
+    runner.loop()
+    assert sorted(procs) == sorted(script)  # rank-seed0 and the rest not started
+    assert procs["galore-seed0"].signals == []
+    galore = runner_record(root, "galore-seed0")
+    assert galore["status"] == "completed" and not galore["stopped_at_deadline"]
+    assert any("two runs in a row ended without a result: no more runs start" in line for line in lines)
+
+
+def test_an_error_in_the_loop_stops_and_records_the_runs_and_packs_what_finished(tmp_path, monkeypatch):
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    script = {"profile-seed0": (1, True), "full-seed0": (5, True)}
+    runner, procs, _ = fake_runner(monkeypatch, plan_path, root, script, concurrent=2)
+    estimate, calls = runner.estimate, []
+
+    def failing(planned, measured):  # the third run's estimate fails, profile ended, full runs
+        calls.append(planned.name)
+        if len(calls) == 3:
+            raise evidence.UserError("a config that does not resolve")
+        return estimate(planned, measured)
+
+    runner.estimate = failing
+    with pytest.raises(evidence.UserError, match="does not resolve"):
+        runner.loop()
+    full = procs["full-seed0"]
+    assert full.signals == [signal.SIGTERM] and full.returncode is not None
+    record = runner_record(root, "full-seed0")
+    assert record["stopped_at_deadline"] and record["status"].startswith("unfinished")
+    with tarfile.open(root / "out" / evidence.ARCHIVE) as tar:
+        names = tar.getnames()
+        session = next(n for n in names if n.startswith("results/sessions/") and n.endswith(".json"))
+        runs = json.loads(tar.extractfile(session).read())["runs"]
+    assert "results/tiny/profile-seed0/summary.json" in names
+    assert [r["run"] for r in runs] == ["tiny/profile-seed0", "tiny/full-seed0"]
+
+
+def test_prepare_gets_what_is_left_of_the_budget(tmp_path):
+    """A ``train.prepare`` that would take 30 s (``python -m`` finds the root's ``train`` first)
+    against a budget that leaves it about 5 s: one line saying so, not a hang."""
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    (root / "train").mkdir(parents=True)
+    (root / "train" / "__init__.py").write_text("")
+    (root / "train" / "prepare.py").write_text("import time\n\ntime.sleep(30)\n")
+    args = types.SimpleNamespace(
+        budget_s=evidence.RESERVE_S + 5,
+        out=str(tmp_path / "out"),
+        concurrent=1,
+        site=str(tmp_path / "site"),
+        wheels=None,
+        xla_cache=None,
+        workers=None,
+    )
+    runner = evidence.Runner(args, evidence.load_plan(plan_path), root, lambda line: None)
+    with pytest.raises(
+        evidence.UserError, match=r"^train.prepare did not finish in the \d+s left of the budget$"
+    ):
+        runner.setup()
 
 
 def run_runner(plan, root, out, budget=60):
