@@ -246,6 +246,38 @@ def test_a_failed_write_of_the_runs_files_stops_cleanly(where, tmp_path, capsys,
         assert summary["status"] == "io_error" and summary["steps"] >= 7
 
 
+def test_a_run_file_written_over_keeps_its_old_text_when_the_write_fails(tmp_path, monkeypatch):
+    """``config.yaml``, ``model.json`` and ``summary.json`` are replaced whole or not at all: a
+    resume stopped by a full disk leaves the config the next ``--resume`` compares with."""
+    from train.rundir import write_atomically
+
+    path = tmp_path / "config.yaml"
+    path.write_text("train: {steps: 4}\n")
+    before = path.stat().st_mtime_ns
+    write_atomically(path, "train: {steps: 4}\n")  # unchanged: not written again
+    assert path.stat().st_mtime_ns == before
+
+    def half_then_full(self, text, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise fault(errno.ENOSPC)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", half_then_full)
+    with pytest.raises(OSError):
+        write_atomically(path, "train: {steps: 8, lr: 0.001}\n")
+    assert path.read_text() == "train: {steps: 4}\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # no torn .tmp left
+
+
+def test_a_torn_config_is_one_clear_error(tmp_path):
+    (tmp_path / "config.yaml").write_text("train: {steps: 4, lr: [0.1\n")
+    with pytest.raises(UserError, match=r"config.yaml is not valid YAML \(line 2\): "):
+        RunDir(tmp_path).config()
+    (tmp_path / "config.yaml").write_text("- a list\n")
+    with pytest.raises(UserError, match="config.yaml is not a mapping of settings"):
+        RunDir(tmp_path).config()
+
+
 @pytest.mark.slow
 def test_commands_other_than_the_trainer_exit_74(tmp_path, capsys, monkeypatch):
     from train import evaluate, export, prepare

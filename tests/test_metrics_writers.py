@@ -24,9 +24,32 @@ def read_events(run_dir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
             (length,) = struct.unpack("<Q", data[pos : pos + 8])
             event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
             pos += 12 + length + 4
+            if event.session_log.status == event.session_log.START:  # a purge, as TensorBoard reads it
+                scalars = {tag: [(s, v) for s, v in seen if s < event.step] for tag, seen in scalars.items()}
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return scalars
+
+
+def test_a_resumed_run_continues_its_event_files_with_no_step_lost_or_twice(tmp_path):
+    """Killed after step 6 with a checkpoint at 4 (its scalars flushed there), resumed from 4:
+    TensorBoard shows steps 1-8 once each."""
+    pytest.importorskip("tensorboardX")
+    first = MetricsWriter(tmp_path, 8, None, quiet=True, sinks=make_sinks(["tensorboard"], tmp_path, {}, "p"))
+    for step in range(1, 7):
+        first.write({"step": step, "loss": float(step), "wall_s": 0.0})
+        if step == 4:
+            first.flush()  # the checkpoint of step 4
+    assert [s for s, _ in read_events(tmp_path)["train/loss"]] == [1, 2, 3, 4]
+    first.sinks[0].writer.close()  # 5-6 written too, as a later write may have before a kill
+    sinks = make_sinks(["tensorboard"], tmp_path, {}, "p", resume_step=4)
+    second = MetricsWriter(tmp_path, 8, 4, quiet=True, sinks=sinks)
+    for step in range(5, 9):
+        second.write({"step": step, "loss": 10.0 + step, "wall_s": 0.0})
+    second.close()
+    assert read_events(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)] + [
+        (s, 10.0 + s) for s in range(5, 9)
+    ]
 
 
 def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
@@ -70,6 +93,9 @@ def test_wandb_runs_offline_with_the_config_and_logs_by_step(tmp_path, monkeypat
     (_, kw), log, finish = calls
     assert kw["mode"] == "offline" and kw["project"] == "proj" and kw["config"] == {"x": 2}
     assert kw["dir"] == str(tmp_path) and kw["name"] == tmp_path.name
+    assert kw["resume"] == "allow" and len(kw["id"]) == 32  # a resume continues the same W&B run
+    again = make_sinks(["wandb"], tmp_path / ".." / tmp_path.name, {}, "proj")[0]
+    assert calls[-1][1]["id"] == kw["id"] and again is not None
     assert log == ("log", 3, {"train/loss": 1.25}) and finish == ("finish",)
 
 

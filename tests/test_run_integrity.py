@@ -2,6 +2,7 @@
 the divergence guard, exit statuses, no step logged twice, and honest comparisons (CLI
 subprocesses on tiny configs, and the guard and compare logic on hand-made inputs)."""
 
+import errno
 import json
 import math
 import re
@@ -15,7 +16,7 @@ import pytest
 from test_train import FAST, ROOT, TINY, losses, run_cli
 
 from train.compare import compare
-from train.errors import EXIT_PREEMPTED, UserError
+from train.errors import EXIT_PREEMPTED, IOFault, UserError
 from train.metrics import DivergenceGuard
 from train.rundir import read_metrics
 
@@ -112,6 +113,58 @@ def test_verification_names_each_kind_of_damage(finished_run, tmp_path):
         largest_array_file(run / "checkpoints" / "4").relative_to(run / "checkpoints" / "4")
     )
     assert ckpt.verify(6) == reasons[6] and ckpt.verify(8) == reasons[8]
+    ckpt.close()
+
+
+def failing_checkpointer(run, failure):
+    """The run's checkpoints, each of whose reads raises ``failure``."""
+    from train.checkpoint import Checkpointer
+    from train.rundir import RunDir
+
+    ckpt = Checkpointer(RunDir(run), keep=3, every=2)
+
+    def fails(step, abstract_state):
+        raise failure
+
+    ckpt.restore = fails
+    return ckpt
+
+
+OUT_OF_MEMORY = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.0GiB")
+
+
+@pytest.mark.parametrize(
+    "failure, error, words",
+    [
+        (OUT_OF_MEMORY, UserError, "matches its checksums but could not be restored (RuntimeError: "),
+        (OSError(errno.EIO, "Input/output error"), IOFault, "reading checkpoint"),
+    ],
+)
+def test_a_failed_read_of_a_verified_checkpoint_moves_nothing(failure, error, words, finished_run, tmp_path):
+    """A read that fails on files matching their checksums is the machine's or the library's
+    problem, not the checkpoint's: one error, every checkpoint kept for a later resume."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    ckpt = failing_checkpointer(run, failure)
+    with pytest.raises(error) as e:
+        ckpt.restore_latest(None, lambda state: None, say=pytest.fail)
+    assert words in str(e.value) and "it is kept" in str(e.value) and "\n" not in str(e.value)
+    assert ckpt.steps() == [4, 6, 8] and not (run / "rejected_checkpoints").exists()
+    ckpt.close()
+
+
+def test_an_unreadable_checkpoint_without_checksums_is_refused(finished_run, tmp_path):
+    """No checksums (a crash right after orbax finished it) and a read that fails: the
+    checkpoint itself is suspect, so it is moved aside and the next older one is tried."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "checksums" / "8.json").unlink()
+    ckpt = failing_checkpointer(run, OUT_OF_MEMORY)
+    said = []
+    with pytest.raises(UserError, match="matches its checksums"):  # step 6 has its checksums
+        ckpt.restore_latest(None, lambda state: None, say=said.append)
+    assert [m.split(":")[0] for m in said] == ["checkpoint 8 is not usable"]
+    assert ckpt.steps() == [4, 6] and (run / "rejected_checkpoints" / "8").is_dir()
     ckpt.close()
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -273,6 +274,7 @@ def test_sweep_then_compare(tmp_path):
         (["optimizer.rank_allocation=/no/such.json"], "allocation file not found"),
         (["metrics.writers=[jsonl,mlflow]"], "metrics.writers: unknown ['mlflow']"),
         (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
+        (["train.seq_len=300"], "train.seq_len (300) exceeds the model's max_position_embeddings (256)"),
         (["model.overrides={loss_chunk: -8}"], "model: loss_chunk must be a non-negative integer"),
         (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
@@ -307,6 +309,18 @@ def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message, capsys):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], err
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file"])
+def test_a_run_dir_that_cannot_be_one_is_a_clear_error(kind, tmp_path, capsys):
+    from train.__main__ import main
+
+    (tmp_path / "f").write_text("")
+    run_dir = tmp_path / "f" if kind == "a file" else tmp_path / "f" / "run"
+    code = main(["--config", TINY, "--run-dir", str(run_dir), "--quiet"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    message = "is a file, not a directory" if kind == "a file" else "as a run dir: Not a directory"
+    assert code == 2 and len(lines) == 1 and message in lines[0] and str(run_dir) in lines[0], lines
 
 
 @pytest.mark.slow
@@ -511,6 +525,34 @@ def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path)
     assert longer.returncode == 0 and losses(tmp_path / "run").keys() >= {5, 6}
     built = json.loads((tmp_path / "run" / "model.json").read_text())
     assert (built["loss_chunk"], built["remat"]) == (8, "full")
+    # A completed run whose checkpoints were removed (a result kept without them) is not
+    # started over in place: its metrics and summary stay.
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    kept = {name: (tmp_path / "run" / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
+    for extra in ([], ["--resume"]):
+        over = run_cli(tmp_path / "run", *sets, extra=extra, check=False)
+        assert over.returncode == 2, over.stderr
+        assert "holds a completed run (summary.json) and no checkpoint" in over.stderr
+    assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
+
+
+def test_a_signal_after_the_last_step_waits_for_the_summary(tmp_path, monkeypatch):
+    """SIGTERM while a run that finished its steps writes its summary (a scheduler's deadline
+    a moment late): the run is recorded as completed and exits 0, not killed half-written."""
+    import train.loop
+
+    summarize = train.loop.make_summary
+
+    def signalled(*args, **kwargs):
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None), "SIGTERM would kill"
+        os.kill(os.getpid(), signal.SIGTERM)
+        return summarize(*args, **kwargs)
+
+    monkeypatch.setattr(train.loop, "make_summary", signalled)
+    proc = run_cli(tmp_path / "run", *FAST, "train.steps=3", check=False)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3
 
 
 @pytest.mark.slow

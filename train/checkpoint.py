@@ -3,9 +3,10 @@ the data iterator state, every N steps, keeping K, written atomically by orbax, 
 
 Each finished checkpoint gets a record of the sha256 of every file it holds
 (``RUN_DIR/checksums/STEP.json``). A resume tries the newest checkpoint first: one that fails
-verification (a file missing, truncated or changed), cannot be read, or holds non-finite
-parameters is moved to ``RUN_DIR/rejected_checkpoints/`` with a one-line reason, and the next
-older one is tried.
+verification (a file missing, truncated or changed), holds non-finite parameters, or has no
+checksums and cannot be read is moved to ``RUN_DIR/rejected_checkpoints/`` with a one-line
+reason, and the next older one is tried. A checkpoint whose files verify but whose read fails
+(device memory, the filesystem) is kept, and the run stops with one line.
 """
 
 from __future__ import annotations
@@ -193,7 +194,13 @@ class Checkpointer:
         """The newest checkpoint that verifies, reads and passes ``usable(state)`` (a reason to
         refuse it, or None): ``(step, state, data_state)``; ``None`` when there is none at all.
         Refused checkpoints are moved aside with a line each; a ``UserError`` names every one
-        tried when none is usable."""
+        tried when none is usable.
+
+        Only evidence against the checkpoint itself refuses it: files that fail their checksums,
+        non-finite weights, or a read that fails on a checkpoint without checksums (a crash
+        right after orbax finished it). A read that fails on files that verify (the device's
+        memory, the filesystem, a library's version) moves nothing: an ``IOFault`` for a fault
+        of the machine, else a ``UserError``; a later run can still resume from it."""
         tried = []
         for step in reversed(self.steps()):
             reason = self.verify(step)
@@ -203,6 +210,15 @@ class Checkpointer:
                     reason = usable(state)
                 except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
                     first = (str(e).strip().splitlines() or [""])[0][:200]
+                    path = self.directory / str(step)
+                    code = machine_errno(e)
+                    if code is not None:
+                        raise IOFault("reading checkpoint", path, cause(code), "it is kept") from e
+                    if (self.sums_dir / f"{step}.json").is_file():
+                        raise UserError(
+                            f"checkpoint {path} matches its checksums but could not be restored "
+                            f"({type(e).__name__}: {first}); it is kept"
+                        ) from e
                     reason = f"unreadable ({type(e).__name__}: {first})"
             if reason is None:
                 return step, state, data

@@ -64,6 +64,11 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
                 "choose another run dir"
             )
         run.check_resumable(to_dict(cfg))
+    elif run.status() == "completed":  # its checkpoints removed, e.g. a run kept as a result
+        raise UserError(
+            f"{run} holds a completed run ({run.summary_file.name}) and no checkpoint to continue "
+            "it from; choose another run dir"
+        )
     setup = make_setup(cfg, quiet, clock)
     ckpt = Checkpointer(run, cfg.checkpoint.keep, cfg.checkpoint.every, enabled=main)
     start = restore_or_init(setup, ckpt, resume, main, say)
@@ -77,8 +82,11 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
     for line in banner_lines(setup, run):
         say(line)
     loop = StepLoop(setup, run, ckpt, start, quiet=quiet, main=main, clock=clock)
-    outcome = loop.run(start.state, start.step)
-    return finish(setup, run, ckpt, start, loop, outcome, main, clock)
+    # SIGTERM/SIGINT stop the steps after a checkpoint; once the steps are done they wait for
+    # the wrap-up (the last save, the summary), so a run that finished its steps is recorded.
+    with StopSignals() as signals:
+        outcome = loop.run(start.state, start.step, signals)
+        return finish(setup, run, ckpt, start, loop, outcome, main, clock)
 
 
 def _silent(*args) -> None:
@@ -146,6 +154,12 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock) -> Setup:
     data = build_data(cfg.data, t.seq_len, quiet=quiet)
     clock.mark("data_s")
     model_cfg = model_config(cfg, data.vocab_size)
+    if t.seq_len > model_cfg.max_position_embeddings:
+        raise UserError(
+            f"train.seq_len ({t.seq_len}) exceeds the model's max_position_embeddings "
+            f"({model_cfg.max_position_embeddings}): shorten it, or set "
+            "model.overrides.max_position_embeddings"
+        )
     mesh = make_mesh(cfg.mesh)
     micro = t.batch_size // (t.micro_batch_size or t.batch_size)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -341,7 +355,11 @@ class StepLoop:
             global_batch(b, setup.batch_sharding, None, shape)
             for b in setup.data.val_batches(t.batch_size, t.eval_batches)
         ]
-        sinks = make_sinks(cfg.metrics.writers, run, to_dict(cfg), cfg.metrics.wandb_project) if main else []
+        sinks = (
+            make_sinks(cfg.metrics.writers, run, to_dict(cfg), cfg.metrics.wandb_project, start.resumed_from)
+            if main
+            else []
+        )
         self.writer = MetricsWriter(
             run, setup.total_steps, start.resumed_from, quiet, enabled=main, sinks=sinks
         )
@@ -361,13 +379,12 @@ class StepLoop:
         # operations dispatched one by one 0.2 ms; the first 0.08 s, against 0.42 s for theirs.
         self._lr = jax.jit(setup.lr)
 
-    def run(self, state: TrainState, step: int) -> Outcome:
-        """Steps from ``step`` to the last; a fault of the machine (a write that fails) ends
-        them with the status ``io_error``."""
+    def run(self, state: TrainState, step: int, signals: StopSignals) -> Outcome:
+        """Steps from ``step`` to the last, or to the step after which ``signals`` asks to stop;
+        a fault of the machine (a write that fails) ends them with the status ``io_error``."""
         self.step, fault = step, None
         try:
-            with StopSignals() as signals:
-                outcome = self._steps(state, signals)
+            outcome = self._steps(state, signals)
         except IOFault as e:
             outcome, fault = Outcome("io_error", self.step, None), e
         finally:
@@ -466,6 +483,7 @@ class StepLoop:
         if self.recorder is not None:
             extra["recorder"] = self.recorder.state()
         self.ckpt.save(step, state, extra, force=True)
+        self.writer.flush()  # the sinks hold every step up to the checkpoint
         return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -20,11 +21,13 @@ def perplexity(loss: float) -> float:
 
 
 class TensorBoardSink:
-    """Scalars as TensorBoard event files in ``RUN_DIR/tensorboard`` (tensorboardX)."""
+    """Scalars as TensorBoard event files in ``RUN_DIR/tensorboard`` (tensorboardX). A resumed
+    run's file starts with a purge of the steps after its checkpoint (TensorBoard drops the
+    interrupted session's events from there on), so no step shows twice."""
 
     name = "TensorBoard events"
 
-    def __init__(self, run_dir: pathlib.Path, config: dict):
+    def __init__(self, run_dir: pathlib.Path, config: dict, resume_step: int | None = None):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
@@ -33,19 +36,36 @@ class TensorBoardSink:
                 "pip install 'moara-jax[tensorboard]'"
             ) from None
         self.path = run_dir / TENSORBOARD
-        self.writer = SummaryWriter(logdir=str(self.path))
+        self._writer_type = SummaryWriter
+        self.writer = self._open(purge_step=None if resume_step is None else resume_step + 1)
+
+    def _open(self, **kw):
+        # each file its own name, in the order written (tensorboardX names them by the second)
+        return self._writer_type(logdir=str(self.path), filename_suffix=f".{time.time_ns()}", **kw)
 
     def scalars(self, step: int, values: dict) -> None:
+        if self.writer is None:
+            self.writer = self._open()
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
 
+    def flush(self) -> None:
+        """Every scalar so far in the files. tensorboardX's ``flush`` leaves the events its
+        writer thread has not taken yet; closing drains them (the next scalars open a new file)."""
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.close()
+
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 class WandbSink:
     """Scalars to Weights & Biases: offline (files under ``RUN_DIR/wandb``) unless ``WANDB_MODE``
-    says otherwise; the run config goes with them."""
+    says otherwise; the run config goes with them. The W&B run's id is the run dir's (its
+    absolute path hashed), so a resumed run continues the same W&B run."""
 
     name = "Weights & Biases files"
 
@@ -60,6 +80,7 @@ class WandbSink:
         self.run = wandb.init(
             project=project,
             name=run_dir.name,
+            id=hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:32],
             dir=str(run_dir),
             config=config,
             mode=os.environ.get("WANDB_MODE", "offline"),
@@ -69,15 +90,21 @@ class WandbSink:
     def scalars(self, step: int, values: dict) -> None:
         self.run.log(values, step=step)
 
+    def flush(self) -> None:
+        pass  # wandb writes as it logs
+
     def close(self) -> None:
         self.run.finish()
 
 
-def make_sinks(writers: list, run_dir: pathlib.Path, config: dict, wandb_project: str) -> list:
-    """The metric sinks besides ``metrics.jsonl`` that ``metrics.writers`` names."""
+def make_sinks(
+    writers: list, run_dir: pathlib.Path, config: dict, wandb_project: str, resume_step: int | None = None
+) -> list:
+    """The metric sinks besides ``metrics.jsonl`` that ``metrics.writers`` names (``resume_step``:
+    the checkpoint's step when resuming)."""
     sinks = []
     if "tensorboard" in writers:
-        sinks.append(TensorBoardSink(run_dir, config))
+        sinks.append(TensorBoardSink(run_dir, config, resume_step))
     if "wandb" in writers:
         sinks.append(WandbSink(run_dir, config, wandb_project))
     return sinks
@@ -143,6 +170,13 @@ class MetricsWriter:
         for sink in self.sinks:
             with io_operation(f"writing {sink.name} to", sink.path):
                 sink.scalars(step, values)
+
+    def flush(self) -> None:
+        """The sinks' buffered scalars to their files (at each checkpoint: a run killed later
+        resumes from it with every step up to it written)."""
+        for sink in self.sinks:
+            with io_operation(f"writing {sink.name} to", sink.path):
+                sink.flush()
 
     def close(self) -> None:
         """Closes the sinks (each flushes its files); the first fault is raised after all are

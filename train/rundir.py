@@ -137,7 +137,16 @@ class RunDir:
         """The run's ``config.yaml`` as a mapping."""
         if not self.config_file.is_file():
             raise UserError(f"{self.path} holds no {CONFIG}: not a run dir of python -m train")
-        return yaml.safe_load(self.config_file.read_text()) or {}
+        try:
+            config = yaml.safe_load(self.config_file.read_text()) or {}
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" (line {where.line + 1})" if where is not None else ""
+            problem = getattr(e, "problem", None) or e
+            raise UserError(f"{self.config_file} is not valid YAML{line}: {problem}") from None
+        if not isinstance(config, dict):
+            raise UserError(f"{self.config_file} is not a mapping of settings")
+        return config
 
     def setting(self, section: str, key: str):
         """One setting of the run's ``config.yaml``."""
@@ -235,10 +244,10 @@ class RunDir:
     # ----------------------------------------------------------------------------- writers
 
     def write_config(self, config: dict) -> None:
-        self.config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        write_atomically(self.config_file, yaml.safe_dump(config, sort_keys=False))
 
     def write_model(self, model_config: dict) -> None:
-        self.model_file.write_text(json.dumps(model_config, indent=1) + "\n")
+        write_atomically(self.model_file, json.dumps(model_config, indent=1) + "\n")
 
     def write_summary(self, summary: dict) -> pathlib.Path:
         """``summary.json``, unless it records a completed run and this attempt did not complete:
@@ -246,10 +255,21 @@ class RunDir:
         path = self.summary_file
         if summary["status"] != "completed" and self.status() == "completed":
             path = self.path / f"summary.{summary['status']}.json"
-        tmp = path.with_name(path.name + ".tmp")  # a write cut short never leaves a torn summary
-        tmp.write_text(json.dumps(summary, indent=2, default=str))
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(summary, indent=2, default=str))
         return path
+
+
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    """``path`` holds ``text``, or (a write cut short: a full disk, a kill) what it held before:
+    never a torn file. Unchanged text is not written again (a resume on a full disk keeps going)."""
+    if path.is_file() and path.read_text() == text:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class RunLock:
@@ -262,8 +282,15 @@ class RunLock:
         self.file = None
 
     def acquire(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")  # noqa: SIM115 - held open until release
+        run_dir = self.path.parent
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UserError(f"run dir {run_dir} is a file, not a directory; choose another --run-dir")
+        try:
+            with io_operation("creating the run dir", run_dir):
+                run_dir.mkdir(parents=True, exist_ok=True)
+                f = open(self.path, "a+")  # noqa: SIM115 - held open until release
+        except OSError as e:  # not the machine's fault: a path that cannot be a directory
+            raise UserError(f"cannot use {run_dir} as a run dir: {e.strerror or e}") from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
