@@ -555,6 +555,33 @@ def test_a_signal_after_the_last_step_waits_for_the_summary(tmp_path, monkeypatc
     assert summary["status"] == "completed" and summary["steps"] == 3
 
 
+def write_jsonl(path, n, seed):
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 60))}) + "\n" for _ in range(n)))
+
+
+@pytest.mark.slow
+def test_a_resume_onto_other_data_is_refused(tmp_path):
+    """A file added to the run's glob since its checkpoint: the store found on resume holds
+    other windows, so the restored iterator would draw other batches; one line, nothing run."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    write_jsonl(docs / "a.jsonl", 200, 0)
+    data = ["data.source=files", f"data.paths=[{docs}/*.jsonl]", f"data.cache_dir={tmp_path / 'cache'}"]
+    run_cli(tmp_path / "run", *FAST, "train.steps=4", *data)
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    write_jsonl(docs / "b.jsonl", 50, 1)
+    proc = run_cli(tmp_path / "run", *FAST, "train.steps=8", *data, extra=["--resume"], check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "holds other data than the one checkpoint 4 trained on" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == metrics
+    (docs / "b.jsonl").unlink()  # the same files again: the resume goes on
+    again = run_cli(tmp_path / "run", *FAST, "train.steps=8", *data, extra=["--resume"])
+    assert "resuming from step 4" in again.stdout and losses(tmp_path / "run").keys() >= {5, 8}
+
+
 @pytest.mark.slow
 def test_non_finite_parameters_are_never_checkpointed(tmp_path):
     proc = run_cli(

@@ -80,6 +80,15 @@ class Data:
         rows = self.store.splits["validation"].windows(idx, self.window)
         return [rows[i * batch_size : (i + 1) * batch_size] for i in range(n)]
 
+    def identity(self) -> str:
+        """The store's content: a hash of its tokenizer and its shards' (both splits, in order).
+        Equal for a store built again from the same inputs, wherever it lies; a resume that
+        finds another refuses (the restored iterator would index other windows)."""
+        m = self.store.manifest
+        shards = {s: [sh["sha256"] for sh in m["splits"][s]["shards"]] for s in token_store.SPLITS}
+        content = {"tokenizer": m["tokenizer"], "shards": shards}
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
     def summary(self) -> dict:
         m = self.store.manifest
         validation = [sh["sha256"] for sh in m["splits"]["validation"]["shards"]]

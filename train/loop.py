@@ -219,6 +219,12 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
         restored = ckpt.restore_latest(abstract, usable, say=print if main else _silent)
         if restored is not None:
             step, state, extra = restored
+            if extra.get("data_sha256", setup.data.identity()) != setup.data.identity():
+                raise UserError(
+                    f"the token store {setup.data.store.directory} holds other data than the one "
+                    f"checkpoint {step} trained on (data files added, removed or changed since): "
+                    "resuming would draw other batches; restore those files, or start a new run dir"
+                )
             if main:
                 print(f"resuming from step {int(state.step)} ({ckpt.directory / str(step)})")
             return Start(state, int(state.step), step, extra)
@@ -367,6 +373,7 @@ class StepLoop:
         if self.recorder is not None and "recorder" in start.extra:
             self.recorder.load(start.extra["recorder"])
         self.guard = DivergenceGuard(t.divergence_factor, t.zero_grad_steps)
+        self.data_sha256 = setup.data.identity()  # with each checkpoint: a resume checks it
         self.guard.load(start.extra.get("guard", {}))
         self.batches = Batches(setup, start.extra.get("iterator"))
         # A resumed run's last evaluation so far (the writer has dropped the rows after its
@@ -479,7 +486,11 @@ class StepLoop:
             return None
         if not bool(all_finite(state.params)):
             return Stop("nan", f"non-finite parameters after step {step}", step + 1)
-        extra = {"iterator": self.batches.state(drawn_ahead), "guard": self.guard.state()}
+        extra = {
+            "iterator": self.batches.state(drawn_ahead),
+            "guard": self.guard.state(),
+            "data_sha256": self.data_sha256,
+        }
         if self.recorder is not None:
             extra["recorder"] = self.recorder.state()
         self.ckpt.save(step, state, extra, force=True)
