@@ -53,7 +53,7 @@ def test_finished_and_failed_runs_are_skipped_interrupted_ones_resumed(tmp_path,
     runs = sweep.expand(PAPER, ["conditions/galore,rank,decomp,full"], [0])
     make_run(tmp_path, "galore-seed0", "completed", [30, 20])
     make_run(tmp_path, "rank-seed0", "interrupted", [30], checkpoint=True)
-    make_run(tmp_path, "decomp-seed0", "diverged", [30])
+    make_run(tmp_path, "decomp-seed0", "diverged", [30], checkpoint=True)  # the one before it kept
     calls = []
 
     def launch(args):

@@ -164,15 +164,16 @@ class RunDir:
         return (self.summary() or {}).get("status")
 
     def state(self) -> str:
-        """``completed``, ``resumable`` (checkpoints of an unfinished run), ``failed`` (stopped by
-        the divergence guard before any checkpoint) or ``new`` (also a run a fault of the machine
-        stopped before its first checkpoint: it is run again)."""
+        """``completed``, ``failed`` (stopped by the divergence guard: resumed from the checkpoint
+        it kept, the same steps would diverge again), ``resumable`` (checkpoints of an unfinished
+        run) or ``new`` (also a run a fault of the machine stopped before its first checkpoint:
+        it is run again)."""
         status = self.status()
         if status == "completed":
             return "completed"
-        if self.has_checkpoints():
-            return "resumable"
-        return "failed" if status in ("nan", "diverged") else "new"
+        if status in ("nan", "diverged"):
+            return "failed"
+        return "resumable" if self.has_checkpoints() else "new"
 
     def sessions(self) -> list:
         """The ``(start, end, host)`` of the run's earlier sessions, for overlap checks."""
