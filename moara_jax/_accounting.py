@@ -6,6 +6,7 @@ so a 7B configuration is accounted without allocating it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -52,6 +53,16 @@ def _states() -> tuple[type, ...]:
     return _CORE_STATES + tuple(t for host in HOSTS.values() for t in host.state_types)
 
 
+def _fields(node: Any, states: tuple[type, ...], field_sets: set[frozenset]) -> dict[str, Any] | None:
+    """The fields of a known state: the ``NamedTuple`` itself, or a mapping with exactly its field
+    names as keys (what a ``NamedTuple`` becomes in Flax nnx's ``nnx.state(optimizer)``)."""
+    if isinstance(node, states):
+        return node._asdict()
+    if isinstance(node, Mapping) and frozenset(node) in field_sets:
+        return dict(node)
+    return None
+
+
 def state_bytes(opt_state: Any) -> dict[str, int]:
     """Bytes of an optimizer state, split by component.
 
@@ -64,6 +75,11 @@ def state_bytes(opt_state: Any) -> dict[str, int]:
     the states of other transforms), ``moments`` (the three moment groups: the paper's "Opt.
     state", which does not count bases) and ``total`` (everything).
 
+    ``opt_state`` may be a concrete state, ``jax.eval_shape(tx.init, params)`` (the route for a
+    model too large to allocate), Flax nnx's ``optimizer.opt_state``, or the optimizer's part of
+    ``nnx.state(optimizer)`` (where each state ``NamedTuple`` has become a mapping of its field
+    names: such a mapping is matched by its keys).
+
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from moara_jax import moara_adamw
@@ -75,16 +91,18 @@ def state_bytes(opt_state: Any) -> dict[str, int]:
     out = dict.fromkeys(COMPONENTS, 0)
     rest = 0
     states = _states()
-    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, states)):
-        if isinstance(node, states):
-            for field in node._fields:
-                value = _nbytes(getattr(node, field))
-                if field in _FIELDS:
-                    out[_FIELDS[field]] += value
-                else:
-                    rest += value
-        else:
+    field_sets = {frozenset(t._fields) for t in states}
+    known = lambda x: _fields(x, states, field_sets) is not None  # noqa: E731
+    for node in jax.tree.leaves(opt_state, is_leaf=known):
+        fields = _fields(node, states, field_sets)
+        if fields is None:
             rest += _nbytes(node)
+            continue
+        for field, value in fields.items():
+            if field in _FIELDS:
+                out[_FIELDS[field]] += _nbytes(value)
+            else:
+                rest += _nbytes(value)
     out["other"] = rest
     out["moments"] = out["direction_moments"] + out["magnitude_moments"] + out["adam_moments"]
     out["total"] = (

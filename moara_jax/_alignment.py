@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from moara_jax._decomposition import FAN_IN_AXIS, alignment, decompose_along, recompose_along
-from moara_jax._labels import OTHER, module_label
+from moara_jax._labels import OTHER, module_label, unboxed
 from moara_jax._projection import ProjectState, project_back, project_value, projection_side
 from moara_jax.hosts import HOSTS
 from moara_jax.hosts.q_galore import QuantizedBasis, dequantized
@@ -54,7 +54,7 @@ def _bases_and_sides(opt_state: Any) -> dict[str, tuple[jax.Array, Any]]:
         )[0]
         for path, b in leaves:
             if not isinstance(b, optax.MaskedNode):
-                found[jax.tree_util.keystr(path)] = (dequantized(b), rules[type(node)])
+                found[jax.tree_util.keystr(unboxed(path))] = (dequantized(b), rules[type(node)])
     return found
 
 
@@ -72,7 +72,7 @@ def matrix_alignment(grads: Any, opt_state: Any, *, block_size: int | None = Non
     bases = _bases_and_sides(opt_state)
     out = {}
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        key = jax.tree_util.keystr(path)
+        key = jax.tree_util.keystr(unboxed(path))
         if key in bases:
             basis, side_of = bases[key]
             out[key] = alignment(g, reconstruct(g, basis, block_size, side_of(g.shape)))
@@ -97,7 +97,8 @@ def module_alignment(
       :func:`matrix_alignment` inside ``jit``).
     """
     per = matrix_alignment(grads, opt_state, block_size=block_size)
-    paths = {jax.tree_util.keystr(p): p for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    paths = {jax.tree_util.keystr(p): p for p in (unboxed(p) for p, _ in flat)}
     sums: dict[str, list] = defaultdict(list)
     for key, s in jax.device_get(per).items():
         label = label_fn(paths[key])

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
 
-from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label
+from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label, warn_if_no_targets
 from moara_jax._projection import effective_rank
 from moara_jax._validate import is_int
 
@@ -98,8 +99,13 @@ def resolve_module_ranks(
     donors: Iterable[str] | None = None,
     receivers: Iterable[str] = DEFAULT_RECEIVERS,
     delta: int | None = None,
+    warn: bool = False,
 ) -> dict[str, int]:
-    """The requested rank of each present module type (before per-matrix clipping)."""
+    """The requested rank of each present module type (before per-matrix clipping).
+
+    With the default donors and receivers, a tree that lacks all the donors or all the receivers
+    moves no rank (every type keeps ``r_base``); ``warn=True`` says so with a warning.
+    """
     types = tuple(t for t in dict.fromkeys(module_types) if t != OTHER)
     r_base = _positive_int("r_base", r_base)
     if ranks is not None:
@@ -114,16 +120,41 @@ def resolve_module_ranks(
         donors = tuple(t for t in default_donors(types) if t in types)
         receivers = tuple(t for t in receivers if t in types)
         if not donors or not receivers:
+            if warn:
+                _warn_no_allocation(types, donors, receivers, r_base)
             donors, receivers = (), ()
     return allocate_ranks(r_base, types, donors, receivers, delta)
 
 
-def tree_ranks(tree: Any, label_fn=module_label, **allocation) -> tuple[Any, dict[str, int]]:
+def _warn_no_allocation(
+    types: tuple[str, ...], donors: tuple[str, ...], receivers: tuple[str, ...], r_base: int
+) -> None:
+    missing = []
+    if not donors:
+        missing.append(f"donors {DEFAULT_DONORS} (MLA: {MLA_DONORS})")
+    if not receivers:
+        missing.append(f"receivers {DEFAULT_RECEIVERS}")
+    warnings.warn(
+        f"moara_adamw: rank allocation is on, but the parameters have none of the default "
+        f"{' and none of the default '.join(missing)}, so no rank moves: the module types present, "
+        f"{list(types)}, all keep r_base = {r_base}. Pass donors= and receivers= naming types "
+        "present, ranks=, or rank_allocation=False.",
+        stacklevel=5,
+    )
+
+
+def tree_ranks(
+    tree: Any, label_fn=module_label, *, warn: bool = False, **allocation
+) -> tuple[Any, dict[str, int]]:
     """The label tree of ``tree`` and the requested rank of each module type present in it
-    (``allocation``: the keyword arguments of :func:`resolve_module_ranks`)."""
+    (``allocation``: the keyword arguments of :func:`resolve_module_ranks`). ``warn=True``
+    warns when no leaf is a target (:func:`warn_if_no_targets`) or the default allocation
+    moves no rank."""
     labels = label_tree(tree, label_fn)
     present = [lab for lab in dict.fromkeys(jax.tree.leaves(labels)) if lab != OTHER]
-    return labels, resolve_module_ranks(present, **allocation)
+    if warn:
+        warn_if_no_targets(tree, labels, label_fn)
+    return labels, resolve_module_ranks(present, warn=warn, **allocation)
 
 
 def rank_table(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -25,18 +26,45 @@ _HF_NAMES = {
     "kv_a_proj_with_mqa": "kv_a",
     "kv_b_proj": "kv_b",
 }
-# A target is the linear layer's matrix; its bias (Qwen2.5's q/k/v) is not.
-_MATRIX_LEAVES = ("kernel", "weight")
+# A target is the linear layer's matrix, a Flax ``kernel`` (fan_in, fan_out); its bias (Qwen2.5's
+# q/k/v) is not. A ``weight`` is not either: that name usually holds PyTorch's (fan_out, fan_in)
+# (Equinox's Linear, a converted HF state dict), which the decomposition would read transposed.
+_MATRIX_LEAVES = ("kernel",)
+# The attribute under which Flax boxes hold the array (linen's ``Partitioned``, nnx's ``Variable``).
+_BOX_ATTR = "value"
+
+
+def unboxed(path: Any) -> tuple:
+    """A JAX key path without a trailing ``GetAttrKey('value')``, the box around a Flax linen
+    ``nn.Partitioned`` or nnx ``Variable``: a boxed tree's paths become those of the same tree
+    unboxed (what ``nnx.Optimizer``'s ``init`` and ``update`` see differ in this alone)."""
+    path = tuple(path)
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == _BOX_ATTR:
+        return path[:-1]
+    return path
 
 
 def path_names(path: Any) -> tuple[str, ...]:
-    """Path components as strings, from a JAX key path, a tuple of names, or ``'a/b/c'``/``'a.b.c'``."""
+    """Path components as strings, from a JAX key path, a tuple of names, or ``'a/b/c'``/``'a.b.c'``.
+
+    A trailing attribute ``value`` (``GetAttrKey('value')``, or ``.value`` at the end of a
+    ``keystr``) is dropped: it is the box around the array, not a name of it: Flax linen's
+    ``nn.Partitioned`` (``nn.with_partitioning``, kept boxed) and Flax nnx's variables
+    (``nnx.state(model, nnx.Param)``, what ``nnx.Optimizer`` passes to ``init``).
+
+    Example:
+      >>> path_names("['q_proj']['kernel'].value")
+      ('q_proj', 'kernel')
+    """
     if isinstance(path, str):
         if path.startswith("["):  # jax.tree_util.keystr: "['layers']['q_proj']['kernel']"
             parts = re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)", path)
+            if parts and parts[-1][2] == _BOX_ATTR:
+                parts = parts[:-1]
             return tuple(a or b or c for a, b, c in parts)
         return tuple(p for p in path.replace(".", "/").split("/") if p)
     names = []
+    path = unboxed(path)
     for k in path:
         if isinstance(k, jax.tree_util.DictKey):
             names.append(str(k.key))
@@ -56,13 +84,23 @@ def module_label(path: Any) -> str:
 
     ``q_proj k_proj v_proj o_proj up_proj gate_proj down_proj`` give ``q k v o up gate down``;
     DeepSeek-V2 MLA's ``q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj`` give ``q_a q_b kv_a kv_b``.
-    Only the layer's matrix (``kernel``/``weight``, or the module path itself) is a target;
-    biases, norms, embeddings and the LM head are ``'other'``.
+    Only the layer's matrix (a ``kernel``, or the module path itself) is a target; biases,
+    norms, embeddings and the LM head are ``'other'``. A trailing box attribute (``.value`` of a
+    Flax linen ``nn.Partitioned`` or an nnx ``Variable``) is ignored (:func:`path_names`).
+
+    Layout contract: a target is read as Flax's ``(..., fan_in, fan_out)`` (leading axes are
+    stacked layers). A leaf named ``weight`` is not a target: that name usually holds PyTorch's
+    ``(fan_out, fan_in)`` (Equinox's ``Linear``, a converted HF state dict), which the block
+    decomposition and the projection side would read transposed. Transpose such matrices into
+    ``kernel`` leaves, or pass a ``label_fn`` of your own to ``moara_adamw`` for leaves already
+    in ``(fan_in, fan_out)`` layout.
 
     Example:
       >>> module_label("model/layers/0/self_attn/q_proj/kernel")
       'q'
       >>> module_label(("layers", "mlp", "down_proj", "bias"))
+      'other'
+      >>> module_label("model.layers.0.self_attn.q_proj.weight")  # PyTorch layout: not a target
       'other'
     """
     names = path_names(path)
@@ -83,7 +121,43 @@ def label_tree(params: Any, label_fn=module_label) -> Any:
     """The label of every leaf; leaves with fewer than 2 dimensions are always ``'other'``."""
 
     def f(path, x):
-        label = label_fn(path)
+        label = label_fn(unboxed(path))
         return label if label != OTHER and getattr(x, "ndim", 0) >= 2 else OTHER
 
     return jax.tree_util.tree_map_with_path(f, params)
+
+
+# How many of the matrices left to AdamW a warning names.
+_SHOWN = 3
+
+
+def warn_if_no_targets(tree: Any, labels: Any, label_fn=module_label) -> None:
+    """Warns when ``tree`` has matrices (leaves of 2 or more dimensions) and ``labels`` (its
+    :func:`label_tree`) makes none of them a target: every parameter would silently get plain
+    AdamW. The warning names a few of those matrices and how to make them targets."""
+    if any(lab != OTHER for lab in jax.tree.leaves(labels)):
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    matrices = [(path, x.shape) for path, x in leaves if getattr(x, "ndim", 0) >= 2]
+    if not matrices:
+        return
+    shown = ", ".join(f"{jax.tree_util.keystr(path)} {tuple(shape)}" for path, shape in matrices[:_SHOWN])
+    more = f" and {len(matrices) - _SHOWN} more" if len(matrices) > _SHOWN else ""
+    if label_fn is module_label:
+        how = (
+            "module_label targets a 'kernel' (Flax layout (..., fan_in, fan_out)) under a layer "
+            f"named like Hugging Face's ({', '.join(_HF_NAMES)}): name the layers so, or pass "
+            "label_fn= mapping each target's path to a module type"
+        )
+    else:
+        how = "label_fn returned 'other' for every one of them"
+    if any(path_names(path)[-1:] == ("weight",) for path, _ in matrices):
+        how += (
+            ". Leaves named 'weight' are never targets of module_label: they usually hold "
+            "PyTorch's (fan_out, fan_in) layout; transpose them into (fan_in, fan_out) 'kernel' leaves"
+        )
+    warnings.warn(
+        f"moara_adamw: no parameter is a target matrix, so every parameter gets plain AdamW; the "
+        f"matrices left to AdamW include {shown}{more}. {how}.",
+        stacklevel=4,
+    )

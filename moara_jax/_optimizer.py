@@ -11,7 +11,7 @@ import optax
 
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
 from moara_jax._chain import direction_chain
-from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
+from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label, unboxed
 from moara_jax._validate import check_block_size
 from moara_jax.hosts import Host, StageOptions, resolve_host
 
@@ -103,7 +103,11 @@ def moara_adamw(
       svd: ``'exact'`` (SVD), ``'eigh'`` (Gram eigendecomposition, fast on GPU) or
         ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
       canonical_signs: make each basis vector's largest entry positive (backend-independent).
-      label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``.
+      label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``. The
+        default, :func:`module_label`, targets HF-named ``kernel`` leaves in Flax layout
+        ``(..., fan_in, fan_out)`` (boxed ones too; not PyTorch-layout ``weight`` leaves).
+        ``init`` warns when no parameter is a target, and when rank allocation is on but the
+        model has none of the default donors or receivers (no rank moves).
       host: the low-rank method: ``'galore'``, ``'fira'``, ``'q_galore'``, ``'osd'``, ``'ldadam'``,
         ``'subtrack_pp'``, a registered host's name or a settings object
         (:mod:`moara_jax.hosts`); the host says what the other parameters get and where weight
@@ -116,7 +120,11 @@ def moara_adamw(
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
-      >>> params = {"mlp": {"down_proj": {"kernel": jnp.ones((64, 32))}}, "norm": jnp.ones(32)}
+      >>> params = {
+      ...     "self_attn": {"q_proj": {"kernel": jnp.ones((32, 32))}},
+      ...     "mlp": {"down_proj": {"kernel": jnp.ones((64, 32))}},
+      ...     "norm": jnp.ones(32),
+      ... }
       >>> tx = moara_adamw(1e-3, r_base=8, block_size=16)
       >>> state = tx.init(params)
       >>> updates, state = tx.update(params, state, params)
@@ -136,7 +144,7 @@ def moara_adamw(
         svd=svd,
         seed=seed,
         canonical_signs=canonical_signs,
-        name=label_fn,
+        name=lambda path: label_fn(unboxed(path)),
     )
     host = resolve_host(host).with_learning_rate(learning_rate, update_proj_gap)
     if decompose:
@@ -163,11 +171,11 @@ def moara_adamw(
         if unknown:
             raise ValueError(f"ranks: unknown module types {unknown}; known: {list(MODULE_TYPES)}")
 
-    def build(tree) -> optax.GradientTransformation:
-        labels, module_ranks = tree_ranks(tree, label_fn, **allocation)
+    def build(tree, warn: bool = False) -> optax.GradientTransformation:
+        labels, module_ranks = tree_ranks(tree, label_fn, warn=warn, **allocation)
         # One transform over all target matrices (ranks per leaf): one refresh cond per step and
         # SVD batches shared across module types of the same shape.
-        rank_of = lambda path: module_ranks[label_fn(path)]  # noqa: E731
+        rank_of = lambda path: module_ranks[label_fn(unboxed(path))]  # noqa: E731
         target_options = dataclasses.replace(options, rank=rank_of)
         target = direction_chain(host, target_options, block_size if decompose else None)
         groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)
@@ -175,7 +183,9 @@ def moara_adamw(
         return optax.partition({TARGET: target, OTHER: other}, groups)
 
     def init_fn(params):
-        return build(params).init(params)
+        # Warns (once per init, not per update) when no parameter is a target, or when the
+        # requested allocation finds no donors or receivers and moves no rank.
+        return build(params, warn=True).init(params)
 
     def update_fn(updates, state, params=None):
         return build(updates).update(updates, state, params)

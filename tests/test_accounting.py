@@ -4,6 +4,7 @@ for Llama 2 350M / 1B / 7B in the four conditions, from ``jax.eval_shape`` (noth
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 import moara_jax as mj
 
@@ -83,3 +84,25 @@ def test_concrete_state_matches_abstract_accounting():
     }
     tx = mj.moara_adamw(0.01, r_base=8, block_size=16)
     assert mj.state_bytes(tx.init(params)) == mj.state_bytes(jax.eval_shape(tx.init, params))
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.q_proj = nnx.Linear(32, 32, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(48, 32, use_bias=False, rngs=rngs)
+        self.norm = nnx.RMSNorm(32, rngs=rngs)
+
+
+def test_flax_nnx_optimizer_state_is_sorted_by_component():
+    """``nnx.Optimizer``'s ``opt_state``, and ``nnx.state(optimizer)`` (where each state
+    NamedTuple has become a mapping of its field names), account as ``jax.eval_shape`` does."""
+    model = _NnxBlock(nnx.Rngs(0))
+    tx = mj.moara_adamw(0.01, r_base=8, block_size=16)
+    want = mj.state_bytes(jax.eval_shape(tx.init, nnx.as_pure(nnx.state(model, nnx.Param))))
+    assert want["direction_moments"] and want["magnitude_moments"] and want["projection_bases"]
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    assert mj.state_bytes(optimizer.opt_state) == want
+    graph_state = nnx.state(optimizer)
+    assert mj.state_bytes(graph_state["opt_state"]) == want
+    whole = mj.state_bytes(graph_state)  # with the optimizer's uint32 step counter
+    assert whole == {**want, "other": want["other"] + 4, "total": want["total"] + 4}

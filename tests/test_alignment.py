@@ -44,7 +44,7 @@ def test_alignment_grows_with_rank():
     grads = {"mlp": {"up_proj": {"kernel": jnp.asarray(rng.standard_normal((24, 64)), jnp.float32)}}}
     scores = []
     for r in (2, 8, 24):
-        tx = mj.moara_adamw(0.01, r_base=r, block_size=8)
+        tx = mj.moara_adamw(0.01, r_base=r, block_size=8, rank_allocation=False)
         _, state = tx.update(grads, tx.init(params), params)
         scores.append(mj.module_alignment(grads, state, block_size=8)["up"])
     assert scores[0] < scores[1] < scores[2]

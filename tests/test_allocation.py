@@ -1,8 +1,13 @@
 """Module labels, the budget-preserving allocation rule, and the rank table."""
 
+import warnings
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,7 +21,9 @@ import moara_jax as mj
         ("['layers'][0].q_proj['kernel']", "q"),  # keystr with an attribute key
         ("layers.self_attn.k_proj.kernel", "k"),
         (("layers", "self_attn", "v_proj", "kernel"), "v"),
-        ("model.layers.3.self_attn.o_proj.weight", "o"),
+        # PyTorch's layout (fan_out, fan_in) is not read as a Flax kernel: not a target.
+        ("model.layers.3.self_attn.o_proj.weight", "other"),
+        ("['layers']['q_proj']['kernel'].value", "q"),  # keystr of a boxed (nnx, linen) kernel
         ("layers/mlp/gate_proj/kernel", "gate"),
         ("layers/mlp/up_proj/kernel", "up"),
         ("layers/mlp/down_proj/kernel", "down"),
@@ -125,3 +132,180 @@ def test_moara_adamw_takes_explicit_mla_donors_and_custom_labels():
     # With its own label function, the types it names are the ones allocation sees.
     labels = lambda path: "attn" if "attn" in jax.tree_util.keystr(path) else "mlp"  # noqa: E731
     mj.moara_adamw(0.01, r_base=16, block_size=8, donors=("attn",), receivers=("mlp",), label_fn=labels)
+
+
+def _labels_by_path(tree):
+    return {jax.tree_util.keystr(p): lab for p, lab in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _basis_shapes(state):
+    """The shapes of the projection bases in a ``moara_adamw`` state (sorted)."""
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mj.ProjectState))
+    return sorted(x.shape for n in nodes if isinstance(n, mj.ProjectState) for x in jax.tree.leaves(n.basis))
+
+
+def _singular_values(x):
+    return np.linalg.svd(np.asarray(x, np.float64), compute_uv=False)
+
+
+class _LinenBlock(nn.Module):
+    """q_proj (16 -> 32) and down_proj (32 -> 16), kernels boxed by ``nn.with_partitioning``."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = lambda *names: nn.with_partitioning(nn.initializers.lecun_normal(), names)  # noqa: E731
+        h = nn.Dense(32, name="q_proj", kernel_init=init(None, "model"))(x)
+        return nn.Dense(16, name="down_proj", kernel_init=init("model", None))(h)
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.q_proj = nnx.Linear(16, 32, rngs=rngs)
+        self.down_proj = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(self.q_proj(x))
+
+
+# r_base 8 with the default allocation: q (donor) gets 4, down (receiver) 12; both project their
+# 16-wide side.
+BOXED_BASES = [(16, 4), (16, 12)]
+
+
+def test_boxed_flax_linen_params_get_low_rank_state():
+    """``nn.with_partitioning`` kernels kept boxed (paths end in ``.value``) are targets."""
+    model = _LinenBlock()
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    assert isinstance(params["q_proj"]["kernel"], nn.Partitioned)
+    assert _labels_by_path(mj.label_tree(params)) == {
+        "['down_proj']['bias']": "other",
+        "['down_proj']['kernel'].value": "down",
+        "['q_proj']['bias']": "other",
+        "['q_proj']['kernel'].value": "q",
+    }
+    tx = mj.moara_adamw(0.01, r_base=8, decompose=False)
+    state = tx.init(params)
+    assert _basis_shapes(state) == BOXED_BASES
+    grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    s = _singular_values(updates["q_proj"]["kernel"].value)
+    assert s[0] > 0 and s[4] < 1e-5 * s[0], s  # GaLore's rank-4 step, not AdamW's full rank
+
+
+def test_flax_nnx_state_and_optimizer_get_low_rank_state():
+    """``nnx.state(model, nnx.Param)`` (paths end in ``.value``) and ``nnx.Optimizer``, which
+    inits on that state and updates on plain arrays, give the same targets."""
+    model = _NnxBlock(nnx.Rngs(0))
+    labels = _labels_by_path(mj.label_tree(nnx.state(model, nnx.Param)))
+    assert labels["['q_proj']['kernel'].value"] == "q" and labels["['down_proj']['kernel'].value"] == "down"
+    assert labels["['q_proj']['bias'].value"] == "other"
+    tx = mj.moara_adamw(0.01, r_base=8, decompose=False)
+    assert _basis_shapes(tx.init(nnx.state(model, nnx.Param))) == BOXED_BASES
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    assert _basis_shapes(optimizer.opt_state) == BOXED_BASES
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
+    for _ in range(2):
+        grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        updates = optimizer.update(model, grads)
+        s = _singular_values(updates["q_proj"]["kernel"])
+        assert s[0] > 0 and s[4] < 1e-5 * s[0], s
+    # The diagnostic matches the boxed state's bases to the plain gradients' paths.
+    with_nnx = mj.module_alignment(grads, optimizer.opt_state)
+    assert set(with_nnx) == {"q", "down"} and all(0 < v <= 1 + 1e-6 for v in with_nnx.values()), with_nnx
+
+
+def test_a_custom_label_fn_sees_the_same_paths_boxed_and_not():
+    """A ``label_fn`` reading the last key gets the array's own path under a Flax box too."""
+    model = _NnxBlock(nnx.Rngs(0))
+    seen = set()
+
+    def by_last_key(path):
+        seen.add(type(path[-1]).__name__)
+        return (
+            {"q_proj": "q", "down_proj": "down"}.get(path[-2].key, "other")
+            if path[-1].key == "kernel"
+            else "other"
+        )
+
+    tx = mj.moara_adamw(0.01, r_base=8, decompose=False, label_fn=by_last_key)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    assert _basis_shapes(optimizer.opt_state) == BOXED_BASES
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
+    optimizer.update(model, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model))
+    assert seen == {"DictKey"}
+
+
+def _moara_warnings(caught):
+    return [str(w.message) for w in caught if str(w.message).startswith("moara_adamw:")]
+
+
+def test_a_tree_without_targets_warns_once_naming_its_matrices():
+    params = {
+        "attn": {"wq": {"kernel": jnp.ones((8, 8))}, "wk": {"kernel": jnp.ones((8, 8))}},
+        "mlp": {"w1": {"kernel": jnp.ones((8, 16))}, "w2": {"kernel": jnp.ones((16, 8))}},
+        "norm": {"scale": jnp.ones(8)},
+    }
+    tx = mj.moara_adamw(0.01, r_base=4, block_size=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = tx.init(params)
+        tx.update(params, state, params)  # warns at init only
+    (message,) = _moara_warnings(caught)
+    assert "no parameter is a target matrix" in message
+    assert "['attn']['wk']['kernel'] (8, 8)" in message and "and 1 more" in message
+    assert "q_proj" in message and "label_fn=" in message and "'weight'" not in message
+    assert mj.state_bytes(state)["projection_bases"] == 0
+
+
+def test_pytorch_layout_weight_leaves_are_not_targets_and_the_warning_says_so():
+    params = {"model": {"layers": {"self_attn": {"q_proj": {"weight": jnp.ones((12, 8))}}}}}
+    assert jax.tree.leaves(mj.label_tree(params)) == ["other"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mj.moara_adamw(0.01, r_base=4, block_size=4).init(params)
+    (message,) = _moara_warnings(caught)
+    assert "['q_proj']['weight'] (12, 8)" in message
+    assert "(fan_out, fan_in)" in message and "transpose" in message
+
+
+@pytest.mark.parametrize(
+    "params,kwargs",
+    [
+        ({"norm": {"scale": jnp.ones(8)}}, {}),  # nothing a target could be
+        ({"w": jnp.ones((8, 8))}, {"label_fn": lambda path: "q", "rank_allocation": False}),
+        ({"q_proj": {"kernel": jnp.ones((8, 8))}}, {"rank_allocation": False}),
+        ({"q_proj": {"kernel": jnp.ones((8, 8))}}, {"ranks": {"q": 2}}),
+        (
+            {"q_proj": {"kernel": jnp.ones((8, 8))}, "v_proj": {"kernel": jnp.ones((8, 8))}},
+            {"donors": ("q",), "receivers": ("v",)},
+        ),
+    ],
+    ids=["vectors_only", "custom_labels", "no_allocation", "explicit_ranks", "explicit_sets"],
+)
+def test_trees_with_targets_or_nothing_to_target_do_not_warn(params, kwargs):
+    tx = mj.moara_adamw(0.01, r_base=4, block_size=4, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tx.init(params)
+    assert _moara_warnings(caught) == []
+
+
+def test_default_allocation_that_moves_no_rank_warns():
+    """A tree with donors but no receivers (here q/k, no down_proj) keeps r_base everywhere."""
+    params = {
+        "self_attn": {"q_proj": {"kernel": jnp.ones((16, 16))}, "k_proj": {"kernel": jnp.ones((16, 16))}}
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = mj.moara_adamw(0.01, r_base=8, block_size=4).init(params)
+    (message,) = _moara_warnings(caught)
+    assert "none of the default receivers ('down',)" in message and "['k', 'q']" in message
+    assert "r_base = 8" in message and "rank_allocation=False" in message
+    assert _basis_shapes(state) == [(16, 8), (16, 8)]
+    only_down = {"mlp": {"down_proj": {"kernel": jnp.ones((32, 16))}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mj.moara_adamw(0.01, r_base=8, block_size=4).init(only_down)
+    (message,) = _moara_warnings(caught)
+    assert "none of the default donors ('q', 'k')" in message and "default receivers" not in message

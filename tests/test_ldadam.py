@@ -163,7 +163,7 @@ def test_stacked_ldadam_leaf_equals_loop_over_matrices():
 
 
 def test_ldadam_zero_gradients_stay_finite():
-    tx = mj.moara_adamw(0.01, r_base=4, block_size=8, host="ldadam")
+    tx = mj.moara_adamw(0.01, r_base=4, block_size=8, host="ldadam", rank_allocation=False)
     params = {"q_proj": {"kernel": jnp.zeros((16, 16))}, "up_proj": {"kernel": jnp.zeros((16, 32))}}
     state = tx.init(params)
     for _ in range(3):

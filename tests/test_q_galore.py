@@ -432,9 +432,8 @@ def test_gradients_of_another_dtype_than_the_parameters(bits, param_dtype, grad_
     """The basis keeps the dtype it was initialised with across refreshes, whatever the
     gradients' dtype (updates come out in the parameters' dtype)."""
     params = {"q_proj": {"kernel": jnp.zeros((64, 64), param_dtype)}}
-    tx = mj.moara_adamw(
-        LR, r_base=8, block_size=16, update_proj_gap=2, host=mj.QGaLore(basis_bits=bits, basis_group_size=64)
-    )
+    host = mj.QGaLore(basis_bits=bits, basis_group_size=64)
+    tx = mj.moara_adamw(LR, r_base=8, block_size=16, update_proj_gap=2, host=host, rank_allocation=False)
     state = tx.init(params)
     update = jax.jit(tx.update)
     rng = np.random.default_rng(7)
@@ -482,7 +481,7 @@ def test_int8_weights_land_on_their_grid_with_a_new_rounding_each_step():
 
     def step(weight_bits):
         host = mj.QGaLore(basis_group_size=64, weight_group_size=64, weight_bits=weight_bits)
-        tx = mj.moara_adamw(LR, r_base=8, block_size=16, host=host)
+        tx = mj.moara_adamw(LR, r_base=8, block_size=16, host=host, rank_allocation=False)
         updates, state = tx.update(grads, tx.init(params), params)
         return optax.apply_updates(params, updates), state
 
@@ -524,6 +523,6 @@ def test_q_galore_errors_name_the_argument():
         mj.scale_by_galore(8, host="q_galore", mu_dtype=jnp.float32)
     with pytest.raises(ValueError, match="host"):
         mj.scale_by_fira(8, host="galore")
-    tx = mj.moara_adamw(LR, r_base=8, decompose=False, host="q_galore")
+    tx = mj.moara_adamw(LR, r_base=8, decompose=False, host="q_galore", rank_allocation=False)
     with pytest.raises(ValueError, match="group_size=256"):
         tx.init({"q_proj": {"kernel": jnp.zeros((48, 48))}})  # a 48 x 4 basis: 192 entries

@@ -349,7 +349,7 @@ def test_decay_after_step_decays_the_stepped_parameters_on_schedule():
 def test_moara_adamw_under_inject_hyperparams_with_bf16_parameters():
     params = {"q_proj": {"kernel": jnp.ones((16, 16), jnp.bfloat16)}, "norm": jnp.ones(16, jnp.bfloat16)}
     grads = jax.tree.map(lambda p: (0.1 * jnp.arange(p.size).reshape(p.shape) % 1.0).astype(p.dtype), params)
-    kwargs = dict(r_base=4, block_size=4, update_proj_gap=3)
+    kwargs = dict(r_base=4, block_size=4, update_proj_gap=3, rank_allocation=False)  # one module type
     injected = optax.inject_hyperparams(
         mj.moara_adamw, static_args=mj.MOARA_ADAMW_STATIC_ARGS, hyperparam_dtype=jnp.float32
     )(learning_rate=1e-2, **kwargs)
