@@ -144,7 +144,7 @@ def moara_adamw(
         svd=svd,
         seed=seed,
         canonical_signs=canonical_signs,
-        name=lambda path: label_fn(unboxed(path)),
+        name=label_fn,
     )
     host = resolve_host(host).with_learning_rate(learning_rate, update_proj_gap)
     if decompose:

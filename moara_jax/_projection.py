@@ -27,6 +27,7 @@ from moara_jax._bases import (  # noqa: F401 - _orthonormal, _per_matrix: re-exp
     top_basis,
 )
 from moara_jax._decomposition import FAN_IN_AXIS, decompose_along
+from moara_jax._labels import unboxed
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._validate import is_int
 
@@ -182,7 +183,7 @@ def zero_bases(stage: str, params: Any, rank_fn: Callable, name_fn: Callable) ->
     checked and clipped, with :func:`basis_shape`)."""
 
     def make(path, u):
-        m, d, r = basis_shape(stage, path, u, rank_fn(path), name_fn(path))
+        m, d, r = basis_shape(stage, path, u, rank_fn(unboxed(path)), name_fn(unboxed(path)))
         return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
 
     return jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from moara_jax._adam import _torch_adam_from, pytorch_adam, torch_adam_direction
+from moara_jax._labels import unboxed
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
     _check_args,
@@ -134,7 +135,7 @@ def ldadam(
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_node)
         fields: dict[str, list] = {k: [] for k in LDAdamState._fields[1:]}
         for path, u in with_paths:
-            m, d, r = basis_shape("ldadam", path, u, rank_fn(path), name_fn(path))
+            m, d, r = basis_shape("ldadam", path, u, rank_fn(unboxed(path)), name_fn(unboxed(path)))
             lead, (fan_in, fan_out) = m.shape[:-2], m.shape[-2:]
             low = lead + ((r, fan_out) if ldadam_side(m.shape) == "in" else (fan_in, r))
             mag = u.mag if isinstance(u, Decomposed) else None

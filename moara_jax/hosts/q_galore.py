@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from moara_jax._adam import decay_after_step
+from moara_jax._labels import unboxed
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
     _check_args,
@@ -134,7 +135,7 @@ def q_galore_project(
 
     def init_fn(params):
         def make(path, u):
-            m, d, r = basis_shape("q_galore_project", path, u, rank_fn(path), name_fn(path))
+            m, d, r = basis_shape("q_galore_project", path, u, rank_fn(unboxed(path)), name_fn(unboxed(path)))
             side = projection_side(m.shape)
             if bits is not None and (d * r) % group_size:
                 raise ValueError(
