@@ -538,20 +538,27 @@ class Runner:
             packed = self.pack()
         return packed
 
+    def terminate(self, r: Running, why: str) -> None:
+        """Asks a run to stop (SIGTERM: it saves a checkpoint and exits)."""
+        self.say(f"{r.planned.name}: stopping ({why}; SIGTERM)")
+        r.stopped = True
+        r.proc.send_signal(signal.SIGTERM)
+
+    def kill(self, r: Running) -> None:
+        self.say(f"{r.planned.name}: killed (did not stop in time)")
+        r.proc.kill()
+        r.proc.wait()
+
     def end(self, running: list[Running]) -> None:
         """Stops the runs still going (after an error in ``schedule``) and records them."""
         for r in running:
             if r.proc.poll() is None:
-                self.say(f"{r.planned.name}: stopping (the runner stops; SIGTERM)")
-                r.stopped = True
-                r.proc.send_signal(signal.SIGTERM)
+                self.terminate(r, "the runner stops")
         for r in running:
             try:
                 r.proc.wait(timeout=max(1.0, self.left() - 3))
             except subprocess.TimeoutExpired:
-                self.say(f"{r.planned.name}: killed (did not stop in time)")
-                r.proc.kill()
-                r.proc.wait()
+                self.kill(r)
         self.share(running)
         while running:
             self.finish(running.pop(0))
@@ -592,15 +599,11 @@ class Runner:
             time.sleep(0.5)
             if (self.left() <= RESERVE_S - 5 or self.stop_requested) and not any(r.stopped for r in running):
                 for r in running:
-                    self.say(f"{r.planned.name}: stopping at the end of the budget (SIGTERM)")
-                    r.stopped = True
-                    r.proc.send_signal(signal.SIGTERM)
+                    self.terminate(r, "the end of the budget")
             if self.left() <= 3:
                 for r in running:
                     if r.proc.poll() is None:
-                        self.say(f"{r.planned.name}: killed (did not stop in time)")
-                        r.proc.kill()
-                        r.proc.wait()
+                        self.kill(r)
             ended = [r for r in running if r.proc.poll() is not None]
             if ended:
                 self.share(running)

@@ -11,7 +11,7 @@ import optax
 
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
 from moara_jax._chain import direction_chain
-from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label, unboxed
+from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
 from moara_jax._validate import check_block_size
 from moara_jax.hosts import Host, StageOptions, resolve_host
 
@@ -175,7 +175,7 @@ def moara_adamw(
         labels, module_ranks = tree_ranks(tree, label_fn, warn=warn, **allocation)
         # One transform over all target matrices (ranks per leaf): one refresh cond per step and
         # SVD batches shared across module types of the same shape.
-        rank_of = lambda path: module_ranks[label_fn(unboxed(path))]  # noqa: E731
+        rank_of = lambda path: module_ranks[label_fn(path)]  # noqa: E731
         target_options = dataclasses.replace(options, rank=rank_of)
         target = direction_chain(host, target_options, block_size if decompose else None)
         groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)

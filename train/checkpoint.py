@@ -16,7 +16,6 @@ import errno
 import hashlib
 import json
 import logging
-import os
 import pathlib
 import shutil
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import orbax.checkpoint as ocp
 
 from train.distributed import any_process
 from train.errors import IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
-from train.rundir import CHECKPOINTS, RunDir
+from train.rundir import CHECKPOINTS, RunDir, write_atomically
 
 
 class _MachineFaultRecords(logging.Filter):
@@ -146,9 +145,8 @@ class Checkpointer:
                 self.sums_dir.mkdir(exist_ok=True)
                 for step in self._unrecorded:
                     if (self.directory / str(step)).is_dir():
-                        tmp = self.sums_dir / f"{step}.json.tmp"
-                        tmp.write_text(json.dumps(_file_sums(self.directory / str(step)), indent=0))
-                        os.replace(tmp, self.sums_dir / f"{step}.json")
+                        sums = json.dumps(_file_sums(self.directory / str(step)), indent=0)
+                        write_atomically(self.sums_dir / f"{step}.json", sums)
         self._unrecorded.clear()
 
     def abandon(self) -> None:

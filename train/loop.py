@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import socket
 import time
 from dataclasses import dataclass
@@ -135,6 +136,11 @@ class Setup:
     def profiling(self) -> bool:
         return self.cfg.mode == "profile"
 
+    @functools.cached_property
+    def data_sha256(self) -> str:
+        """The token store's content hash, saved with each checkpoint (a resume checks it)."""
+        return self.data.identity()
+
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.train.batch_size * self.cfg.train.seq_len
@@ -219,7 +225,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
         restored = ckpt.restore_latest(abstract, usable, say=print if main else _silent)
         if restored is not None:
             step, state, extra = restored
-            if extra.get("data_sha256", setup.data.identity()) != setup.data.identity():
+            if extra.get("data_sha256", setup.data_sha256) != setup.data_sha256:
                 raise UserError(
                     f"the token store {setup.data.store.directory} holds other data than the one "
                     f"checkpoint {step} trained on (data files added, removed or changed since): "
@@ -373,7 +379,6 @@ class StepLoop:
         if self.recorder is not None and "recorder" in start.extra:
             self.recorder.load(start.extra["recorder"])
         self.guard = DivergenceGuard(t.divergence_factor, t.zero_grad_steps)
-        self.data_sha256 = setup.data.identity()  # with each checkpoint: a resume checks it
         self.guard.load(start.extra.get("guard", {}))
         self.batches = Batches(setup, start.extra.get("iterator"))
         # A resumed run's last evaluation so far (the writer has dropped the rows after its
@@ -489,7 +494,7 @@ class StepLoop:
         extra = {
             "iterator": self.batches.state(drawn_ahead),
             "guard": self.guard.state(),
-            "data_sha256": self.data_sha256,
+            "data_sha256": self.setup.data_sha256,
         }
         if self.recorder is not None:
             extra["recorder"] = self.recorder.state()

@@ -12,7 +12,7 @@ import time
 from typing import NamedTuple
 
 from train.errors import IOFault, UserError, io_operation
-from train.rundir import METRICS, TENSORBOARD, RunDir
+from train.rundir import METRICS, TENSORBOARD, RunDir, write_atomically
 
 
 def perplexity(loss: float) -> float:
@@ -150,9 +150,7 @@ class MetricsWriter:
                 self.path.unlink()
                 return
             rows = [r for r in RunDir(run_dir).rows(None) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            tmp.replace(self.path)
+            write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in rows))
         self.wall_offset = max((r.get("wall_s", 0.0) for r in rows), default=0.0)
 
     def wall(self) -> float:
