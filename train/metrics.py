@@ -150,7 +150,8 @@ class MetricsWriter:
                 self.path.unlink()
                 return
             rows = [r for r in RunDir(run_dir).rows(None) if r.get("step", 0) <= resume_step]
-            write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+            # always a new file: a reader following the old one sees that the resume rewrote it
+            write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in rows), if_changed=False)
         self.wall_offset = max((r.get("wall_s", 0.0) for r in rows), default=0.0)
 
     def wall(self) -> float:

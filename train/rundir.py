@@ -260,10 +260,11 @@ class RunDir:
         return path
 
 
-def write_atomically(path: pathlib.Path, text: str) -> None:
+def write_atomically(path: pathlib.Path, text: str, if_changed: bool = True) -> None:
     """``path`` holds ``text``, or (a write cut short: a full disk, a kill) what it held before:
-    never a torn file. Unchanged text is not written again (a resume on a full disk keeps going)."""
-    if path.is_file() and path.read_text() == text:
+    never a torn file. Unchanged text is not written again (a resume on a full disk keeps going)
+    unless ``if_changed`` is False: then the file is always a new one (a new inode)."""
+    if if_changed and path.is_file() and path.read_text() == text:
         return
     tmp = path.with_name(path.name + ".tmp")
     try:
