@@ -27,6 +27,8 @@ another host's projection and Adam (the cross-method study)  ``hosts/`` (one mod
 the stages' hyperparameters (one definition, defaults)       ``hosts._base.StageOptions``, built once
                                                               by each public entry, passed to the host
 state memory (the paper's "Opt. state")                      ``_accounting.state_bytes``
+a kernel whose matrix spans several axes (head-split         ``_matrices.as_matrices``
+attention ``(embed, heads, head_dim)``)                       (``MatrixAxes``)
 ==========================================================  ==========================================
 """
 
@@ -71,7 +73,9 @@ from moara_jax._labels import (
     MODULE_TYPES,
     label_tree,
     module_label,
+    path_names,
 )
+from moara_jax._matrices import MatrixAxes, as_matrices, matrix_view
 from moara_jax._nodes import Decomposed, LowRank
 from moara_jax._optimizer import MOARA_ADAMW_STATIC_ARGS, moara_adamw
 from moara_jax._projection import ProjectState, project, projection_side
@@ -131,6 +135,7 @@ __all__ = [
     "LLAMA_MODULE_TYPES",
     "LowRank",
     "MLA_DONORS",
+    "MatrixAxes",
     "MOARA_ADAMW_STATIC_ARGS",
     "OSD",
     "OSDProjectState",
@@ -142,6 +147,7 @@ __all__ = [
     "decay_after_step",
     "alignment",
     "allocate_ranks",
+    "as_matrices",
     "block_decompose",
     "block_recompose",
     "decompose",
@@ -155,11 +161,13 @@ __all__ = [
     "ldadam",
     "ldadam_side",
     "matrix_alignment",
+    "matrix_view",
     "moara_adamw",
     "module_alignment",
     "module_label",
     "num_blocks",
     "osd_project",
+    "path_names",
     "pca_loss",
     "project",
     "projection_bases",

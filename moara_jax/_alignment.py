@@ -11,6 +11,7 @@ import optax
 
 from moara_jax._decomposition import FAN_IN_AXIS, alignment, decompose_along, recompose_along
 from moara_jax._labels import OTHER, module_label, unboxed
+from moara_jax._matrices import MatrixAxesOrFn, matrix_view
 from moara_jax._projection import ProjectState, project_back, project_value, projection_side
 from moara_jax.hosts import HOSTS
 from moara_jax.hosts.q_galore import QuantizedBasis, dequantized
@@ -65,13 +66,19 @@ def projection_bases(opt_state: Any) -> dict[str, jax.Array]:
     return {key: basis for key, (basis, _) in _bases_and_sides(opt_state).items()}
 
 
-def matrix_alignment(grads: Any, opt_state: Any, *, block_size: int | None = None) -> dict[str, jax.Array]:
+def matrix_alignment(
+    grads: Any,
+    opt_state: Any,
+    *,
+    block_size: int | None = None,
+    matrix_axes: MatrixAxesOrFn | None = None,
+) -> dict[str, jax.Array]:
     """``S(W, t)`` of every projected matrix, keyed by parameter path; stacked leaves
     ``(L, fan_in, fan_out)`` give an array of ``L`` cosines. The bases come from ``opt_state`` (the
-    ones used for the last update)."""
+    ones used for the last update); ``matrix_axes`` is the optimizer's (:class:`MatrixAxes`)."""
     bases = _bases_and_sides(opt_state)
     out = {}
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    for path, g in jax.tree_util.tree_flatten_with_path(matrix_view(grads, matrix_axes))[0]:
         key = jax.tree_util.keystr(unboxed(path))
         if key in bases:
             basis, side_of = bases[key]
@@ -80,7 +87,12 @@ def matrix_alignment(grads: Any, opt_state: Any, *, block_size: int | None = Non
 
 
 def module_alignment(
-    grads: Any, opt_state: Any, *, block_size: int | None = None, label_fn=module_label
+    grads: Any,
+    opt_state: Any,
+    *,
+    block_size: int | None = None,
+    label_fn=module_label,
+    matrix_axes: MatrixAxesOrFn | None = None,
 ) -> dict[str, float]:
     """``S_tau`` for this step: the mean over matrices (and stacked layers) of each module type.
 
@@ -91,12 +103,13 @@ def module_alignment(
       block_size: decompose before projecting (``G_recon = Rep_B(M) * (P P^T V)``), else
         ``P P^T G``.
       label_fn: path -> module type.
+      matrix_axes: the optimizer's ``matrix_axes``, if it was given one (:class:`MatrixAxes`).
 
     Returns:
       ``{module_type: S_tau}`` as Python floats (calls ``jax.device_get``; use
       :func:`matrix_alignment` inside ``jit``).
     """
-    per = matrix_alignment(grads, opt_state, block_size=block_size)
+    per = matrix_alignment(grads, opt_state, block_size=block_size, matrix_axes=matrix_axes)
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     paths = {jax.tree_util.keystr(p): p for p in (unboxed(p) for p, _ in flat)}
     sums: dict[str, list] = defaultdict(list)

@@ -12,6 +12,7 @@ import optax
 from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
 from moara_jax._chain import direction_chain
 from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
+from moara_jax._matrices import MatrixAxesOrFn, as_matrices
 from moara_jax._validate import check_block_size
 from moara_jax.hosts import Host, StageOptions, resolve_host
 
@@ -32,6 +33,7 @@ MOARA_ADAMW_STATIC_ARGS = (
     "canonical_signs",
     "label_fn",
     "host",
+    "matrix_axes",
 )
 
 
@@ -59,6 +61,7 @@ def moara_adamw(
     canonical_signs: bool = StageOptions.canonical_signs,
     label_fn: Callable[[Any], str] = module_label,
     host: str | Host = "galore",
+    matrix_axes: MatrixAxesOrFn | None = None,
 ) -> optax.GradientTransformation:
     """MoARa-AdamW: per-module-rank GaLore projection with optional block decomposition.
 
@@ -114,6 +117,13 @@ def moara_adamw(
         decay goes. Under Q-GaLore the non-target AdamW is bitsandbytes' 8-bit one, with its
         weight decay before the step; under LDAdam every Adam is PyTorch's ``AdamW`` formula and
         all weight decay comes before the step.
+      matrix_axes: which axes of a multi-axis kernel are its matrix (:class:`MatrixAxes`): a tree
+        of ``MatrixAxes`` or ``None`` with the parameters' structure, or a function of the
+        parameters returning one. By default a target's last two axes are its
+        ``(fan_in, fan_out)`` and leading axes are stacked layers; Flax's multi-head attention
+        kernels ``(embed, heads, head_dim)`` and ``(heads, head_dim, embed)`` need
+        ``MatrixAxes(fan_in=-3, fan_out=(-2, -1))`` and ``MatrixAxes(fan_in=(-3, -2),
+        fan_out=-1)`` (:func:`as_matrices`); pass the same to :func:`module_alignment`.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -194,4 +204,5 @@ def moara_adamw(
         return jax.tree.map(lambda lab: lab != OTHER, label_tree(tree, label_fn))
 
     directions = optax.GradientTransformation(init_fn, update_fn)
-    return optax.chain(directions, *host.finish(learning_rate, weight_decay, targets, seed))
+    tx = optax.chain(directions, *host.finish(learning_rate, weight_decay, targets, seed))
+    return tx if matrix_axes is None else as_matrices(tx, matrix_axes)
