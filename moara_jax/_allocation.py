@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label, warn_if_no_targets
+from moara_jax._matrices import MatrixAxesOrFn, leaf_views
 from moara_jax._projection import effective_rank
 from moara_jax._validate import is_int
 
@@ -167,9 +168,11 @@ def rank_table(
     receivers: Iterable[str] = DEFAULT_RECEIVERS,
     delta: int | None = None,
     label_fn=module_label,
+    matrix_axes: MatrixAxesOrFn | None = None,
 ) -> list[dict[str, Any]]:
     """The rank of every target matrix: ``path, module, shape, requested, used`` (clipping shows
-    as ``used < requested``). Works on ``jax.eval_shape`` output."""
+    as ``used < requested``). Works on ``jax.eval_shape`` output. With ``matrix_axes`` (the
+    optimizer's, :class:`MatrixAxes`), ``shape`` is the matrix view the rank applies to."""
     labels, requested = tree_ranks(
         params,
         label_fn,
@@ -180,20 +183,21 @@ def rank_table(
         receivers=receivers,
         delta=delta,
     )
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    views = [None] * len(leaves) if matrix_axes is None else leaf_views(params, matrix_axes)
     rows = []
-    for (path, x), lab in zip(
-        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(labels), strict=True
-    ):
+    for (path, x), view, lab in zip(leaves, views, jax.tree.leaves(labels), strict=True):
         if lab == OTHER:
             continue
         r = requested[lab]
+        shape = tuple(int(s) for s in (x.shape if view is None else view.shape))
         rows.append(
             {
                 "path": jax.tree_util.keystr(path),
                 "module": lab,
-                "shape": tuple(int(s) for s in x.shape),
+                "shape": shape,
                 "requested": r,
-                "used": effective_rank(x.shape, r),
+                "used": effective_rank(shape, r),
             }
         )
     return rows

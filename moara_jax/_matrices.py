@@ -100,7 +100,7 @@ def _view(spec: MatrixAxes, shape: tuple[int, ...], where: str) -> _View:
     return _View(batch + named, view_shape)
 
 
-def _leaf_views(tree: Any, matrix_axes: MatrixAxesOrFn) -> list[_View | None]:
+def leaf_views(tree: Any, matrix_axes: MatrixAxesOrFn) -> list[_View | None]:
     """One ``_View`` or ``None`` per leaf of ``tree``, in ``jax.tree.leaves`` order. A spec may
     stand for a subtree (a prefix of the parameters' structure): it applies to each of its leaves."""
     specs = matrix_axes(tree) if callable(matrix_axes) else matrix_axes
@@ -129,7 +129,7 @@ def matrix_view(tree: Any, matrix_axes: MatrixAxesOrFn | None) -> Any:
     (``matrix_alignment(..., matrix_axes=...)``) compares a gradient in."""
     if matrix_axes is None:
         return tree
-    return _to_matrices(tree, _leaf_views(tree, matrix_axes))
+    return _to_matrices(tree, leaf_views(tree, matrix_axes))
 
 
 def _to_matrices(tree: Any, views: list[_View | None]) -> Any:
@@ -165,7 +165,7 @@ def as_matrices(
         return inner.init(matrix_view(params, matrix_axes))
 
     def update_fn(updates, state, params=None):
-        views = _leaf_views(updates, matrix_axes)
+        views = leaf_views(updates, matrix_axes)
         params = None if params is None else _to_matrices(params, views)
         new, state = inner.update(_to_matrices(updates, views), state, params)
         leaves, treedef = jax.tree.flatten(updates)

@@ -318,3 +318,21 @@ def test_sharded_head_split_kernels_match_one_device_and_keep_their_sharding():
         [sys.executable, "-c", SHARDED], env=cpu_devices(8), capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_rank_table_reports_the_matrix_view_the_rank_applies_to():
+    """r_base 24 on (16, 4, 8) query kernels: read as (4, 8) matrices it would be clipped to 4;
+    as the (16, 32) matrix the optimizer sees with ``matrix_axes``, to 16. On eval_shape output."""
+    model = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)
+    x = jnp.ones((2, 5, E))
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0), x)["params"]
+    kwargs = dict(r_base=24, rank_allocation=False, label_fn=attention_label)
+    plain = {row["path"]: (row["shape"], row["used"]) for row in mj.rank_table(params, **kwargs)}
+    assert plain["['query']['kernel']"] == ((E, H, D), 4)
+    viewed = mj.rank_table(params, matrix_axes=attention_axes, **kwargs)
+    assert {row["path"]: (row["shape"], row["used"]) for row in viewed} == {
+        "['query']['kernel']": ((E, H * D), E),
+        "['key']['kernel']": ((E, H * D), E),
+        "['value']['kernel']": ((E, H * D), E),
+        "['out']['kernel']": ((H * D, E), E),
+    }
