@@ -453,15 +453,17 @@ def write_task(path):
     return path
 
 
-def test_evaluate_matches_hand_computed_scores(tmp_path):
+@pytest.mark.parametrize("batch_size", [4, 1])
+def test_evaluate_matches_hand_computed_scores(tmp_path, batch_size):
     """A tiny model and the byte tokenizer: each choice's log-likelihood and the perplexity of a
-    text file, computed here from the logits with the rules spelled out."""
+    text file, computed here from the logits with the rules spelled out. At batch size 1 more
+    batches are in flight than ``Scorer`` reads back at once: each score still lands on its row."""
     cfg = models.get_config("llama2-tiny")
     params = random_params(cfg, seed=3)
     write_hf_dir(tmp_path / "m", cfg, params)
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 3)
-    argv = ["--hf", str(tmp_path / "m"), "--tokenizer", "bytes", "--seq-len", "32", "--batch-size", "4"]
+    argv = ["--hf", str(tmp_path / "m"), "--tokenizer", "bytes", "--seq-len", "32", "--batch-size", str(batch_size)]
     argv += ["--ppl-files", f"fox={text}", "--tasks", f"toy={write_task(tmp_path / 'toy.jsonl')}"]
     assert evaluation.main([*argv, "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "eval.json").read_text())

@@ -21,6 +21,7 @@ the safetensors files). Writes ``eval.json``, ``eval.md`` and, per task, each ex
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import math
@@ -40,6 +41,8 @@ from train.sharding import make_mesh, param_shardings
 from train.sources import Counts, check_file, file_documents, make_tokenizer
 
 MIN_BUCKET = 16
+# Batches dispatched before the oldest is read back (Scorer.score).
+IN_FLIGHT = 2
 
 
 def sequence_logprobs(
@@ -77,6 +80,9 @@ class Scorer:
         weighted log-likelihood (float64), in the given order."""
         out = np.zeros(len(rows))
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+        # Batches in flight, read back a few behind: the host pads the next batch while the
+        # device scores this one, instead of waiting for each result in turn.
+        pending: collections.deque = collections.deque()
         for start in range(0, len(order), self.rows):
             chunk = order[start : start + self.rows]
             width = self._bucket(len(rows[chunk[0]][0]))
@@ -87,8 +93,16 @@ class Scorer:
                 tokens[j, : len(t)] = t
                 weights[j, : len(w)] = w
             tokens, weights = (jax.device_put(x, self.sharding) for x in (tokens, weights))
-            out[chunk] = np.asarray(self._score(self.params, tokens, weights))[: len(chunk)]
+            pending.append((chunk, self._score(self.params, tokens, weights)))
+            if len(pending) > IN_FLIGHT:
+                self._read(out, *pending.popleft())
+        while pending:
+            self._read(out, *pending.popleft())
         return out
+
+    @staticmethod
+    def _read(out: np.ndarray, chunk: list[int], scores: jax.Array) -> None:
+        out[chunk] = np.asarray(scores)[: len(chunk)]
 
 
 def packed_rows(stream: np.ndarray, window: int) -> list[tuple[np.ndarray, np.ndarray]]:
