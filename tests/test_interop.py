@@ -463,7 +463,8 @@ def test_evaluate_matches_hand_computed_scores(tmp_path, batch_size):
     write_hf_dir(tmp_path / "m", cfg, params)
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 3)
-    argv = ["--hf", str(tmp_path / "m"), "--tokenizer", "bytes", "--seq-len", "32", "--batch-size", str(batch_size)]
+    argv = ["--hf", str(tmp_path / "m"), "--tokenizer", "bytes", "--seq-len", "32"]
+    argv += ["--batch-size", str(batch_size)]
     argv += ["--ppl-files", f"fox={text}", "--tasks", f"toy={write_task(tmp_path / 'toy.jsonl')}"]
     assert evaluation.main([*argv, "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "eval.json").read_text())

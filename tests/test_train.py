@@ -555,6 +555,44 @@ def test_a_signal_after_the_last_step_waits_for_the_summary(tmp_path, monkeypatc
     assert summary["status"] == "completed" and summary["steps"] == 3
 
 
+@pytest.mark.parametrize("zero_gradient", [False, True])
+def test_an_interrupted_run_says_which_checkpoint_a_resume_continues_from(
+    tmp_path, monkeypatch, zero_gradient
+):
+    """SIGTERM at step 6 (checkpoints every 4): the steps done are saved, exit 75. While the
+    gradient norm is exactly 0 no checkpoint is made, and the line names step 4 instead."""
+    from train.metrics import DivergenceGuard
+
+    check = DivergenceGuard.check
+
+    def check_then_signal(self, step, *args):
+        stop = check(self, step, *args)
+        if step == 6:
+            if zero_gradient:
+                self.zero_since = step  # as after a step whose gradient norm was exactly 0
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stop
+
+    monkeypatch.setattr(DivergenceGuard, "check", check_then_signal)
+    proc = run_cli(tmp_path / "run", *FAST, check=False)
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] == 6
+    last = proc.stderr.strip().splitlines()[-1]
+    if zero_gradient:
+        assert summary["last_checkpoint"] == 4
+        assert last == (
+            "interrupted after step 6, not saved: the gradient norm was exactly 0 there; "
+            "--resume continues from the checkpoint of step 4"
+        )
+    else:
+        assert summary["last_checkpoint"] == 6
+        assert last == "interrupted: the checkpoint of step 6 was saved; continue with --resume"
+    monkeypatch.undo()
+    resumed = run_cli(tmp_path / "run", *FAST, extra=["--resume"])
+    assert f"resuming from step {summary['last_checkpoint']}" in resumed.stdout
+
+
 def write_jsonl(path, n, seed):
     rng = np.random.default_rng(seed)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]

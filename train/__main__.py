@@ -113,6 +113,17 @@ def _resume_command(argv) -> str:
     return shlex.join(["python", "-m", "train", *args, *([] if "--resume" in args else ["--resume"])])
 
 
+def _interrupted(steps: int, checkpoint: int | None) -> str:
+    """What an interrupted run kept: a stop saves the steps done, unless the gradient norm is
+    exactly 0 then (such a checkpoint could replace the last good one; ``StepLoop.save``)."""
+    if checkpoint == steps:
+        return f"interrupted: the checkpoint of step {steps} was saved; continue with --resume"
+    unsaved = f"interrupted after step {steps}, not saved: the gradient norm was exactly 0 there"
+    if checkpoint is None:
+        return f"{unsaved}, and no earlier checkpoint; --resume starts from step 0"
+    return f"{unsaved}; --resume continues from the checkpoint of step {checkpoint}"
+
+
 def _report(summary: dict, run_dir: pathlib.Path) -> int:
     if summary["status"] in ("nan", "diverged"):
         return 1
@@ -124,7 +135,7 @@ def _report(summary: dict, run_dir: pathlib.Path) -> int:
     )
     print(f"run dir: {run_dir}")
     if summary["status"] == "interrupted":
-        print("interrupted: a checkpoint was saved; continue with --resume", file=sys.stderr)
+        print(_interrupted(summary["steps"], summary.get("last_checkpoint")), file=sys.stderr)
         return EXIT_PREEMPTED
     return 0
 

@@ -536,6 +536,7 @@ def finish(
     if outcome.fault is not None:
         ckpt.abandon()
     summary = make_summary(setup, run, start, loop, outcome, clock)
+    summary["last_checkpoint"] = (ckpt.complete_steps() or [None])[-1]
     unwritten, summary_written = None, False
     if loop.recorder is not None:  # a partial profile gives no allocation; --resume finishes it
         done = outcome.status == "completed" and main
