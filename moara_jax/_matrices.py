@@ -19,13 +19,16 @@ those of the whole matrix. ``moara_adamw(..., matrix_axes=...)`` applies it.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
-from moara_jax._labels import unboxed
+from moara_jax._labels import path_names, unboxed
 
 
 class MatrixAxes(NamedTuple):
@@ -36,17 +39,17 @@ class MatrixAxes(NamedTuple):
     the order they are flattened (row-major). Negative indices count from the end, so one spec
     serves a kernel with and without a leading layer axis. The default is the chain's own rule.
 
-    Example: Flax's multi-head attention kernels (``nn.DenseGeneral``), stacked by ``nn.scan`` or
-    not: query/key/value ``(..., embed, heads, head_dim)`` is
-    ``MatrixAxes(fan_in=-3, fan_out=(-2, -1))``; out ``(..., heads, head_dim, embed)`` is
-    ``MatrixAxes(fan_in=(-3, -2), fan_out=-1)``.
+    Example: Flax's multi-head attention kernels (``nn.DenseGeneral``), with ``nn.scan``'s layer
+    axis in front (its default ``variable_axes``) or not: query/key/value
+    ``(..., embed, heads, head_dim)`` is ``MatrixAxes(fan_in=-3, fan_out=(-2, -1))``; out
+    ``(..., heads, head_dim, embed)`` is ``MatrixAxes(fan_in=(-3, -2), fan_out=-1)``.
     """
 
     fan_in: int | Sequence[int] = -2
     fan_out: int | Sequence[int] = -1
 
 
-MatrixAxesTree = Any  # a tree of MatrixAxes or None with the parameters' structure
+MatrixAxesTree = Any  # MatrixAxes or None per parameter path (a prefix of it)
 MatrixAxesOrFn = MatrixAxesTree | Callable[[Any], MatrixAxesTree]
 
 
@@ -54,10 +57,32 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, MatrixAxes)
 
 
-def _axes(value: int | Sequence[int], ndim: int, what: str, where: str) -> tuple[int, ...]:
-    axes = (value,) if isinstance(value, int) else tuple(value)
-    if not axes or not all(isinstance(a, int) and -ndim <= a < ndim for a in axes):
-        raise ValueError(f"matrix_axes of {where}: {what}={value!r} must name one or more of its {ndim} axes")
+def _is_box(x: Any) -> bool:
+    """Whether ``x`` is a box around one array, as Flax's are: a node whose only child is its
+    ``.value`` (linen's ``nn.Partitioned``, nnx's ``Variable``)."""
+    if x is None or isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        return False
+    children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+    return len(children) == 1 and children[0][0] != () and unboxed(children[0][0]) == ()
+
+
+def _axes(value: Any, ndim: int, what: str, where: str) -> tuple[int, ...]:
+    many = isinstance(value, Sequence) and not isinstance(value, str)
+    axes = tuple(value) if many else (value,)
+
+    def index(a):
+        if isinstance(a, bool):
+            raise TypeError
+        return operator.index(a)
+
+    try:
+        axes = tuple(index(a) for a in axes)
+    except TypeError:
+        axes = ()
+    if not axes or not all(-ndim <= a < ndim for a in axes):
+        raise ValueError(
+            f"matrix_axes of {where}: {what}={value!r} must name one or more of its {ndim} axes (integers)"
+        )
     return tuple(a % ndim for a in axes)
 
 
@@ -100,31 +125,51 @@ def _view(spec: MatrixAxes, shape: tuple[int, ...], where: str) -> _View:
     return _View(batch + named, view_shape)
 
 
+def _specs_by_path(specs: Any) -> dict[tuple[str, ...], MatrixAxes | None]:
+    """``{path names: spec}`` of a ``matrix_axes`` tree (a spec inside a Flax box, as a
+    ``tree_map`` over boxed parameters makes it, counts at the box's path)."""
+    found = {}
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]:
+        if not _is_spec(spec):
+            shown = repr(spec) if len(repr(spec)) <= 40 else type(spec).__name__
+            raise ValueError(
+                f"matrix_axes{jax.tree_util.keystr(path)} is {shown}: each entry must be a MatrixAxes "
+                "or None (a plain tuple or another library's dimension numbers is not one)"
+            )
+        found[path_names(path)] = spec
+    return found
+
+
 def leaf_views(tree: Any, matrix_axes: MatrixAxesOrFn) -> list[_View | None]:
-    """One ``_View`` or ``None`` per leaf of ``tree``, in ``jax.tree.leaves`` order. A spec may
-    stand for a subtree (a prefix of the parameters' structure): it applies to each of its leaves."""
-    specs = matrix_axes(tree) if callable(matrix_axes) else matrix_axes
-    spec_def = jax.tree.structure(specs, is_leaf=_is_spec)
-    try:
-        subtrees = spec_def.flatten_up_to(tree)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            "matrix_axes must be a tree of MatrixAxes or None with the parameters' structure "
-            f"(or a function of the parameters returning one): {e}"
-        ) from None
-    paths = iter(jax.tree_util.tree_flatten_with_path(tree)[0])
+    """One ``_View`` or ``None`` per leaf of ``tree``, in ``jax.tree.leaves`` order.
+
+    ``matrix_axes`` (or what it returns, called on ``tree``) is matched to the leaves by path,
+    so one spec tree serves a dict, a ``FrozenDict``, an nnx ``State`` and their boxed forms. A
+    spec at a subtree's path applies to each leaf under it (the nearest one counts); leaves no
+    spec covers keep the default rule. A non-``None`` spec whose path is no parameter's is an
+    error (a misspelt name would otherwise change nothing)."""
+    specs = _specs_by_path(matrix_axes(tree) if callable(matrix_axes) else matrix_axes)
+    used = set()
     views: list[_View | None] = []
-    for spec, subtree in zip(jax.tree.leaves(specs, is_leaf=_is_spec), subtrees, strict=True):
-        for _ in jax.tree.leaves(subtree):
-            path, x = next(paths)
-            where = jax.tree_util.keystr(unboxed(path))
-            views.append(None if spec is None else _view(spec, tuple(x.shape), where))
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = path_names(path)
+        prefix = next((names[:n] for n in range(len(names), -1, -1) if names[:n] in specs), None)
+        spec = None if prefix is None else specs[prefix]
+        used.add(prefix)
+        where = jax.tree_util.keystr(unboxed(path))
+        views.append(None if spec is None else _view(spec, tuple(jnp.shape(x)), where))
+    unused = ["/".join(k) or "(the root)" for k, v in specs.items() if v is not None and k not in used]
+    if unused:
+        raise ValueError(
+            f"matrix_axes names {', '.join(unused)}, not the path of a parameter or of a subtree of them"
+        )
     return views
 
 
 def matrix_view(tree: Any, matrix_axes: MatrixAxesOrFn | None) -> Any:
     """``tree`` with every leaf that ``matrix_axes`` gives a :class:`MatrixAxes` as its matrix
-    view ``(*batch, prod(fan_in), prod(fan_out))``; the other leaves as they are. What
+    view ``(*batch, prod(fan_in), prod(fan_out))``, a plain array (a Flax box around it is
+    dropped: its sharding names do not fit the view); the other leaves as they are. What
     :func:`as_matrices` hands the inner transformation, and what the alignment diagnostic
     (``matrix_alignment(..., matrix_axes=...)``) compares a gradient in."""
     if matrix_axes is None:
@@ -133,24 +178,34 @@ def matrix_view(tree: Any, matrix_axes: MatrixAxesOrFn | None) -> Any:
 
 
 def _to_matrices(tree: Any, views: list[_View | None]) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef.unflatten([x if v is None else v.to_matrix(x) for x, v in zip(leaves, views, strict=True)])
+    units, treedef = jax.tree.flatten(tree, is_leaf=_is_box)  # one array each, boxed or not
+    out = []
+    for unit, view in zip(units, views, strict=True):
+        out.append(unit if view is None else view.to_matrix(jax.tree.leaves(unit)[0]))
+    return treedef.unflatten(out)
 
 
 def as_matrices(
     inner: optax.GradientTransformation, matrix_axes: MatrixAxesOrFn
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """``inner`` run on the matrix view of the leaves ``matrix_axes`` names (:func:`matrix_view`),
     its updates brought back to each leaf's own layout.
 
     Args:
-      inner: any transformation (``moara_adamw``, ``scale_by_moara``, a host's stages).
-      matrix_axes: a tree with the parameters' structure whose leaves are :class:`MatrixAxes` (a
-        leaf to view as a matrix) or ``None`` (a leaf left as it is), or a function of the
-        parameters (or updates) returning such a tree.
+      inner: an Optax transformation (``moara_adamw``, ``scale_by_moara``, a host's stages, a
+        chain); extra arguments of ``update`` (``value=`` for ``optax.contrib.reduce_on_plateau``)
+        are passed on to it.
+      matrix_axes: :class:`MatrixAxes` or ``None`` per parameter path, as a tree (the
+        parameters' own, or a prefix of it; a spec stands for every leaf under its path, and
+        leaves it does not reach keep the default rule), or a function of the parameters (also
+        called on the updates) returning one. Matched by path, so a plain dict fits an nnx
+        ``State`` or a ``FrozenDict`` of the same names.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is ``inner``'s on the views.
+      An ``optax.GradientTransformationExtraArgs`` whose state is ``inner``'s on the views. A
+      Flax box (``nn.Partitioned``, an nnx ``Variable``) around a viewed leaf is not carried into
+      the state: its sharding names are those of the kernel's axes, not the view's. The state of
+      a viewed leaf is placed as XLA chooses unless you pin it (``jit``'s ``out_shardings``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -164,10 +219,12 @@ def as_matrices(
     def init_fn(params):
         return inner.init(matrix_view(params, matrix_axes))
 
-    def update_fn(updates, state, params=None):
+    extra_args_inner = optax.with_extra_args_support(inner)
+
+    def update_fn(updates, state, params=None, **extra_args):
         views = leaf_views(updates, matrix_axes)
         params = None if params is None else _to_matrices(params, views)
-        new, state = inner.update(_to_matrices(updates, views), state, params)
+        new, state = extra_args_inner.update(_to_matrices(updates, views), state, params, **extra_args)
         leaves, treedef = jax.tree.flatten(updates)
         back = [
             y if v is None else v.from_matrix(y, x.shape)
@@ -175,4 +232,4 @@ def as_matrices(
         ]
         return treedef.unflatten(back), state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -118,12 +118,13 @@ def moara_adamw(
         weight decay before the step; under LDAdam every Adam is PyTorch's ``AdamW`` formula and
         all weight decay comes before the step.
       matrix_axes: which axes of a multi-axis kernel are its matrix (:class:`MatrixAxes`): a tree
-        of ``MatrixAxes`` or ``None`` with the parameters' structure, or a function of the
-        parameters returning one. By default a target's last two axes are its
+        of ``MatrixAxes`` or ``None`` matched to the parameters by path (an entry stands for its
+        subtree), or a function of the parameters (also called on the updates) returning one
+        (:func:`as_matrices`). By default a target's last two axes are its
         ``(fan_in, fan_out)`` and leading axes are stacked layers; Flax's multi-head attention
         kernels ``(embed, heads, head_dim)`` and ``(heads, head_dim, embed)`` need
         ``MatrixAxes(fan_in=-3, fan_out=(-2, -1))`` and ``MatrixAxes(fan_in=(-3, -2),
-        fan_out=-1)`` (:func:`as_matrices`); pass the same to :func:`module_alignment`.
+        fan_out=-1)``; pass the same to :func:`module_alignment` and :func:`rank_table`.
 
     Returns:
       An ``optax.GradientTransformation``.

@@ -262,16 +262,103 @@ def test_bad_matrix_axes_name_the_leaf_and_the_problem(spec, message):
         mj.matrix_view(params, {"q": spec, "b": None})
 
 
-def test_matrix_axes_on_a_vector_or_a_tree_of_another_shape_is_refused():
+def test_matrix_axes_on_a_vector_a_misspelt_path_or_a_bad_entry_is_refused():
     params = {"q": jnp.ones((E, H, D)), "b": jnp.ones(E)}
     with pytest.raises(
         ValueError, match=r"\['b'\]: a matrix needs 2 or more axes, the leaf has shape \(16,\)"
     ):
         mj.matrix_view(params, {"q": QKV, "b": QKV})
-    with pytest.raises(
-        ValueError, match="matrix_axes must be a tree of MatrixAxes or None with the parameters' structure"
-    ):
-        mj.moara_adamw(0.01, r_base=4, block_size=D, matrix_axes={"q": QKV}).init(params)
+    with pytest.raises(ValueError, match="matrix_axes names qq, not the path of a parameter or of a subtree"):
+        mj.moara_adamw(0.01, r_base=4, block_size=D, matrix_axes={"qq": QKV}).init(params)
+    entries = [
+        ((-3, (-2, -1)), r"matrix_axes\['q'\]\[0\] is -3: each entry must be a MatrixAxes or None"),
+        (
+            optax.contrib.MuonDimensionNumbers(0, (1, 2)),
+            r"matrix_axes\['q'\].reduction_axis is 0: each entry",
+        ),
+        (0, r"matrix_axes\['q'\] is 0: each entry"),
+        (False, r"matrix_axes\['q'\] is False: each entry"),
+        ("qkv", r"matrix_axes\['q'\] is 'qkv': each entry"),
+        (mj.MatrixAxes(False, (True, 2)), r"fan_in=False must name one or more of its 3 axes \(integers\)"),
+        (mj.MatrixAxes(0.0, (1, 2)), r"fan_in=0.0 must name one or more"),
+    ]
+    for entry, message in entries:
+        with pytest.raises(ValueError, match=message):
+            mj.matrix_view(params, {"q": entry})
+    # Integers of any kind name axes; a spec missing for a leaf leaves it as it is.
+    for axis in (np.int64(0), jnp.int32(0), -3):
+        view = mj.matrix_view(params, {"q": mj.MatrixAxes(axis, (np.int32(1), 2))})
+        assert view["q"].shape == (E, H * D) and view["b"] is params["b"]
+
+
+def test_a_dict_spec_fits_an_nnx_state_and_boxed_kernels_keep_their_sharding_names():
+    """One dict of specs serves ``nnx.Optimizer`` (its ``init`` sees an ``nnx.State``), and
+    kernels boxed with sharding names (linen's ``nn.with_partitioning``, nnx's) still build
+    sharded states: the viewed leaves' state is unboxed, the kernels' updates keep their boxes."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("embed", "heads", "kv"))
+    spec = {m: {"kernel": OUT if m == "out" else QKV} for m in ATTENTION}
+    tx = mj.moara_adamw(
+        0.01, r_base=4, block_size=D, rank_allocation=False, label_fn=attention_label, matrix_axes=spec
+    )
+
+    # nnx, sharding names on the kernels, under a mesh: nnx.Optimizer shards the state it makes.
+    with jax.set_mesh(mesh):
+        model = nnx.MultiHeadAttention(
+            num_heads=H,
+            in_features=E,
+            qkv_features=H * D,
+            decode=False,
+            rngs=nnx.Rngs(0),
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "heads", "kv")),
+            out_kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("heads", "kv", "embed")),
+        )
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        assert {b.shape for b in mj.projection_bases(optimizer.opt_state).values()} == {(E, 4)}
+        x = jnp.ones((2, 5, E))
+        optimizer.update(model, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model))
+
+    # linen, boxed: the state's partition specs (from the boxes) fit the state's arrays.
+    class Attention(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.MultiHeadDotProductAttention(
+                num_heads=H,
+                qkv_features=H * D,
+                name="attn",
+                kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("embed", "heads", "kv")),
+                out_kernel_init=nn.with_partitioning(
+                    nn.initializers.lecun_normal(), ("heads", "kv", "embed")
+                ),
+            )(x)
+
+    params = Attention().init(jax.random.PRNGKey(0), jnp.ones((2, 5, E)))["params"]["attn"]
+    assert isinstance(params["query"]["kernel"], nn.Partitioned)
+    shardings = nn.get_sharding(jax.eval_shape(tx.init, params), mesh)
+    state = jax.jit(tx.init, out_shardings=shardings)(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    assert isinstance(updates["query"]["kernel"], nn.Partitioned)
+    assert updates["query"]["kernel"].names == ("embed", "heads", "kv")
+    assert updates["query"]["kernel"].value.shape == (E, H, D)
+
+
+def test_extra_arguments_reach_the_inner_transformation():
+    """``value=`` for ``optax.contrib.reduce_on_plateau`` chained after ``moara_adamw``."""
+    rng = np.random.default_rng(5)
+    params, axes = _multi_axis_params(rng)
+    inner = optax.chain(
+        mj.moara_adamw(0.01, r_base=4, block_size=D, rank_allocation=False),
+        optax.contrib.reduce_on_plateau(patience=0, factor=0.5, cooldown=0),
+    )
+    tx = mj.as_matrices(inner, axes)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    for loss in (1.0, 2.0, 3.0):
+        _, state = tx.update(grads, state, params, value=jnp.asarray(loss))
+    assert float(state[1].scale) < 1.0  # the plateau was seen: the losses reached it
+    with_value = mj.moara_adamw(0.01, r_base=4, block_size=D, rank_allocation=False, matrix_axes=axes)
+    with_value.update(grads, with_value.init(params), params, value=jnp.asarray(1.0))
 
 
 SHARDED = textwrap.dedent("""
