@@ -19,6 +19,7 @@ E, H, D, L = 16, 4, 8, 2  # embed, heads, head_dim, stacked layers
 QKV = mj.MatrixAxes(fan_in=-3, fan_out=(-2, -1))  # (..., embed, heads, head_dim)
 OUT = mj.MatrixAxes(fan_in=(-3, -2), fan_out=-1)  # (..., heads, head_dim, embed)
 ATTENTION = {"query": "q", "key": "k", "value": "v", "out": "o"}
+QGALORE = mj.QGaLore(basis_group_size=32, min_8bit_size=128, weight_group_size=32)  # groups that fit E
 
 
 def attention_label(path):
@@ -89,9 +90,9 @@ def _from_2d(tree):
 
 
 @pytest.mark.parametrize(
-    "host",
-    ["galore", "fira", mj.QGaLore(basis_group_size=32, min_8bit_size=128, weight_group_size=32)],
-    ids=str,
+    "host",  # the fast lane: GaLore, Fira and Q-GaLore (quantized bases, 8-bit moments, INT8 weights)
+    ["galore", "fira", pytest.param(QGALORE, id="q_galore")]
+    + [pytest.param(h, marks=pytest.mark.slow) for h in ("osd", "ldadam", "subtrack_pp")],
 )
 @pytest.mark.parametrize("decompose", [True, False])
 def test_multi_axis_kernels_train_exactly_as_their_matrices(decompose, host):
@@ -101,6 +102,10 @@ def test_multi_axis_kernels_train_exactly_as_their_matrices(decompose, host):
     rng = np.random.default_rng(0)
     params, axes = _multi_axis_params(rng)
     kwargs = dict(r_base=8, block_size=D, decompose=decompose, update_proj_gap=2, weight_decay=0.1, host=host)
+    # Updates are about 1e-3. The two sides are different XLA programs (the views' reshapes fuse
+    # into them), so float32 rounding differs; LDAdam's basis, made anew from the last one every
+    # step, carries it forward, to 3e-7 here.
+    atol = 1e-6 if host == "ldadam" else 1e-7
     tx = mj.moara_adamw(0.01, matrix_axes=axes, **kwargs)
     ref = mj.moara_adamw(0.01, **kwargs)
     state, ref_state = jax.jit(tx.init)(params), ref.init(_as_2d(params))
@@ -113,7 +118,7 @@ def test_multi_axis_kernels_train_exactly_as_their_matrices(decompose, host):
         ref_updates, ref_state = jax.jit(ref.update)(_as_2d(grads), ref_state, _as_2d(params))
         want = _from_2d(ref_updates)
         assert jax.tree.map(jnp.shape, updates) == jax.tree.map(jnp.shape, params)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), updates, want)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol), updates, want)
         params = optax.apply_updates(params, updates)
 
 
