@@ -3,8 +3,12 @@
 
 import json
 import math
+import os
 import pathlib
 import statistics
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -56,7 +60,7 @@ def test_finished_and_failed_runs_are_skipped_interrupted_ones_resumed(tmp_path,
     make_run(tmp_path, "decomp-seed0", "diverged", [30], checkpoint=True)  # the one before it kept
     calls = []
 
-    def launch(args):
+    def launch(args, stop=None):
         calls.append(args)
         return 1 if "full-seed0" in args[args.index("--run-dir") + 1] else 0
 
@@ -83,10 +87,67 @@ def test_finished_and_failed_runs_are_skipped_interrupted_ones_resumed(tmp_path,
     assert "train.steps=20" in calls[1] and "train.seed=0" in calls[1]
     assert "full-seed0: failed with exit status 1; the sweep goes on without it" in said
     for code in (EXIT_PREEMPTED, EXIT_IO_ERROR):  # preempted, or a fault of the machine: stop
-        monkeypatch.setattr(sweep, "launch", lambda args, code=code: code)
+        monkeypatch.setattr(sweep, "launch", lambda args, stop=None, code=code: code)
         with pytest.raises(sweep.SweepStopped, match="rank-seed0") as stopped:  # the first still to do
             sweep.run_grid(PAPER, runs, tmp_path, [], say=said.append)
         assert stopped.value.code == code
+
+
+# A stand-in for ``python -m train``: the scheduler's SIGTERM reaches the sweep (or its whole
+# process group) while this run is in progress. "saves" stops as the trainer does (exit 75 after
+# the signal); "startup" has no handler yet, as the trainer before its step loop.
+FAKE_RUN = textwrap.dedent("""
+    import os, pathlib, signal, sys, time
+    log, mode, target = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    got = []
+    if mode == "saves":
+        signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    with log.open("a") as f:
+        f.write("start\\n")
+    sweep = os.getppid()
+    os.kill(sweep, signal.SIGTERM) if target == "sweep" else os.killpg(os.getpgid(sweep), signal.SIGTERM)
+    deadline = time.time() + 60
+    while not got and time.time() < deadline:
+        time.sleep(0.01)
+    with log.open("a") as f:
+        f.write("stopped\\n" if got else "no signal\\n")
+    sys.exit(75)
+""")
+
+SWEEP = textwrap.dedent("""
+    import sys
+    from train import sweep
+    log, mode, target, out = sys.argv[1:]
+    sweep.TRAIN = [sys.executable, "-c", sys.stdin.read(), log, mode, target]
+    sys.exit(sweep.main(["--base", "configs/tiny.yaml", "--seeds", "0,1", "--out", out]))
+""")
+
+
+@pytest.mark.parametrize("target", ["sweep", "group"])
+@pytest.mark.parametrize("mode", ["saves", "startup"])
+def test_sigterm_to_the_sweep_stops_it_after_the_run_in_progress(tmp_path, mode, target):
+    """SIGTERM to the sweep alone or to its process group: the run in progress gets it (it saves,
+    or is in its start-up with nothing to save), the sweep waits for it, starts no other run and
+    exits 75; the same command continues."""
+    log = tmp_path / "runs.log"
+    proc = subprocess.run(
+        [sys.executable, "-c", SWEEP, str(log), mode, target, str(tmp_path / "out")],
+        input=FAKE_RUN,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,  # its own process group, which the fake run signals
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr
+    assert "tiny-seed0 was interrupted; run the same command again to continue the sweep" in proc.stderr
+    lines = log.read_text().splitlines()
+    assert lines[0] == "start" and lines.count("start") == 1  # no second run started
+    if mode == "saves":
+        assert lines[1:] == ["stopped"]
+    else:
+        assert lines[1:] == []  # killed by it in its start-up
 
 
 def test_report_statistics_on_hand_made_runs(tmp_path):

@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,14 +79,61 @@ def train_args(
     return args + ["--run-dir", str(run_dir)] + (["--resume"] if resume else [])
 
 
-def launch(args: list[str]) -> int:
-    """Runs ``python -m train ARGS`` and returns its exit status (the sweep's one side effect)."""
-    return subprocess.call([sys.executable, "-m", "train", *args], env=os.environ.copy())
+# The trainer's command line, before a run's arguments.
+TRAIN = [sys.executable, "-m", "train"]
+
+
+class StopRequest:
+    """SIGTERM or SIGINT to the sweep: passed on to the run in progress (which saves and exits
+    75); the sweep then starts no other run. A signal to the whole process group (a terminal's
+    Ctrl-C) reaches the run twice, which asks it to stop as once does."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.child: subprocess.Popen | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> StopRequest:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        self.forward()
+
+    def forward(self) -> None:
+        if self.signum is not None and self.child is not None and self.child.poll() is None:
+            self.child.send_signal(self.signum)
+
+
+def launch(args: list[str], stop: StopRequest | None = None) -> int:
+    """Runs ``python -m train ARGS`` and returns its exit status (the sweep's one side effect),
+    with ``stop`` passing a signal to the sweep on to it."""
+    child = subprocess.Popen([*TRAIN, *args], env=os.environ.copy())
+    if stop is None:
+        return child.wait()
+    stop.child = child
+    stop.forward()  # a signal that came while it started
+    try:
+        return child.wait()
+    finally:
+        stop.child = None
 
 
 def run_grid(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[str], say=print) -> dict:
     """Runs what is not finished; returns each run's outcome. A preempted run, or one stopped by
-    a fault of the machine (a full disk fails the next run too), stops the sweep."""
+    a fault of the machine (a full disk fails the next run too), stops the sweep; so does SIGTERM
+    or SIGINT to the sweep, after the run in progress saves (:class:`StopRequest`)."""
+    with StopRequest() as stop:
+        return _run_grid(base, runs, out, sets, say, stop)
+
+
+def _run_grid(base, runs, out, sets, say, stop: StopRequest) -> dict:
     outcomes = {}
     for run in runs:
         run_dir = out / run.name
@@ -94,9 +142,14 @@ def run_grid(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[
             say(f"{run.name}: {state}, skipped")
             outcomes[run.name] = state
             continue
+        if stop.signum is not None:
+            raise SweepStopped(run.name, EXIT_PREEMPTED)
         args = train_args(base, run, run_dir, sets, state == "resumable")
         say(f"{run.name}: {'resuming' if state == 'resumable' else 'starting'}")
-        code = launch(args)
+        code = launch(args, stop)
+        if stop.signum is not None and code != EXIT_IO_ERROR:
+            # Stopped, saved or (in its start-up) with nothing yet to save: resumed next time.
+            raise SweepStopped(run.name, EXIT_PREEMPTED)
         if code in (EXIT_PREEMPTED, EXIT_IO_ERROR):
             raise SweepStopped(run.name, code)
         outcomes[run.name] = "completed" if code == 0 else f"failed (exit {code})"
