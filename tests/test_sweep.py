@@ -93,25 +93,29 @@ def test_finished_and_failed_runs_are_skipped_interrupted_ones_resumed(tmp_path,
         assert stopped.value.code == code
 
 
-# A stand-in for ``python -m train``: the scheduler's SIGTERM reaches the sweep (or its whole
+# A stand-in for ``python -m train``: the scheduler's signal reaches the sweep (or its whole
 # process group) while this run is in progress. "saves" stops as the trainer does (exit 75 after
-# the signal); "startup" has no handler yet, as the trainer before its step loop.
+# SIGTERM); "startup" has no handler yet, as the trainer before its step loop; "completes" gets
+# it in its wrap-up and finishes (exit 0).
 FAKE_RUN = textwrap.dedent("""
     import os, pathlib, signal, sys, time
     log, mode, target = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     got = []
-    if mode == "saves":
+    if mode != "startup":
         signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     with log.open("a") as f:
         f.write("start\\n")
     sweep = os.getppid()
-    os.kill(sweep, signal.SIGTERM) if target == "sweep" else os.killpg(os.getpgid(sweep), signal.SIGTERM)
+    if target == "group":
+        os.killpg(os.getpgid(sweep), signal.SIGTERM)
+    else:
+        os.kill(sweep, signal.SIGINT if target == "sweep-sigint" else signal.SIGTERM)
     deadline = time.time() + 60
     while not got and time.time() < deadline:
         time.sleep(0.01)
     with log.open("a") as f:
         f.write("stopped\\n" if got else "no signal\\n")
-    sys.exit(75)
+    sys.exit(0 if mode == "completes" else 75)
 """)
 
 SWEEP = textwrap.dedent("""
@@ -123,12 +127,13 @@ SWEEP = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("target", ["sweep", "group"])
-@pytest.mark.parametrize("mode", ["saves", "startup"])
-def test_sigterm_to_the_sweep_stops_it_after_the_run_in_progress(tmp_path, mode, target):
-    """SIGTERM to the sweep alone or to its process group: the run in progress gets it (it saves,
-    or is in its start-up with nothing to save), the sweep waits for it, starts no other run and
-    exits 75; the same command continues."""
+@pytest.mark.parametrize("target", ["sweep", "sweep-sigint", "group"])
+@pytest.mark.parametrize("mode", ["saves", "startup", "completes"])
+def test_a_signal_to_the_sweep_stops_it_after_the_run_in_progress(tmp_path, mode, target):
+    """SIGTERM or SIGINT to the sweep, or SIGTERM to its process group: the run in progress gets
+    SIGTERM (it saves, or is in its start-up with nothing to save, or finishes its wrap-up and
+    completes), the sweep waits for it, starts no other run and exits 75; the same command
+    continues."""
     log = tmp_path / "runs.log"
     proc = subprocess.run(
         [sys.executable, "-c", SWEEP, str(log), mode, target, str(tmp_path / "out")],
@@ -141,13 +146,28 @@ def test_sigterm_to_the_sweep_stops_it_after_the_run_in_progress(tmp_path, mode,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr
-    assert "tiny-seed0 was interrupted; run the same command again to continue the sweep" in proc.stderr
     lines = log.read_text().splitlines()
     assert lines[0] == "start" and lines.count("start") == 1  # no second run started
-    if mode == "saves":
-        assert lines[1:] == ["stopped"]
+    if mode == "completes":  # its outcome kept: the sweep stops before the next run
+        assert "stopped before tiny-seed1; run the same command again" in proc.stderr
     else:
-        assert lines[1:] == []  # killed by it in its start-up
+        assert "tiny-seed0 was interrupted; run the same command again to continue the sweep" in proc.stderr
+    assert lines[1:] == ([] if mode == "startup" else ["stopped"])  # in its start-up: killed by it
+
+
+def test_a_sweep_started_to_ignore_sigint_keeps_ignoring_it():
+    """A background job of a non-interactive shell starts with SIGINT ignored: the sweep leaves
+    it so (and its runs inherit that); SIGTERM is still the sweep's."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with sweep.StopRequest():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_report_statistics_on_hand_made_runs(tmp_path):

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -591,6 +592,37 @@ def test_an_interrupted_run_says_which_checkpoint_a_resume_continues_from(
     monkeypatch.undo()
     resumed = run_cli(tmp_path / "run", *FAST, extra=["--resume"])
     assert f"resuming from step {summary['last_checkpoint']}" in resumed.stdout
+
+
+SIGINT_IN_STARTUP = textwrap.dedent("""
+    import os, signal, sys, time
+    import train.loop
+
+    def start_up(*args, **kwargs):  # the start-up, before the first step: Ctrl-C comes
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)
+        print("went on")
+        return {}
+
+    train.loop.train_and_evaluate = start_up
+    from train.__main__ import main
+    sys.exit(main(["--config", "configs/tiny.yaml", "--run-dir", sys.argv[1], "--quiet"]))
+""")
+
+
+def test_sigint_in_the_start_up_ends_it_at_once_as_sigterm_does(tmp_path):
+    """Before the step loop there is nothing to save: Ctrl-C ends the process by the signal, not
+    a ``KeyboardInterrupt`` raised wherever the start-up is (inside JAX it can be swallowed, or
+    crash the process); a scheduler or the sweep sees a run ended by a signal."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGINT_IN_STARTUP, str(tmp_path / "run")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stderr[-2000:])
+    assert "went on" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 def write_jsonl(path, n, seed):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import shlex
+import signal
 import sys
+import threading
 
 from train import distributed
 from train.errors import EXIT_PREEMPTED, IOFault, UserError, cli
@@ -77,10 +80,29 @@ def train(argv=None) -> int:
         return _report(summary, run_dir)
 
     try:
-        return cli(body)
+        with _interrupt_ends_startup():
+            return cli(body)
     except Exception as e:
         distributed.before_traceback(e)  # an unexpected runtime error may be a lost peer's doing
         raise
+
+
+@contextlib.contextmanager
+def _interrupt_ends_startup():
+    """SIGINT ends the start-up at once, as SIGTERM does: nothing is saved before the first step,
+    and Python's ``KeyboardInterrupt`` raised inside JAX's start-up (a callback, a C++ frame) can
+    be swallowed or crash the process. The step loop then takes both signals over
+    (``StopSignals``: save, exit 75), as a token store build does (exit 75)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _set_xla_flags(cfg, quiet: bool) -> None:

@@ -30,6 +30,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 
 from train.compare import problems, reach
@@ -84,9 +85,11 @@ TRAIN = [sys.executable, "-m", "train"]
 
 
 class StopRequest:
-    """SIGTERM or SIGINT to the sweep: passed on to the run in progress (which saves and exits
-    75); the sweep then starts no other run. A signal to the whole process group (a terminal's
-    Ctrl-C) reaches the run twice, which asks it to stop as once does."""
+    """SIGTERM or SIGINT to the sweep: passed on to the run in progress as SIGTERM (the trainer
+    saves and exits 75; in its start-up, with nothing to save yet, it ends at once), and the
+    sweep starts no other run. A second signal while the run winds up is passed on too and
+    gives the signals back their earlier actions, so a third ends the sweep as before it ran.
+    A signal the sweep was started to ignore (a background job's SIGINT) stays ignored."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -94,29 +97,37 @@ class StopRequest:
         self._old: dict = {}
 
     def __enter__(self) -> StopRequest:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():  # where handlers can be set
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old = {}
 
     def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            self.__exit__()
         self.signum = signum
         self.forward()
 
     def forward(self) -> None:
         if self.signum is not None and self.child is not None and self.child.poll() is None:
-            self.child.send_signal(self.signum)
+            self.child.send_signal(signal.SIGTERM)
 
 
-def launch(args: list[str], stop: StopRequest | None = None) -> int:
+def launch(args: list[str], stop: StopRequest | None = None) -> int | None:
     """Runs ``python -m train ARGS`` and returns its exit status (the sweep's one side effect),
-    with ``stop`` passing a signal to the sweep on to it."""
-    child = subprocess.Popen([*TRAIN, *args], env=os.environ.copy())
+    with ``stop`` passing a signal to the sweep on to it; ``None`` when a signal came before the
+    run started."""
     if stop is None:
-        return child.wait()
+        return subprocess.call([*TRAIN, *args], env=os.environ.copy())
+    if stop.signum is not None:
+        return None
+    child = subprocess.Popen([*TRAIN, *args], env=os.environ.copy())
     stop.child = child
     stop.forward()  # a signal that came while it started
     try:
@@ -128,7 +139,7 @@ def launch(args: list[str], stop: StopRequest | None = None) -> int:
 def run_grid(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[str], say=print) -> dict:
     """Runs what is not finished; returns each run's outcome. A preempted run, or one stopped by
     a fault of the machine (a full disk fails the next run too), stops the sweep; so does SIGTERM
-    or SIGINT to the sweep, after the run in progress saves (:class:`StopRequest`)."""
+    or SIGINT to the sweep, once the run in progress has saved (:class:`StopRequest`)."""
     with StopRequest() as stop:
         return _run_grid(base, runs, out, sets, say, stop)
 
@@ -143,15 +154,18 @@ def _run_grid(base, runs, out, sets, say, stop: StopRequest) -> dict:
             outcomes[run.name] = state
             continue
         if stop.signum is not None:
-            raise SweepStopped(run.name, EXIT_PREEMPTED)
+            raise SweepStopped(run.name, EXIT_PREEMPTED, started=False)
         args = train_args(base, run, run_dir, sets, state == "resumable")
         say(f"{run.name}: {'resuming' if state == 'resumable' else 'starting'}")
         code = launch(args, stop)
-        if stop.signum is not None and code != EXIT_IO_ERROR:
-            # Stopped, saved or (in its start-up) with nothing yet to save: resumed next time.
-            raise SweepStopped(run.name, EXIT_PREEMPTED)
+        if code is None:
+            raise SweepStopped(run.name, EXIT_PREEMPTED, started=False)
         if code in (EXIT_PREEMPTED, EXIT_IO_ERROR):
             raise SweepStopped(run.name, code)
+        if code < 0 and stop.signum is not None:  # ended by the signal in its start-up
+            raise SweepStopped(run.name, EXIT_PREEMPTED)
+        # A run that finished after the signal (it came during its wrap-up) keeps its outcome;
+        # the sweep stops before the next one.
         outcomes[run.name] = "completed" if code == 0 else f"failed (exit {code})"
         if code:
             say(f"{run.name}: failed with exit status {code}; the sweep goes on without it")
@@ -159,13 +173,16 @@ def _run_grid(base, runs, out, sets, say, stop: StopRequest) -> dict:
 
 
 class SweepStopped(Exception):
-    """A run of the sweep exited ``EXIT_PREEMPTED`` or ``EXIT_IO_ERROR``: the sweep stops there."""
+    """A run of the sweep exited ``EXIT_PREEMPTED`` or ``EXIT_IO_ERROR``, or the sweep was
+    signalled: it stops there (``started``: whether ``run`` had started)."""
 
-    def __init__(self, run: str, code: int):
+    def __init__(self, run: str, code: int, started: bool = True):
         super().__init__(run, code)
-        self.run, self.code = run, code
+        self.run, self.code, self.started = run, code, started
 
     def __str__(self) -> str:
+        if not self.started:
+            return f"stopped before {self.run}; run the same command again to continue the sweep"
         why = "was interrupted" if self.code == EXIT_PREEMPTED else "stopped on an I/O error (exit 74)"
         return f"{self.run} {why}; run the same command again to continue the sweep"
 
