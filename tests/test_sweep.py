@@ -96,7 +96,8 @@ def test_finished_and_failed_runs_are_skipped_interrupted_ones_resumed(tmp_path,
 # A stand-in for ``python -m train``: the scheduler's signal reaches the sweep (or its whole
 # process group) while this run is in progress. "saves" stops as the trainer does (exit 75 after
 # SIGTERM); "startup" has no handler yet, as the trainer before its step loop; "completes" gets
-# it in its wrap-up and finishes (exit 0).
+# it in its wrap-up and finishes (exit 0); "completes-then-killed" is ended by a second signal
+# once its summary is written.
 FAKE_RUN = textwrap.dedent("""
     import os, pathlib, signal, sys, time
     log, mode, target = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -113,8 +114,15 @@ FAKE_RUN = textwrap.dedent("""
     deadline = time.time() + 60
     while not got and time.time() < deadline:
         time.sleep(0.01)
+    time.sleep(0.5)  # its wrap-up, in which a group's signal passed on by the sweep arrives too
     with log.open("a") as f:
         f.write("stopped\\n" if got else "no signal\\n")
+    if mode == "completes-then-killed":  # its summary written, a late signal ends it on its way out
+        run_dir = pathlib.Path(sys.argv[sys.argv.index("--run-dir") + 1])
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text('{"status": "completed"}')
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
     sys.exit(0 if mode == "completes" else 75)
 """)
 
@@ -128,7 +136,7 @@ SWEEP = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("target", ["sweep", "sweep-sigint", "group"])
-@pytest.mark.parametrize("mode", ["saves", "startup", "completes"])
+@pytest.mark.parametrize("mode", ["saves", "startup", "completes", "completes-then-killed"])
 def test_a_signal_to_the_sweep_stops_it_after_the_run_in_progress(tmp_path, mode, target):
     """SIGTERM or SIGINT to the sweep, or SIGTERM to its process group: the run in progress gets
     SIGTERM (it saves, or is in its start-up with nothing to save, or finishes its wrap-up and
@@ -148,7 +156,7 @@ def test_a_signal_to_the_sweep_stops_it_after_the_run_in_progress(tmp_path, mode
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr
     lines = log.read_text().splitlines()
     assert lines[0] == "start" and lines.count("start") == 1  # no second run started
-    if mode == "completes":  # its outcome kept: the sweep stops before the next run
+    if mode.startswith("completes"):  # its outcome kept: the sweep stops before the next run
         assert "stopped before tiny-seed1; run the same command again" in proc.stderr
     else:
         assert "tiny-seed0 was interrupted; run the same command again to continue the sweep" in proc.stderr

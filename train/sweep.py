@@ -162,8 +162,10 @@ def _run_grid(base, runs, out, sets, say, stop: StopRequest) -> dict:
             raise SweepStopped(run.name, EXIT_PREEMPTED, started=False)
         if code in (EXIT_PREEMPTED, EXIT_IO_ERROR):
             raise SweepStopped(run.name, code)
-        if code < 0 and stop.signum is not None:  # ended by the signal in its start-up
-            raise SweepStopped(run.name, EXIT_PREEMPTED)
+        if code < 0 and stop.signum is not None:
+            if RunDir(run_dir).state() != "completed":  # ended by the signal in its start-up
+                raise SweepStopped(run.name, EXIT_PREEMPTED)
+            code = 0  # completed, then ended by a second signal (a group's) on its way out
         # A run that finished after the signal (it came during its wrap-up) keeps its outcome;
         # the sweep stops before the next one.
         outcomes[run.name] = "completed" if code == 0 else f"failed (exit {code})"
