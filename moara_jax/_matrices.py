@@ -87,22 +87,20 @@ def _axes(value: Any, ndim: int, what: str, where: str) -> tuple[int, ...]:
 
 
 class _View(NamedTuple):
-    """How one leaf becomes its matrix view: the axis order, then the view's shape."""
+    """How one leaf becomes its matrix view: the axis order (``None`` when the axes are in order
+    already) and its inverse, then the view's shape."""
 
-    order: tuple[int, ...]
+    order: tuple[int, ...] | None
+    inverse: tuple[int, ...] | None
     shape: tuple[int, ...]
 
     def to_matrix(self, x: jax.Array) -> jax.Array:
-        if self.order != tuple(range(x.ndim)):
-            x = x.transpose(self.order)
-        return x.reshape(self.shape)
+        return (x if self.order is None else x.transpose(self.order)).reshape(self.shape)
 
     def from_matrix(self, y: jax.Array, like_shape: tuple[int, ...]) -> jax.Array:
-        y = y.reshape(tuple(like_shape[a] for a in self.order))
-        if self.order == tuple(range(len(self.order))):
-            return y
-        inverse = sorted(range(len(self.order)), key=self.order.__getitem__)
-        return y.transpose(inverse)
+        if self.order is None:
+            return y.reshape(like_shape)
+        return y.reshape(tuple(like_shape[a] for a in self.order)).transpose(self.inverse)
 
 
 def _view(spec: MatrixAxes, shape: tuple[int, ...], where: str) -> _View:
@@ -122,7 +120,10 @@ def _view(spec: MatrixAxes, shape: tuple[int, ...], where: str) -> _View:
         math.prod(shape[a] for a in fan_in),
         math.prod(shape[a] for a in fan_out),
     )
-    return _View(batch + named, view_shape)
+    order = batch + named
+    if order == tuple(range(ndim)):
+        return _View(None, None, view_shape)
+    return _View(order, tuple(sorted(range(ndim), key=order.__getitem__)), view_shape)
 
 
 def _specs_by_path(specs: Any) -> dict[tuple[str, ...], MatrixAxes | None]:

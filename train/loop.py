@@ -535,8 +535,9 @@ def finish(
             outcome = Outcome("io_error", outcome.steps, None, e)
     if outcome.fault is not None:
         ckpt.abandon()
+    kept = ckpt.complete_steps()  # after the last save, or after abandon removed a partial one
     summary = make_summary(setup, run, start, loop, outcome, clock)
-    summary["last_checkpoint"] = (ckpt.complete_steps() or [None])[-1]
+    summary["last_checkpoint"] = kept[-1] if kept else None
     unwritten, summary_written = None, False
     if loop.recorder is not None:  # a partial profile gives no allocation; --resume finishes it
         done = outcome.status == "completed" and main
@@ -556,7 +557,6 @@ def finish(
             unwritten = unwritten or e
     if outcome.fault is None and unwritten is None:
         return summary
-    kept = ckpt.complete_steps()
     notes = [
         f"the last complete checkpoint, step {kept[-1]}, is in {ckpt.directory}"
         if kept

@@ -104,13 +104,16 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
-            self.__exit__()
+            self.restore()
         self.signum = signum
         self.forward()
 
@@ -119,12 +122,10 @@ class StopRequest:
             self.child.send_signal(signal.SIGTERM)
 
 
-def launch(args: list[str], stop: StopRequest | None = None) -> int | None:
+def launch(args: list[str], stop: StopRequest) -> int | None:
     """Runs ``python -m train ARGS`` and returns its exit status (the sweep's one side effect),
     with ``stop`` passing a signal to the sweep on to it; ``None`` when a signal came before the
     run started."""
-    if stop is None:
-        return subprocess.call([*TRAIN, *args], env=os.environ.copy())
     if stop.signum is not None:
         return None
     child = subprocess.Popen([*TRAIN, *args], env=os.environ.copy())
