@@ -208,3 +208,20 @@ def test_stage_options_are_keyword_only_and_checked_at_the_public_call():
         mj.scale_by_galore(4, host="ldadam", update_proj_gap=0)
     with pytest.raises(ValueError, match="svd"):
         mj.moara_adamw(0.1, r_base=8, block_size=8, svd="lanczos")
+
+
+@pytest.mark.parametrize("name", ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
+def test_every_host_state_made_outside_jit_can_be_donated(name):
+    """No two leaves of a state share a buffer, so ``jit(..., donate_argnums=...)`` takes a state
+    that ``init`` made eagerly (XLA refuses to donate one buffer twice)."""
+    host = mj.QGaLore(basis_group_size=8, weight_bits=None) if name == "q_galore" else name
+    params = _params()
+    tx = mj.moara_adamw(0.01, r_base=8, block_size=8, host=host)
+    state = tx.init(params)
+    buffers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state) if x.size]
+    assert len(buffers) == len(set(buffers))
+    step = jax.jit(tx.update, donate_argnums=(1,))
+    grads = jax.tree.map(jnp.ones_like, params)
+    for _ in range(2):
+        _, state = step(grads, state, params)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))

@@ -150,3 +150,28 @@ def test_moara_on_osd_runs_decomposition_on_the_moving_basis():
     the direction's projection are the chain's, checked for GaLore)."""
     bases = [np.asarray(n.basis["q_proj"]["kernel"]) for n in host_run("osd", mj.OSDProjectState, seed=2)]
     assert not np.allclose(bases[1], bases[2]) and not np.allclose(bases[2], bases[3])
+
+
+def test_the_state_holds_the_basis_each_update_used():
+    """The basis steps on update t's loss at the start of update t + 1, so the state after an
+    update holds the basis that projected its gradient: the update lies in that basis's span, and
+    the alignment diagnostic (the paper's ``S(W, t)``, with the ``P`` that projected ``G_t``) reads it."""
+    rng = np.random.default_rng(5)
+    params = {"q_proj": {"kernel": jnp.zeros((40, 24))}}
+    tx = mj.moara_adamw(0.01, r_base=4, decompose=False, rank_allocation=False, update_proj_gap=2, host="osd")
+    state, update = tx.init(params), jax.jit(tx.update)
+    bases = []
+    for t in range(5):
+        grads = {"q_proj": {"kernel": jnp.asarray(rng.standard_normal((40, 24)), jnp.float32)}}
+        updates, state = update(grads, state, params)
+        basis = np.asarray(find_state(state, mj.OSDProjectState).basis["q_proj"]["kernel"], np.float64)
+        u = np.asarray(updates["q_proj"]["kernel"], np.float64)
+        assert basis.shape == (24, 4)  # the smaller side, fan_out, is projected
+        outside = u - u @ basis @ np.linalg.pinv(basis)
+        assert np.linalg.norm(outside) < 1e-5 * np.linalg.norm(u), t
+        g = np.asarray(grads["q_proj"]["kernel"], np.float64)
+        recon = g @ basis @ basis.T
+        cos = (g * recon).sum() / np.linalg.norm(g) / np.linalg.norm(recon)
+        np.testing.assert_allclose(mj.module_alignment(grads, state)["q"], cos, rtol=1e-4, err_msg=str(t))
+        bases.append(basis)
+    assert not np.allclose(bases[-1], bases[-2], atol=1e-6)  # the basis moves every step

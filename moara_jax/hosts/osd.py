@@ -8,6 +8,11 @@ online-PCA loss of the normalised gradient ``X = G / ||G||``,
 size ``basis_lr(t)`` (the reference: ``lr_t / (lr_peak T)``, the model's learning-rate schedule
 over ``T``). This is the official implementation's default ``continuous`` projection.
 
+The step on update ``t``'s loss is taken when update ``t + 1`` begins (the same numbers for
+float32 bases; bf16 ones step on their moments as stored, as PyTorch's do), so that the state
+holds the basis the last update used (what the alignment diagnostic reads) and the moments of
+its pending step.
+
 Two deliberate differences: a zero gradient contributes a zero loss (the reference divides by
 its zero norm and turns the basis into NaN), and the AdamW math runs in float32 with the basis
 and its moments stored in the leaf's dtype (the reference computes in bf16 for bf16 weights).
@@ -23,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._adam import inner_adam, torch_adam_direction
+from moara_jax._adam import _torch_adam_from, inner_adam, torch_adam_direction
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
     _check_args,
@@ -41,8 +46,8 @@ class OSDProjectState(NamedTuple):
     """State of :func:`osd_project`."""
 
     count: jax.Array  # shape=(), dtype=jnp.int32: steps taken.
-    basis: Any  # per leaf (..., d, r) in the leaf's dtype.
-    basis_mu: Any  # AdamW first moments of the basis (its dtype).
+    basis: Any  # per leaf (..., d, r) in the leaf's dtype: the one the last update used.
+    basis_mu: Any  # AdamW first moments of the basis (its dtype), with the last update's loss.
     basis_nu: Any  # AdamW second moments of the basis.
 
 
@@ -60,12 +65,12 @@ def pca_loss(basis: jax.Array, g: jax.Array, side: str) -> jax.Array:
     return jnp.sum(jnp.square(recon - x))
 
 
-def _adamw(p, g, mu, nu, step, lr, b1, b2, eps, weight_decay):
-    """One ``torch.optim.AdamW`` step (float32 math, results in the operands' dtypes)."""
-    p32, g32 = p.astype(jnp.float32), g.astype(jnp.float32)
-    direction, m, v = torch_adam_direction(g32, mu, nu, step, b1, b2, eps)
-    p32 = p32 * (1.0 - lr * weight_decay) - lr * direction
-    return p32.astype(p.dtype), m, v
+def _adamw_step(p, mu, nu, step, lr, b1, b2, eps, weight_decay):
+    """``torch.optim.AdamW``'s update of ``p`` from moments already updated at ``step`` (float32
+    math, the result in ``p``'s dtype)."""
+    mu32, nu32 = mu.astype(jnp.float32), nu.astype(jnp.float32)
+    direction = _torch_adam_from(mu32, nu32, step, b1, b2, eps, jnp.float32, jnp.float32, jnp.float32)[0]
+    return (p.astype(jnp.float32) * (1.0 - lr * weight_decay) - lr * direction).astype(p.dtype)
 
 
 def osd_project(
@@ -98,8 +103,9 @@ def osd_project(
 
     def init_fn(params):
         basis = zero_bases("osd_project", params, rank_fn, name_fn)
-        zeros = jax.tree.map(jnp.zeros_like, basis)
-        return OSDProjectState(jnp.zeros([], jnp.int32), basis, zeros, zeros)  # immutable: shared
+        # Two trees of their own: a state whose leaves share a buffer cannot be donated.
+        mu, nu = (jax.tree.map(jnp.zeros_like, basis) for _ in range(2))
+        return OSDProjectState(jnp.zeros([], jnp.int32), basis, mu, nu)
 
     def update_fn(updates, state, params=None):
         del params
@@ -113,25 +119,31 @@ def osd_project(
             new = refresh_bases(sources, [b.shape[-1] for b in old], svd, key, 8, 2, canonical_signs)
             return [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
 
-        bases = jax.lax.cond(state.count == 0, first, lambda: list(old)) if leaves else []
-        out, new_bases, new_mus, new_nus = [], [], [], []
-        lr = jnp.asarray(lr_fn(state.count), jnp.float32)
+        def later():
+            # The basis's step on the last update's loss, taken now, so that the state holds the
+            # basis each update used (step 1 has none: step 0's SVD has no loss to step on).
+            last = jnp.maximum(state.count - 1, 1)
+            lr = jnp.asarray(lr_fn(state.count - 1), jnp.float32)
+            return [
+                jnp.where(state.count >= 2, _adamw_step(b, mu, nu, last, lr, b1, b2, eps, weight_decay), b)
+                for b, mu, nu in zip(old, mus, nus, strict=True)
+            ]
+
+        bases = jax.lax.cond(state.count == 0, first, later) if leaves else []
+        out, new_mus, new_nus = [], [], []
         for u, m, b, mu, nu in zip(leaves, mats, bases, mus, nus, strict=True):
             side = projection_side(m.shape)
             low = LowRank(project_value(m, b, side), b, side)
             out.append(u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low)
-            # The basis steps after this step's projection (none at step 0, where it was made).
+            # The moments of the basis's step on this step's loss (none at step 0, where it was made).
             grad = jax.grad(pca_loss)(b, m, side)
-            # (At step 0 the result is discarded; step 1 keeps the bias correction finite.)
-            stepped = _adamw(b, grad, mu, nu, jnp.maximum(state.count, 1), lr, b1, b2, eps, weight_decay)
+            _, mu_new, nu_new = torch_adam_direction(grad, mu, nu, jnp.maximum(state.count, 1), b1, b2, eps)
             keep = state.count == 0
-            b_new, mu_new, nu_new = (jnp.where(keep, x, y) for x, y in zip((b, mu, nu), stepped, strict=True))
-            new_bases.append(b_new)
-            new_mus.append(mu_new)
-            new_nus.append(nu_new)
+            new_mus.append(jnp.where(keep, mu, mu_new))
+            new_nus.append(jnp.where(keep, nu, nu_new))
         new_state = OSDProjectState(
             optax.safe_increment(state.count),
-            *(treedef.unflatten(x) for x in (new_bases, new_mus, new_nus)),
+            *(treedef.unflatten(x) for x in (bases, new_mus, new_nus)),
         )
         return jax.tree.unflatten(treedef, out), new_state
 
