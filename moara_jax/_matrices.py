@@ -148,15 +148,19 @@ def leaf_views(tree: Any, matrix_axes: MatrixAxesOrFn) -> list[_View | None]:
     so one spec tree serves a dict, a ``FrozenDict``, an nnx ``State`` and their boxed forms. A
     spec at a subtree's path applies to each leaf under it (the nearest one counts); leaves no
     spec covers keep the default rule. A non-``None`` spec whose path is no parameter's is an
-    error (a misspelt name would otherwise change nothing)."""
+    error (a misspelt name would otherwise change nothing); a parameter that ``optax.masked`` or
+    ``optax.partition`` hides from this transformation (``optax.MaskedNode``) counts as one."""
     specs = _specs_by_path(matrix_axes(tree) if callable(matrix_axes) else matrix_axes)
     used = set()
     views: list[_View | None] = []
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=masked)[0]:
         names = path_names(path)
         prefix = next((names[:n] for n in range(len(names), -1, -1) if names[:n] in specs), None)
         spec = None if prefix is None else specs[prefix]
         used.add(prefix)
+        if masked(x):  # a parameter another transformation steps (optax.masked, optax.partition)
+            continue
         where = jax.tree_util.keystr(unboxed(path))
         views.append(None if spec is None else _view(spec, tuple(jnp.shape(x)), where))
     unused = ["/".join(k) or "(the root)" for k, v in specs.items() if v is not None and k not in used]

@@ -366,6 +366,44 @@ def test_extra_arguments_reach_the_inner_transformation():
     with_value.update(grads, with_value.init(params), params, value=jnp.asarray(1.0))
 
 
+def test_one_model_wide_spec_serves_each_group_of_a_partition_and_a_mask():
+    """Under ``optax.partition`` and ``optax.masked`` the leaves another transformation steps are
+    hidden (``optax.MaskedNode``); a spec naming one of them is no misspelt path, and each group
+    steps its own leaves as on the hand-reshaped matrices."""
+    rng = np.random.default_rng(6)
+    params, axes = _multi_axis_params(rng)
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
+    layers = {"layers": {"q_proj": {"kernel": "a"}, "o_proj": {"kernel": "b"}}}
+    labels = layers | {"k_proj": {"kernel": "b"}, "down_proj": {"kernel": "b"}, "norm": "b"}
+    kwargs = dict(r_base=4, block_size=D, rank_allocation=False)
+    tx = optax.partition(
+        {
+            "a": mj.moara_adamw(0.01, matrix_axes=axes, **kwargs),
+            "b": mj.moara_adamw(0.02, matrix_axes=axes, **kwargs),
+        },
+        labels,
+    )
+    ref = optax.partition({"a": mj.moara_adamw(0.01, **kwargs), "b": mj.moara_adamw(0.02, **kwargs)}, labels)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    ref_updates, _ = ref.update(_as_2d(grads), ref.init(_as_2d(params)), _as_2d(params))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), updates, _from_2d(ref_updates)
+    )
+
+    mask = jax.tree.map(lambda label: label == "b", labels)
+    masked = optax.masked(mj.moara_adamw(0.02, matrix_axes=axes, **kwargs), mask)
+    updates, _ = masked.update(grads, masked.init(params), params)
+    np.testing.assert_array_equal(updates["layers"]["q_proj"]["kernel"], grads["layers"]["q_proj"]["kernel"])
+    want = _from_2d(ref_updates)
+    for path in (("layers", "o_proj", "kernel"), ("k_proj", "kernel"), ("down_proj", "kernel")):
+        got, expected = updates, want
+        for key in path:
+            got, expected = got[key], expected[key]
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7, err_msg=str(path))
+    with pytest.raises(ValueError, match="matrix_axes names k_prj"):  # a misspelt path is still refused
+        optax.masked(mj.as_matrices(optax.sgd(0.1), {"k_prj": QKV}), mask).init(params)
+
+
 SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
