@@ -37,6 +37,34 @@ BLOCK_SIZE = 256
 MIN_8BIT_SIZE = 4096
 
 
+def flax_serializable(*fields: str):
+    """Class decorator: ``flax.serialization`` writes the pytree class as ``{field: array}`` and
+    restores it onto a target of the same static structure, so an optimizer state holding it
+    goes through ``to_bytes``/``from_bytes`` (and ``to_state_dict``) as the NamedTuple states do.
+    Without Flax installed, nothing is registered."""
+
+    def register(cls):
+        try:
+            from flax import serialization
+        except ImportError:  # the optimizer itself does not need Flax
+            return cls
+
+        def to_state(x):
+            return {f: serialization.to_state_dict(getattr(x, f)) for f in fields}
+
+        def from_state(target, state):
+            missing = [f for f in fields if f not in state]
+            if missing:
+                raise ValueError(f"{cls.__name__} state dict lacks {', '.join(missing)}")
+            children = [serialization.from_state_dict(getattr(target, f), state[f], name=f) for f in fields]
+            return cls.tree_unflatten(target.tree_flatten()[1], children)
+
+        serialization.register_serialization_state(cls, to_state, from_state, override=True)
+        return cls
+
+    return register
+
+
 def _linspace32(start: float, stop: float, num: int) -> np.ndarray:
     """A float32 ``linspace`` whose step is rounded to float32 and whose points are computed in
     float64 from both ends (the first half from ``start``, the rest from ``stop``)."""
@@ -84,6 +112,7 @@ def unit_restore(flat: jax.Array, shape: tuple[int, ...], transpose: bool) -> ja
     return flat.reshape(shape)
 
 
+@flax_serializable("codes", "absmax")
 @jax.tree_util.register_pytree_node_class
 class Blockwise8bit:
     """An array stored as 8-bit dynamic-map codes with one float32 scale per block of entries.

@@ -38,11 +38,19 @@ from moara_jax._projection import (
     projection_side,
     refresh_bases,
 )
-from moara_jax._quant import adam8bit, group_dequantize, group_quantize, unit_flat, unit_restore
+from moara_jax._quant import (
+    adam8bit,
+    flax_serializable,
+    group_dequantize,
+    group_quantize,
+    unit_flat,
+    unit_restore,
+)
 from moara_jax._validate import is_int
 from moara_jax.hosts._base import Host, StageOptions, is_zero, real
 
 
+@flax_serializable("codes", "scales", "zeros")
 @jax.tree_util.register_pytree_node_class
 class QuantizedBasis:
     """A projection basis ``(..., d, r)`` stored as ``bits``-bit group codes (uint8), with a
