@@ -108,6 +108,45 @@ def test_encodes_as_auto_tokenizer_does(llama_like, qwen_like):
     assert qwen.vocab_size == 321 and qwen.encode("<|pad|>") == [320]  # the added pad token
 
 
+SPECIAL_CONFIGS = {
+    "extra-dict": {"extra_special_tokens": {"image_token": "<|image_pad|>", "video_token": "<|video|>"}},
+    "custom-key": {"image_token": "<|image_pad|>", "add_bos_token": True, "vision_token": None},
+    "both-lists": {"additional_special_tokens": ["<|a|>"], "extra_special_tokens": ["<|b|>", "<|c|>"]},
+    "explicit": {
+        "model_specific_special_tokens": {"audio_token": "<|audio|>"},
+        "image_token": {"__type": "AddedToken", "content": "<|image_pad|>", "special": True},
+    },
+}
+
+
+@pytest.mark.parametrize("config", list(SPECIAL_CONFIGS.values()), ids=list(SPECIAL_CONFIGS))
+def test_special_tokens_of_every_config_form_and_a_file_saved_truncating(config, tmp_path):
+    """Model-specific special tokens (an ``extra_special_tokens`` dict, other ``*_token`` keys,
+    ``model_specific_special_tokens``) get the ids and the whole-token matching transformers 5
+    gives them, and a ``tokenizer.json`` saved with truncation and padding on encodes documents
+    whole, as ``AutoTokenizer.encode`` does."""
+    folder = build_tokenizer(tmp_path / "t", bos=False, **config)
+    file = folder / "tokenizer.json"
+    saved = json.loads(file.read_text())
+    saved["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    saved["padding"] = {
+        "strategy": {"Fixed": 64},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 1,
+        "pad_type_id": 0,
+        "pad_token": "<|end_of_text|>",
+    }
+    file.write_text(json.dumps(saved))
+    ours = make_tokenizer(str(folder))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    texts = TEXTS + ["a <|image_pad|> b <|video|><|audio|> <|a|><|b|><|c|> image_token vision_token"]
+    for text in texts:
+        assert ours.encode(text) == hf.encode(text), text
+    assert ours.vocab_size == len(hf)
+    assert len(ours.encode(documents(1)[0])) > 8  # no truncation
+
+
 def test_bad_tokenizer_files_are_one_line_errors(llama_like, tmp_path):
     def error(path) -> str:
         with pytest.raises(UserError) as e:

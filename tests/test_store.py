@@ -23,7 +23,7 @@ from train import store as token_store
 from train.config import DataSection
 from train.data import Data, build_data
 from train.errors import EXIT_PREEMPTED, IOFault, UserError
-from train.sources import ByteTokenizer, Counts, file_documents, is_validation
+from train.sources import ByteTokenizer, Counts, file_documents, is_validation, make_tokenizer
 from train.store import building, open_store, planning
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -308,10 +308,37 @@ def test_corrupt_records_are_skipped_and_counted_in_the_manifest(tmp_path):
     with gzip.open(bad, "wb") as f:
         f.write(b'{"text": "good one"}\n{broken json\n{"text": ""}\n{"other": 1}\n')
         f.write(b'{"text": "\xff\xfe bad bytes"}\n\n{"text": "good two"}\n')
+        # A lone surrogate escape is valid JSON but no UTF-8 text; a pair is one character.
+        f.write(b'{"text": "lone \\ud83d here"}\n{"text": "pair \\ud83d\\ude00 here"}\n')
     opened = open_store(files_section([*good, str(bad)], store=str(tmp_path / "s")), quiet=True)
     m = opened.manifest
-    assert m["skipped"] == {"broken_json": 1, "empty_text": 1, "missing_text": 1, "non_utf8": 1}
-    assert sum(m["splits"][s]["documents"] for s in ("train", "validation")) == 7
+    assert m["skipped"] == {
+        "broken_json": 1,
+        "empty_text": 1,
+        "missing_text": 1,
+        "non_utf8": 1,
+        "lone_surrogate": 1,
+    }
+    assert sum(m["splits"][s]["documents"] for s in ("train", "validation")) == 8
+
+
+def test_unreadable_inputs_and_tokenizer_files_are_one_line_errors(tmp_path, sp_model, monkeypatch):
+    """A damaged gzip stream, a tokenizer file that is no sentencepiece model (Llama 3's tiktoken
+    ``tokenizer.model``), and a ``~`` path are named in one line, not a traceback."""
+    damaged = tmp_path / "damaged.jsonl.gz"
+    whole = gzip.compress(b"".join(b'{"text": "document %d"}\n' % i for i in range(2000)))
+    damaged.write_bytes(whole[:20] + bytes(b ^ 0xFF for b in whole[20:60]) + whole[60:])
+    with pytest.raises(UserError, match=r"^cannot read data file .*damaged\.jsonl\.gz: ") as e:
+        list(file_documents([str(damaged)], Counts()))
+    assert "\n" not in str(e.value)
+    tiktoken = tmp_path / "tokenizer.model"
+    tiktoken.write_text("IQ== 0\nIg== 1\n")
+    with pytest.raises(UserError, match=r"tokenizer\.model is not a sentencepiece model \(") as e:
+        make_tokenizer(str(tiktoken))
+    assert "\n" not in str(e.value)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "spiece.model").write_bytes(pathlib.Path(sp_model).read_bytes())
+    assert make_tokenizer("~/spiece.model").vocab_size == 40
 
 
 def test_max_documents_takes_the_first_documents_across_pieces(tmp_path, monkeypatch):

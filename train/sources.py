@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import json
 import pathlib
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -54,10 +55,14 @@ class SentencePieceTokenizer:
                 "data.tokenizer names a sentencepiece model but sentencepiece is not "
                 "installed: pip install 'moara-jax[sentencepiece]'"
             ) from None
-        if not pathlib.Path(path).is_file():
+        self.path = pathlib.Path(path).expanduser()
+        if not self.path.is_file():
             raise UserError(f"data.tokenizer: sentencepiece model not found: {path}")
-        self.path = pathlib.Path(path)
-        self._sp = spm.SentencePieceProcessor(model_file=str(path))
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        except (RuntimeError, OSError) as e:  # e.g. a tiktoken tokenizer.model (Llama 3's)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"data.tokenizer: {path} is not a sentencepiece model ({why})") from None
         self.vocab_size = self._sp.get_piece_size()
         self.eos_id = self._sp.eos_id()
         self.bos_id = None  # a document's ids are its pieces: no BOS (the model's own BOS is unused)
@@ -88,7 +93,6 @@ TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # tokenizer_config.json keys naming special tokens, in the order transformers adds the missing ones.
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-EXTRA_SPECIAL_KEYS = ("additional_special_tokens", "extra_special_tokens")
 
 
 def _token_text(value) -> str | None:
@@ -96,6 +100,36 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
+
+
+def _special_tokens(config: dict) -> tuple[dict[str, str | None], dict[str, str], list[str]]:
+    """The special tokens of a tokenizer_config.json as transformers 5 reads them: the named ones
+    (``SPECIAL_KEYS``); the model-specific ones (an ``extra_special_tokens`` dict, then any other
+    ``*_token`` key holding a token, then ``model_specific_special_tokens``), which it adds after
+    the named ones; and the ``extra_special_tokens`` list (``additional_special_tokens`` when
+    there is none), added last."""
+    named = {k: _token_text(config.get(k)) for k in SPECIAL_KEYS}
+    extra = (
+        config["extra_special_tokens"]
+        if "extra_special_tokens" in config
+        else config.get("additional_special_tokens")
+    )
+    model_specific: dict[str, str] = {}
+    if isinstance(extra, dict):
+        model_specific.update((k, _token_text(v)) for k, v in extra.items())
+        extra = []
+    for key, value in config.items():
+        token = value if isinstance(value, str) else None
+        if isinstance(value, dict) and value.get("__type") == "AddedToken":
+            token = _token_text(value)
+        if key.endswith("_token") and key not in SPECIAL_KEYS and token is not None:
+            model_specific[key] = token
+    explicit = config.get("model_specific_special_tokens")
+    model_specific.update(
+        (k, _token_text(v)) for k, v in (explicit if isinstance(explicit, dict) else {}).items()
+    )
+    listed = [_token_text(t) for t in (extra if isinstance(extra, list | tuple) else [])]
+    return named, {k: v for k, v in model_specific.items() if v}, [t for t in listed if t]
 
 
 class HFTokenizer:
@@ -130,10 +164,14 @@ class HFTokenizer:
             raise UserError(f"data.tokenizer: {p} is not a tokenizers file ({why})") from None
         self.path, self.config_path = p, p.with_name(TOKENIZER_CONFIG)
         self.config = self._read_config()
-        named = {k: _token_text(self.config.get(k)) for k in SPECIAL_KEYS}
-        extra = [_token_text(t) for k in EXTRA_SPECIAL_KEYS for t in (self.config.get(k) or [])]
+        # A file saved after a call with truncation or padding keeps them; AutoTokenizer.encode
+        # sets both off for each call, and a document is encoded whole.
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        named, model_specific, extra = _special_tokens(self.config)
         added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
-        new = [t for t in dict.fromkeys([*named.values(), *extra]) if t and t not in added]
+        ordered = [*named.values(), *model_specific.values(), *extra]
+        new = [t for t in dict.fromkeys(ordered) if t and t not in added]
         self._tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in new])
         self._tok.encode_special_tokens = bool(self.config.get("split_special_tokens", False))
         if named["eos_token"] is None:
@@ -146,10 +184,12 @@ class HFTokenizer:
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         self.settings = {
             "special_tokens": {k: v for k, v in named.items() if v},
-            "extra_special_tokens": [t for t in extra if t],
+            "extra_special_tokens": extra,
             "added_special_tokens": new,
             "split_special_tokens": self._tok.encode_special_tokens,
         }
+        if model_specific:  # (absent otherwise, so that stores built before it still match)
+            self.settings["model_specific_special_tokens"] = model_specific
 
     def _read_config(self) -> dict:
         if not self.config_path.is_file():
@@ -269,9 +309,19 @@ def _json_text(raw: bytes, counts: Counts) -> str | None:
         counts.skip("missing_text")
     elif not text.strip():
         counts.skip("empty_text")
+    elif b"\\u" in raw and not _encodable(text):
+        counts.skip("lone_surrogate")  # an escape such as "\\ud83d" without its pair: no UTF-8 text
     else:
         return text
     return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _lines(path: pathlib.Path, start: int, stop: int | None) -> Iterator[bytes]:
@@ -290,7 +340,7 @@ def _lines(path: pathlib.Path, start: int, stop: int | None) -> Iterator[bytes]:
                     return
                 pos += len(line)
                 yield line
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged deflate stream
         raise UserError(f"cannot read data file {path}: {e}") from None
 
 
