@@ -17,12 +17,12 @@ import types
 
 import numpy as np
 import pytest
-from helpers import cpu_devices
+from helpers import cpu_devices, tokenize_or_die
 
 from train import store as token_store
 from train.config import DataSection
 from train.data import Data, build_data
-from train.errors import EXIT_PREEMPTED, IOFault, UserError
+from train.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, IOFault, UserError, cli
 from train.sources import ByteTokenizer, Counts, file_documents, is_validation, make_tokenizer
 from train.store import building, open_store, planning
 
@@ -175,6 +175,25 @@ def test_full_disk_leaves_no_complete_looking_piece_and_a_rerun_finishes(tmp_pat
     monkeypatch.setattr(building._ShardWriter, "write", original)
     token_store.build(tmp_path / "full", plan, workers=1, quiet=True)
     assert tree_hashes(tmp_path / "full") == tree_hashes(tmp_path / "whole")
+
+
+def test_a_worker_killed_mid_build_is_one_line_and_a_rerun_finishes(tmp_path, monkeypatch, capsys):
+    """A tokenizing worker the system kills (out of memory) ends the build with one line and exit
+    69 (``ProcessLost``), not a wait that never ends; the pieces completed are
+    kept, and the same build run again gives the store an uninterrupted one gives."""
+    paths = write_corpus(tmp_path / "corpus", files=6)
+    plan = token_store.plan(files_section(paths))
+    token_store.build(tmp_path / "whole", plan, workers=1, quiet=True)
+    monkeypatch.setattr(building, "tokenize_piece", tokenize_or_die)
+    assert cli(lambda: token_store.build(tmp_path / "cut", plan, workers=2, quiet=True)) == EXIT_PEER_LOST
+    err = capsys.readouterr().err
+    assert err.startswith("error: a tokenizing worker process ended before its piece was done")
+    assert "pieces completed are kept: run the same command again" in err and err.count("\n") == 1
+    assert not (tmp_path / "cut" / token_store.MANIFEST).exists()
+    assert "00002.json" not in {p.name for p in (tmp_path / "cut" / "shards").iterdir()}
+    monkeypatch.undo()
+    token_store.build(tmp_path / "cut", plan, workers=2, quiet=True)
+    assert tree_hashes(tmp_path / "cut") == tree_hashes(tmp_path / "whole")
 
 
 def test_store_holds_the_documents_eos_separated_with_the_hash_split(tmp_path):

@@ -16,13 +16,19 @@ from collections.abc import Callable, Iterator
 EXIT_USER_ERROR = 2
 EXIT_IO_ERROR = 74
 EXIT_PREEMPTED = 75
-# A process of a multi-process run whose peer process was lost (stopped, or its host unreachable):
-# sysexits' EX_UNAVAILABLE, "a service is unavailable"; every process restarts with --resume.
+# A process of a multi-process run whose peer process was lost (stopped, or its host unreachable),
+# or a command whose worker process ended unasked (killed, e.g. out of memory): sysexits'
+# EX_UNAVAILABLE, "a service is unavailable"; the same command run again continues.
 EXIT_PEER_LOST = 69
 
 
 class UserError(Exception):
     """A problem with the user's config, files or environment (not a bug)."""
+
+
+class ProcessLost(Exception):
+    """A process the program needs ended unasked (a worker killed by the system, for example out
+    of memory); what was complete is kept. One ``error:`` line and ``EXIT_PEER_LOST``."""
 
 
 class IOFault(Exception):
@@ -102,8 +108,9 @@ def io_operation(operation: str, path) -> Iterator[None]:
 
 
 def cli(body: Callable[[], int]) -> int:
-    """Runs a command's body: a ``UserError`` or an ``IOFault`` becomes one ``error:`` line on
-    stderr and the status ``EXIT_USER_ERROR`` or ``EXIT_IO_ERROR``."""
+    """Runs a command's body: a ``UserError``, an ``IOFault`` or a ``ProcessLost`` becomes one
+    ``error:`` line on stderr and the status ``EXIT_USER_ERROR``, ``EXIT_IO_ERROR`` or
+    ``EXIT_PEER_LOST``."""
     try:
         return body()
     except UserError as e:
@@ -112,3 +119,6 @@ def cli(body: Callable[[], int]) -> int:
     except IOFault as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_IO_ERROR
+    except ProcessLost as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_PEER_LOST

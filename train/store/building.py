@@ -23,11 +23,13 @@ import signal
 import sys
 import threading
 import time
+from concurrent import futures
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
 from train import sources
-from train.errors import IOFault, UserError, io_operation
+from train.errors import IOFault, ProcessLost, UserError, io_operation
 from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
 from train.store.planning import Piece, Plan
 from train.store.reading import read_manifest
@@ -274,30 +276,58 @@ def _run(p: Plan, shards: pathlib.Path, workers: int, quiet: bool) -> list[dict]
     pool = None
     _setup(*initargs)  # the parent tokenizes too: with one worker, and the piece a limit cuts
     if max(1, min(workers, len(todo))) == 1:
-        results = map(tokenize_piece, jobs)
+        results = iter(map(tokenize_piece, jobs))
     else:
-        pool = ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=initargs)
-        results = pool.imap(tokenize_piece, jobs)
+        # An executor, not multiprocessing.Pool: a worker the system kills (out of memory) breaks
+        # it and fails the waits, where a Pool would replace the worker and lose its piece silently.
+        pool = futures.ProcessPoolExecutor(
+            min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=initargs
+        )
+        results = iter([pool.submit(tokenize_piece, job) for job in jobs])
     try:
         for _ in jobs:
-            while True:
-                try:
-                    record = results.next(timeout=0.5) if pool else next(results)
-                    break
-                except mp.TimeoutError:
-                    progress.update()
+            record = _next_record(results, pool is not None, progress, p, records)
             records[record["piece"]["index"]] = record
             progress.update()
             if limit is not None and _train_documents(p, records) >= limit:
                 break
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            _stop(pool)
         progress.end()
     if limit is not None:
         _cut_at_limit(p, shards, records, limit)
     return [records[q.index] for q in p.pieces if q.index in records]
+
+
+def _next_record(results, parallel: bool, progress, p: Plan, records: dict) -> dict:
+    """The next piece's record, the progress line kept moving while a worker has it."""
+    if not parallel:
+        return next(results)
+    pending = next(results)
+    while True:
+        try:
+            return pending.result(timeout=0.5)
+        except futures.TimeoutError:
+            progress.update()
+        except BrokenProcessPool:
+            done = sum(1 for q in p.pieces if q.index in records)
+            raise ProcessLost(
+                "a tokenizing worker process ended before its piece was done (killed by the system? "
+                f"out of memory?); the {done} of {len(p.pieces)} pieces completed are kept: run the "
+                "same command again to continue (with fewer --workers if memory ran out)"
+            ) from None
+
+
+def _stop(pool: futures.ProcessPoolExecutor) -> None:
+    """Ends the workers now, their running pieces discarded (their shards stay ``.tmp``), before
+    anything after the build (the cut at ``max_documents``) looks at the shards."""
+    processes = list((pool._processes or {}).values())  # (shutdown forgets them; no public list)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        proc.terminate()
+    for proc in processes:
+        proc.join()
 
 
 def _train_documents(p: Plan, records: dict) -> int:
