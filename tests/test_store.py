@@ -396,6 +396,13 @@ def test_validation_paths_are_the_validation_split(tmp_path):
     m = opened.manifest
     assert m["splits"]["validation"]["documents"] == 7 and m["splits"]["train"]["documents"] == 80
     assert m["source"]["validation"] == "inputs"
+    # A data.paths glob that also matches the validation file is refused, not trained on.
+    glob_all = files_section([f"{tmp_path}/*/part-*"], validation_paths=val, store=str(tmp_path / "g"))
+    with pytest.raises(
+        UserError, match=r"data.validation_paths and data.paths both name .*val/part-00.jsonl:"
+    ):
+        open_store(glob_all, quiet=True)
+    assert not (tmp_path / "g").exists()
 
 
 def fake_tfds(n_train=7, n_val=3, random_access=True):

@@ -66,6 +66,7 @@ def plan(cfg) -> Plan:
         pieces = [Piece(0, "builtin", "mixed", work=len(text))]
     elif cfg.source == "files":
         paths, validation_paths = expand_paths(cfg.paths), expand_paths(cfg.validation_paths)
+        _check_disjoint(paths, validation_paths)
         pieces = _file_pieces(paths, "train" if validation_paths else "mixed", 0)
         pieces += _file_pieces(validation_paths, "validation", len(pieces))
         source = {
@@ -122,6 +123,20 @@ def expand_paths(paths: list) -> list[str]:
         else:
             out.append(os.path.expanduser(str(p)))
     return out
+
+
+def _check_disjoint(paths: list[str], validation_paths: list[str]) -> None:
+    """Refuses a file that ``data.paths`` and ``data.validation_paths`` both name (a glob such
+    as ``c4-*.json.gz`` that matches the validation file too): its documents would be trained on
+    and then evaluated as held out."""
+    train = {pathlib.Path(p).resolve() for p in paths if pathlib.Path(p).exists()}
+    both = [p for p in validation_paths if pathlib.Path(p).exists() and pathlib.Path(p).resolve() in train]
+    if both:
+        shown = ", ".join(both[:3]) + (f" (and {len(both) - 3} more)" if len(both) > 3 else "")
+        raise UserError(
+            f"data.validation_paths and data.paths both name {shown}: the held-out documents would "
+            "be trained on (narrow the data.paths pattern)"
+        )
 
 
 def _file_pieces(paths: list, role: str, first: int) -> list[Piece]:
