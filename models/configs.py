@@ -71,10 +71,17 @@ class ModelConfig:
             "intermediate_size",
             "num_hidden_layers",
             "num_attention_heads",
+            "max_position_embeddings",
         ):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")
+        for f in ("num_key_value_heads", "head_dim"):  # None: the family's default
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{f} must be a positive integer or null, got {v!r}")
+        if self.model_type != "deepseek_v2" and self.head_size % 2:
+            raise ValueError(f"the head width must be even for RoPE's pairs, got {self.head_size}")
         if self.num_attention_heads % self.kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -92,11 +99,13 @@ class ModelConfig:
         if kind not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
         if kind == "llama3":
-            missing = [
-                k for k in ("factor", "original_max_position_embeddings") if k not in self.rope_scaling
-            ]
+            # All four, as transformers requires them (an export without them would not load).
+            needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            missing = [k for k in needed if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"rope_scaling of type 'llama3' needs {missing}")
+            if not self.rope_scaling["low_freq_factor"] < self.rope_scaling["high_freq_factor"]:
+                raise ValueError("rope_scaling of type 'llama3' needs low_freq_factor < high_freq_factor")
 
     @property
     def kv_heads(self) -> int:

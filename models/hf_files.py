@@ -151,9 +151,22 @@ def write_hf_dir(
     for key, value in ids.items():
         setattr(hf_config, key, value)
     hf_config.save_pretrained(str(directory))
+    _add_legacy_keys(directory / "config.json", cfg, stored)
     transformers.GenerationConfig(**ids).save_pretrained(str(directory))
     files = names + ([INDEX] if len(names) > 1 else []) + ["config.json", "generation_config.json"]
     return {"files": files, "tensors": len(plan), "bytes": total}
+
+
+def _add_legacy_keys(path: pathlib.Path, cfg: ModelConfig, stored: str) -> None:
+    """transformers 5 writes RoPE as ``rope_parameters`` and the dtype as ``dtype``; transformers
+    4.x, and the tools pinned to it (vLLM releases among them), read the top-level ``rope_theta``,
+    ``rope_scaling`` and ``torch_dtype``, and without them load the model with RoPE base 10000 and
+    no scaling, silently. Both spellings are written (transformers 5 reads ``rope_parameters``)."""
+    config = json.loads(path.read_text())
+    config.setdefault("rope_theta", cfg.rope_theta)
+    config.setdefault("rope_scaling", dict(cfg.rope_scaling) if cfg.rope_scaling else None)
+    config.setdefault("torch_dtype", stored)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def read_hf_config(directory, **overrides) -> ModelConfig:

@@ -73,7 +73,7 @@ def inv_frequencies(dim: int, theta: float, scaling: dict | None) -> jnp.ndarray
     if rope_scaling_type(scaling) == "default":  # ModelConfig admits only default and llama3
         return inv
     factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * jnp.pi / inv

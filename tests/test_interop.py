@@ -35,6 +35,13 @@ pytest.importorskip("safetensors")
 spm = pytest.importorskip("sentencepiece")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 FAMILIES = ["llama2-tiny", "llama3.2-tiny", "qwen2.5-tiny", "qwen3-tiny", "deepseek-v2-tiny"]
 RUN = [
     "train.steps=4",
@@ -110,6 +117,28 @@ def test_bf16_export_stores_bf16_and_loads_as_bf16(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         assert b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3"])
+def test_config_json_carries_the_keys_transformers_4_reads(scaling, tmp_path):
+    """transformers 4.x (and vLLM releases pinned to it) read RoPE from the top-level
+    ``rope_theta``/``rope_scaling`` and the dtype from ``torch_dtype``; without them such a tool
+    loads the model with RoPE base 10000 and no scaling. The export writes them beside
+    transformers 5's ``rope_parameters``/``dtype``, and a config with only those keys reads back
+    as the same model."""
+    cfg = models.get_config("llama3.2-tiny", rope_scaling=scaling)
+    write_hf_dir(tmp_path, cfg, models.init_params(cfg, jax.random.PRNGKey(0)), dtype="bfloat16")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_theta"] == cfg.rope_theta == 500000.0
+    assert config["rope_scaling"] == scaling
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    assert config["rope_parameters"] == {"rope_type": "default", **(scaling or {}), "rope_theta": 500000.0}
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if k not in ("rope_parameters", "dtype")})
+    )
+    assert models.read_hf_config(legacy) == models.read_hf_config(tmp_path) == cfg
 
 
 def test_bad_directories_are_named(tmp_path):

@@ -2,6 +2,7 @@
 state-dict round trips, scanned == unscanned, parameter counts, bf16."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +147,24 @@ def test_from_hf_takes_a_bf16_torch_state_dict_as_is():
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), embed, got))
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"num_key_value_heads": -2}, "num_key_value_heads must be a positive integer or null, got -2"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer or null, got 0"),
+        ({"head_dim": 0}, "head_dim must be a positive integer or null, got 0"),
+        ({"head_dim": 7}, "the head width must be even for RoPE's pairs, got 7"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer, got 0"),
+        ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
+    ],
+)
+def test_bad_model_sizes_are_refused_with_the_config(override, message):
+    """Refused when the config is made (a ``--set model.overrides`` typo), not as a shape error
+    deep in the first forward pass."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        models.get_config("llama3.2-tiny", **override)
+
+
 def test_unsupported_hf_features_are_refused():
     hf = models.to_hf_config(CASES["qwen2.5-gqa4-bias-tied"])
     hf.use_sliding_window = True
@@ -162,8 +181,21 @@ def test_unsupported_hf_features_are_refused():
             scaled.rope_scaling = {"rope_type": kind, "factor": 2.0}
         with pytest.raises(ValueError, match=f"unsupported rope_scaling type '{kind}'"):
             models.config_from_hf(scaled)
-    with pytest.raises(ValueError, match="needs \\['original_max_position_embeddings'\\]"):
+    with pytest.raises(ValueError, match="needs \\['low_freq_factor', 'high_freq_factor', 'original_max_pos"):
         models.get_config("llama3.2-tiny", rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    complete = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+    }
+    no_high = {"rope_type": "llama3", **{k: v for k, v in complete.items() if k != "high_freq_factor"}}
+    with pytest.raises(ValueError, match="needs \\['high_freq_factor'\\]"):  # transformers requires it too
+        models.get_config("llama3.2-tiny", rope_scaling=no_high)
+    with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
+        models.get_config(
+            "llama3.2-tiny", rope_scaling={"rope_type": "llama3", **complete, "low_freq_factor": 4.0}
+        )
     gelu = models.to_hf_config(CASES["llama2-mha-untied"])
     gelu.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
