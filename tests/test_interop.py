@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -170,6 +171,25 @@ def test_bad_directories_are_named(tmp_path):
     save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="lm_head.weight differs"):
         models.load_hf_params(tied, tied_cfg)
+    # A sharded directory with a truncated shard, and with an index that names the wrong shard.
+    sharded = tmp_path / "sharded"
+    write_hf_dir(sharded, cfg, models.init_params(cfg, jax.random.PRNGKey(0)), max_shard_bytes=60_000)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+    wrong = tmp_path / "wrong"
+    shutil.copytree(sharded, wrong)
+    embed = "model.embed_tokens.weight"
+    index["weight_map"][embed] = next(f for f in shards if f != index["weight_map"][embed])
+    (wrong / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        ValueError, match=f"puts '{embed}' in {index['weight_map'][embed]}, which does not hold it"
+    ):
+        models.load_hf_params(wrong, cfg)
+    with open(sharded / shards[1], "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=f"{shards[1]} cannot be read: "):
+        models.load_hf_params(sharded, cfg)
 
 
 # ------------------------------------------------------------- a trained run, exported and back
