@@ -296,6 +296,14 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
         (["--out", str(exported)], "exists and is not empty"),
         (["--out", str(run["root"] / "x"), "--step", "3"], "no checkpoint of step 3"),
         (["--out", str(run["root"] / "y"), "--tokenizer", "bytes"], "trained with sentencepiece sp.model"),
+        (
+            ["--out", str(run["root"] / "z"), "--max-shard-gb", "0"],
+            "--max-shard-gb must be positive, got 0.0",
+        ),
+        (
+            ["--out", str(run["root"] / "t"), "--tokenizer", str(run["dir"] / "config.yaml")],
+            "is not a sentencepiece",
+        ),
     ]:
         assert exporting.main(["--run-dir", str(run["dir"]), *argv]) == 2
         err = capsys.readouterr().err.strip()
@@ -608,6 +616,15 @@ def test_evaluate_errors_name_the_problem(tmp_path, capsys):
         (["--hf", str(tmp_path), "--tasks", f"bad={bad}", "--batch-size", "0"], "--batch-size must be >= 1"),
         (["--hf", str(tmp_path), "--tasks", f"a/b={bad}"], "name 'a/b' must be letters"),
         (["--hf", str(tmp_path), "--tasks", f"latin={latin}"], "is not UTF-8 text"),
+        (["--hf", str(tmp_path), "--tasks", f"t={bad},t={latin}"], "the name 't' is given twice"),
+        (
+            ["--hf", str(tmp_path), "--tasks", f"{bad},{tmp_path / 'bad.txt'}"],
+            "the name 'bad' is given twice",
+        ),
+        (
+            ["--hf", str(tmp_path), "--tasks", f"bad={bad}", "--step", "5"],
+            "--step picks a checkpoint of --run-dir",
+        ),
     ]:
         assert evaluation.main(argv) == 2
         err = capsys.readouterr().err.strip()

@@ -268,6 +268,8 @@ def parse_named(text: str | None, what: str) -> dict[str, list[str]]:
         name = name or pathlib.Path(paths_list[0]).name.split(".")[0]
         if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise UserError(f"{what}: name {name!r} must be letters, digits, '-', '_' or '.'")
+        if name in out:
+            raise UserError(f"{what}: the name {name!r} is given twice (join files under one name with '+')")
         out[name] = paths_list
     return out
 
@@ -337,6 +339,8 @@ def markdown(report: dict) -> str:
 def evaluate(args) -> dict:
     if bool(args.run_dir) == bool(args.hf):
         raise UserError("give one of --run-dir and --hf")
+    if args.hf and args.step is not None:
+        raise UserError("--step picks a checkpoint of --run-dir; an --hf directory has one set of weights")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     texts, tasks = parse_named(args.ppl_files, "--ppl-files"), parse_named(args.tasks, "--tasks")

@@ -297,6 +297,8 @@ def main(argv=None) -> int:
 
 
 def _export_and_report(args) -> int:
+    if not args.max_shard_gb > 0:
+        raise UserError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     done = export(
         args.run_dir,
         args.out,
