@@ -601,6 +601,44 @@ def test_evaluate_agrees_with_transformers(run, exported, tmp_path):
         np.testing.assert_allclose(a["loglikelihoods"], b["loglikelihoods"], rtol=1e-5)
 
 
+def test_evaluate_hf_reads_a_sentencepiece_only_directory_as_auto_tokenizer_does(tmp_path):
+    """A Llama 2 style directory (``tokenizer.model`` and a ``LlamaTokenizer`` config, no
+    ``tokenizer.json``): ``train.evaluate --hf`` encodes with BOS first, as ``AutoTokenizer`` (and
+    so lm-evaluation-harness) does; without a config the sentencepiece model is read as it is."""
+    from train.evaluate import _hf_tokenizer, encode_pair
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([f"the quick brown fox {i} jumps over the lazy dog" for i in range(300)]),
+        model_prefix=str(tmp_path / "tokenizer"),
+        vocab_size=60,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+    )
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,  # as in Llama 2's own tokenizer_config.json
+        "add_eos_token": False,
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, hf = _hf_tokenizer(tmp_path, None), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ["the quick fox", " lazy dog 7", "dog\njumps", ""]:
+        assert ours.encode(text) == hf.encode(text), text
+    assert ours.encode("the fox")[0] == ours.bos_id == 1
+    assert encode_pair(ours, "the quick", " fox") == (
+        [1, *hf.encode("the quick")[1:]],
+        hf.encode("the quick fox")[len(hf.encode("the quick")) :],
+    )
+    (tmp_path / "tokenizer_config.json").unlink()
+    bare = _hf_tokenizer(tmp_path, None)
+    assert bare.bos_id is None and bare.encode("the fox") == hf.encode("the fox")[1:]
+
+
 def test_evaluate_errors_name_the_problem(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(

@@ -27,6 +27,7 @@ import json
 import math
 import pathlib
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -279,13 +280,41 @@ def _hf_tokenizer(directory: pathlib.Path, override: str | None):
     lm-evaluation-harness, reads), else its sentencepiece model."""
     if override:
         return make_tokenizer(override)
-    for name in ("tokenizer.json", "spiece.model", "tokenizer.model"):
+    if (directory / "tokenizer.json").is_file():
+        return make_tokenizer(str(directory / "tokenizer.json"))
+    for name in ("spiece.model", "tokenizer.model"):
         if (directory / name).is_file():
-            return make_tokenizer(str(directory / name))
+            return _converted(directory) or make_tokenizer(str(directory / name))
     raise UserError(
         f"{directory} holds no tokenizer (tokenizer.json, spiece.model or tokenizer.model): pass "
         "--tokenizer PATH (or bytes)"
     )
+
+
+def _converted(directory: pathlib.Path):
+    """A directory with a sentencepiece model and a ``tokenizer_config.json`` but no
+    ``tokenizer.json`` (Llama 2 style): the tokenizer ``AutoTokenizer`` builds from it, the one
+    lm-evaluation-harness scores with (for ``LlamaTokenizer`` it puts BOS first, which the bare
+    sentencepiece model does not), written out as a ``tokenizer.json`` and read from there. None
+    when transformers is missing or makes no such tokenizer of it."""
+    if not (directory / "tokenizer_config.json").is_file():
+        return None
+    try:
+        import transformers
+
+        hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    except Exception:  # noqa: BLE001 - not installed, or a tokenizer it cannot build
+        return None
+    if getattr(hf, "backend_tokenizer", None) is None:
+        return None
+    held = tempfile.TemporaryDirectory(prefix="moara-tokenizer-")
+    hf.save_pretrained(held.name)
+    if not (pathlib.Path(held.name) / "tokenizer.json").is_file():
+        held.cleanup()
+        return None
+    tokenizer = make_tokenizer(str(pathlib.Path(held.name) / "tokenizer.json"))
+    tokenizer.held = held  # its files live as long as it does
+    return tokenizer
 
 
 def load_model(args, mesh) -> tuple[models.ModelConfig, dict, object, int, str]:
