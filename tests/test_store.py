@@ -307,6 +307,45 @@ def test_a_store_of_another_tokenizer_or_other_inputs_is_refused(tmp_path, sp_mo
         open_store(DataSection(source="store", store=str(tmp_path / "nothing")), quiet=True)
 
 
+def test_an_input_edited_to_the_same_size_is_not_read_from_a_stale_store(tmp_path):
+    """A store recognises its inputs by name and size; an input rewritten in place at the same
+    size (its modification time changed) is hashed again: a store made from its earlier bytes is
+    refused, one touched but unchanged is used, and an interrupted build continued after the edit
+    tokenizes the edited file's pieces again instead of mixing in the old ones."""
+    paths = write_corpus(tmp_path / "corpus", files=3)
+    plain = pathlib.Path(paths[0])  # part-00.jsonl
+    named = files_section(paths, store=str(tmp_path / "named"))
+    open_store(named, quiet=True)
+    os.utime(plain, ns=(plain.stat().st_atime_ns, plain.stat().st_mtime_ns + 10**9))  # touched only
+    assert open_store(named, quiet=True).splits["train"].tokens > 0
+
+    text = plain.read_bytes()
+
+    def rewrite(data: bytes) -> None:  # in place, with a new modification time on any file system
+        before = plain.stat().st_mtime_ns
+        plain.write_bytes(data)
+        os.utime(plain, ns=(before, before + 2 * 10**9))
+
+    rewrite(text.replace(b"the", b"THE"))
+    assert plain.stat().st_size == len(text) and b"THE" in plain.read_bytes()
+    with pytest.raises(
+        UserError, match=r"was made from another version of .*part-00\.jsonl \(sha256 \w{12}, now \w{12}\)"
+    ):
+        open_store(named, quiet=True)
+
+    # A build stopped after its first piece, continued after the edit, equals a fresh build.
+    rewrite(text)
+    plan = token_store.plan(files_section(paths))
+    cut = tmp_path / "cut"
+    token_store.build(cut, plan, workers=1, quiet=True)
+    (cut / token_store.MANIFEST).unlink()  # as a build stopped before its end leaves it
+    rewrite(text.replace(b"the", b"THE"))
+    plan = token_store.plan(files_section(paths))
+    token_store.build(cut, plan, workers=1, quiet=True)
+    token_store.build(tmp_path / "fresh", plan, workers=1, quiet=True)
+    assert tree_hashes(cut) == tree_hashes(tmp_path / "fresh")
+
+
 def test_sentencepiece_store_and_uint32_for_large_vocabularies(tmp_path, sp_model):
     paths = write_corpus(tmp_path / "corpus", files=2, docs=10)
     opened = open_store(files_section(paths, tokenizer=sp_model, store=str(tmp_path / "sp")), quiet=True)

@@ -101,6 +101,7 @@ def tokenize_piece(job: tuple) -> dict:
     last; returns that record. Runs in a worker (or in the parent with one worker)."""
     piece, shards, limit = job
     tok, dtype, counters = _worker["tok"], _worker["dtype"], _worker["counters"]
+    mtime = pathlib.Path(piece.path).stat().st_mtime_ns if piece.kind == "file" else None
     splits = ("train", "validation") if piece.role == "mixed" else (piece.role,)
     writers = {s: _ShardWriter(shards / f"{s}-{piece.index:05d}.bin", dtype) for s in splits}
     documents = dict.fromkeys(splits, 0)
@@ -151,8 +152,10 @@ def tokenize_piece(job: tuple) -> dict:
         "shards": shards_out,
         "skipped": dict(sorted(counts.skipped.items())),
     }
-    if piece.kind == "file" and piece.start == 0:
-        record["input_sha256"] = sources.file_sha256(pathlib.Path(piece.path))
+    if piece.kind == "file":
+        record["input_mtime_ns"] = mtime
+        if piece.start == 0:
+            record["input_sha256"] = sources.file_sha256(pathlib.Path(piece.path))
     _atomic_write(_meta_path(shards, piece), json.dumps(record, sort_keys=True, indent=1) + "\n")
     counters.work(piece.work)
     return record
@@ -240,10 +243,16 @@ def _interrupts_raise():
 def _reusable(record: dict | None, piece: Piece, limit: int | None, shards: pathlib.Path) -> bool:
     if record is None or record["piece"] != json.loads(json.dumps(dataclasses.asdict(piece))):
         return False
+    if piece.kind == "file" and record.get("input_mtime_ns", _mtime(piece.path)) != _mtime(piece.path):
+        return False  # the input changed (its size the same) since the piece was made
     read = sum(record["documents"].values())
     if record["limit"] != limit and not (record["exhausted"] and (limit is None or read < limit)):
         return False
     return all((shards.parent / s["file"]).is_file() for s in record["shards"].values() if s["tokens"])
+
+
+def _mtime(path: str) -> int:
+    return pathlib.Path(path).stat().st_mtime_ns
 
 
 def _load_record(shards: pathlib.Path, piece: Piece) -> dict | None:
@@ -410,7 +419,10 @@ def _manifest(p: Plan, records: list[dict]) -> dict:
             skipped[why] = skipped.get(why, 0) + n
         if "input_sha256" in r:
             path = pathlib.Path(r["piece"]["path"])
-            inputs.append({"path": str(path), "size": path.stat().st_size, "sha256": r["input_sha256"]})
+            entry = {"path": str(path), "size": path.stat().st_size, "sha256": r["input_sha256"]}
+            if r.get("input_mtime_ns") is not None:  # (pieces made before it was recorded lack it)
+                entry["mtime_ns"] = r["input_mtime_ns"]
+            inputs.append(entry)
     return {
         "format": FORMAT,
         "version": VERSION,
