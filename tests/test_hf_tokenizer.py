@@ -112,9 +112,17 @@ SPECIAL_CONFIGS = {
     "extra-dict": {"extra_special_tokens": {"image_token": "<|image_pad|>", "video_token": "<|video|>"}},
     "custom-key": {"image_token": "<|image_pad|>", "add_bos_token": True, "vision_token": None},
     "both-lists": {"additional_special_tokens": ["<|a|>"], "extra_special_tokens": ["<|b|>", "<|c|>"]},
+    # what transformers 4.4x save_pretrained writes: the list, and an empty dict beside it
+    "list-and-empty-dict": {"additional_special_tokens": ["<|a|>", "<|b|>"], "extra_special_tokens": {}},
+    "dict-then-key": {"extra_special_tokens": {"video_token": "<|video|>"}, "image_token": "<|image_pad|>"},
+    "one-name-twice": {"image_token": "<|a|>", "extra_special_tokens": {"image_token": "<|b|>"}},
     "explicit": {
         "model_specific_special_tokens": {"audio_token": "<|audio|>"},
         "image_token": {"__type": "AddedToken", "content": "<|image_pad|>", "special": True},
+    },
+    "explicit-and-key": {
+        "image_token": "<|image_pad|>",
+        "model_specific_special_tokens": {"audio_token": "<|audio|>"},
     },
 }
 
@@ -135,12 +143,12 @@ def test_special_tokens_of_every_config_form_and_a_file_saved_truncating(config,
         "pad_to_multiple_of": None,
         "pad_id": 1,
         "pad_type_id": 0,
-        "pad_token": "<|end_of_text|>",
+        "pad_token": "<|pad|>",  # transformers takes it as the pad token when the config names none
     }
     file.write_text(json.dumps(saved))
     ours = make_tokenizer(str(folder))
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
-    texts = TEXTS + ["a <|image_pad|> b <|video|><|audio|> <|a|><|b|><|c|> image_token vision_token"]
+    texts = TEXTS + ["a <|image_pad|> b <|video|><|audio|> <|a|><|b|><|c|> image_token vision_token <|pad|>"]
     for text in texts:
         assert ours.encode(text) == hf.encode(text), text
     assert ours.vocab_size == len(hf)

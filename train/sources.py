@@ -102,32 +102,33 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _special_tokens(config: dict) -> tuple[dict[str, str | None], dict[str, str], list[str]]:
-    """The special tokens of a tokenizer_config.json as transformers 5 reads them: the named ones
-    (``SPECIAL_KEYS``); the model-specific ones (an ``extra_special_tokens`` dict, then any other
-    ``*_token`` key holding a token, then ``model_specific_special_tokens``), which it adds after
-    the named ones; and the ``extra_special_tokens`` list (``additional_special_tokens`` when
-    there is none), added last."""
+def _special_tokens(
+    config: dict, padding: dict | None
+) -> tuple[dict[str, str | None], dict[str, str], list[str]]:
+    """The special tokens of a tokenizer_config.json as transformers 5's ``from_pretrained``
+    reads them, in the order it adds them: the named ones (``SPECIAL_KEYS``; a pad token the
+    config does not name is the one of ``tokenizer.json``'s saved ``padding``); the model-specific
+    ones; last, the ``extra_special_tokens`` list (``additional_special_tokens`` when that is
+    empty). The model-specific ones are the ``*_token`` keys holding an AddedToken, then those
+    holding a string, merged with an ``extra_special_tokens`` dict (its values win); the config's
+    own ``model_specific_special_tokens`` only when there are none of those."""
     named = {k: _token_text(config.get(k)) for k in SPECIAL_KEYS}
-    extra = (
-        config["extra_special_tokens"]
-        if "extra_special_tokens" in config
-        else config.get("additional_special_tokens")
-    )
-    model_specific: dict[str, str] = {}
+    if "pad_token" not in config and padding:
+        named["pad_token"] = _token_text(padding.get("pad_token"))
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+    custom = [k for k in config if k.endswith("_token") and k not in SPECIAL_KEYS]
+    merged = {k: config[k] for k in custom if isinstance(config[k], str)}
     if isinstance(extra, dict):
-        model_specific.update((k, _token_text(v)) for k, v in extra.items())
+        merged.update(extra)
         extra = []
-    for key, value in config.items():
-        token = value if isinstance(value, str) else None
-        if isinstance(value, dict) and value.get("__type") == "AddedToken":
-            token = _token_text(value)
-        if key.endswith("_token") and key not in SPECIAL_KEYS and token is not None:
-            model_specific[key] = token
-    explicit = config.get("model_specific_special_tokens")
-    model_specific.update(
-        (k, _token_text(v)) for k, v in (explicit if isinstance(explicit, dict) else {}).items()
-    )
+    if not merged and isinstance(config.get("model_specific_special_tokens"), dict):
+        merged = dict(config["model_specific_special_tokens"])
+    added = {
+        k: config[k]
+        for k in custom
+        if isinstance(config[k], dict) and config[k].get("__type") == "AddedToken"
+    }
+    model_specific = {k: _token_text(v) for k, v in {**added, **merged}.items()}
     listed = [_token_text(t) for t in (extra if isinstance(extra, list | tuple) else [])]
     return named, {k: v for k, v in model_specific.items() if v}, [t for t in listed if t]
 
@@ -166,9 +167,10 @@ class HFTokenizer:
         self.config = self._read_config()
         # A file saved after a call with truncation or padding keeps them; AutoTokenizer.encode
         # sets both off for each call, and a document is encoded whole.
+        padding = self._tok.padding
         self._tok.no_truncation()
         self._tok.no_padding()
-        named, model_specific, extra = _special_tokens(self.config)
+        named, model_specific, extra = _special_tokens(self.config, padding)
         added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
         ordered = [*named.values(), *model_specific.values(), *extra]
         new = [t for t in dict.fromkeys(ordered) if t and t not in added]
