@@ -307,7 +307,7 @@ def test_a_store_of_another_tokenizer_or_other_inputs_is_refused(tmp_path, sp_mo
         open_store(DataSection(source="store", store=str(tmp_path / "nothing")), quiet=True)
 
 
-def test_an_input_edited_to_the_same_size_is_not_read_from_a_stale_store(tmp_path):
+def test_an_input_edited_to_the_same_size_is_not_read_from_a_stale_store(tmp_path, monkeypatch):
     """A store recognises its inputs by name and size; an input rewritten in place at the same
     size (its modification time changed) is hashed again: a store made from its earlier bytes is
     refused, one touched but unchanged is used, and an interrupted build continued after the edit
@@ -318,6 +318,9 @@ def test_an_input_edited_to_the_same_size_is_not_read_from_a_stale_store(tmp_pat
     open_store(named, quiet=True)
     os.utime(plain, ns=(plain.stat().st_atime_ns, plain.stat().st_mtime_ns + 10**9))  # touched only
     assert open_store(named, quiet=True).splits["train"].tokens > 0
+    with monkeypatch.context() as m:  # verified once: the next start does not hash it again
+        m.setattr(token_store.reading.sources, "file_sha256", lambda path: pytest.fail(f"hashed {path}"))
+        assert open_store(named, quiet=True).splits["train"].tokens > 0
 
     text = plain.read_bytes()
 

@@ -5,6 +5,7 @@ tokenizer and from its inputs."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -128,6 +129,7 @@ class TokenStore:
     def _check_inputs_unchanged(self) -> None:
         """An input at the path it was read from, its size the same but modified since (a store
         recognises its inputs by name and size): hashed again, and refused if its bytes differ."""
+        verified = False
         for entry in self.manifest.get("inputs", []):
             path = pathlib.Path(entry["path"])
             try:
@@ -143,6 +145,14 @@ class TokenStore:
                     f"{entry['sha256'][:12]}, now {sha[:12]}): remove the store, or give data.store "
                     "another directory"
                 )
+            entry["mtime_ns"], verified = st.st_mtime_ns, True
+        if verified:  # the same bytes: not hashed again at the next start, where the store is writable
+            tmp = self.directory / f"{MANIFEST}.{os.getpid()}.tmp"
+            try:
+                tmp.write_text(json.dumps(self.manifest, indent=1, sort_keys=True) + "\n")
+                os.replace(tmp, self.directory / MANIFEST)
+            except OSError:
+                tmp.unlink(missing_ok=True)
 
 
 def _describe_source(source: dict) -> str:
