@@ -133,6 +133,11 @@ def test_special_tokens_of_every_config_form_and_a_file_saved_truncating(config,
     ``model_specific_special_tokens``) get the ids and the whole-token matching transformers 5
     gives them, and a ``tokenizer.json`` saved with truncation and padding on encodes documents
     whole, as ``AutoTokenizer.encode`` does."""
+    release = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    if config.get("extra_special_tokens") == {} and release < (5, 23):
+        # The oracle itself differed: 5.17 let an empty extra_special_tokens hide the list, 5.23
+        # (which train.sources follows, as transformers 4.x did) reads the list.
+        pytest.skip(f"transformers {transformers.__version__} drops the list beside an empty dict")
     folder = build_tokenizer(tmp_path / "t", bos=False, **config)
     file = folder / "tokenizer.json"
     saved = json.loads(file.read_text())
