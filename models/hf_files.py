@@ -242,18 +242,19 @@ def load_hf_params(directory, cfg: ModelConfig, shardings=None) -> dict[str, Any
     st = _safetensors()
     used: set[str] = set()
     with contextlib.ExitStack() as stack:
-        opened = {}
+        opened, held = {}, {}
         for f in sorted(set(files.values())):
             try:
                 opened[f] = stack.enter_context(st.safe_open(str(f), framework="numpy"))
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
                 raise ValueError(f"{f} cannot be read: {e}") from None
+            held[f] = set(opened[f].keys())
 
         def tensor(name: str):
             if name not in files:
                 raise ValueError(f"{directory}: missing tensor {name!r} for a {cfg.model_type} model")
             used.add(name)
-            if name not in opened[files[name]].keys():
+            if name not in held[files[name]]:
                 raise ValueError(
                     f"{directory / INDEX} puts {name!r} in {files[name].name}, which does not hold it"
                 )

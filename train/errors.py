@@ -111,14 +111,9 @@ def cli(body: Callable[[], int]) -> int:
     """Runs a command's body: a ``UserError``, an ``IOFault`` or a ``ProcessLost`` becomes one
     ``error:`` line on stderr and the status ``EXIT_USER_ERROR``, ``EXIT_IO_ERROR`` or
     ``EXIT_PEER_LOST``."""
+    statuses = {UserError: EXIT_USER_ERROR, IOFault: EXIT_IO_ERROR, ProcessLost: EXIT_PEER_LOST}
     try:
         return body()
-    except UserError as e:
+    except tuple(statuses) as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except IOFault as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_IO_ERROR
-    except ProcessLost as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_PEER_LOST
+        return next(status for kind, status in statuses.items() if isinstance(e, kind))

@@ -32,7 +32,7 @@ from train import sources
 from train.errors import IOFault, ProcessLost, UserError, io_operation
 from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
 from train.store.planning import Piece, Plan
-from train.store.reading import read_manifest
+from train.store.reading import atomic_write, read_manifest, write_manifest
 
 
 class Interrupted(Exception):
@@ -101,7 +101,7 @@ def tokenize_piece(job: tuple) -> dict:
     last; returns that record. Runs in a worker (or in the parent with one worker)."""
     piece, shards, limit = job
     tok, dtype, counters = _worker["tok"], _worker["dtype"], _worker["counters"]
-    mtime = pathlib.Path(piece.path).stat().st_mtime_ns if piece.kind == "file" else None
+    mtime = _mtime(piece) if piece.kind == "file" else None
     splits = ("train", "validation") if piece.role == "mixed" else (piece.role,)
     writers = {s: _ShardWriter(shards / f"{s}-{piece.index:05d}.bin", dtype) for s in splits}
     documents = dict.fromkeys(splits, 0)
@@ -156,7 +156,7 @@ def tokenize_piece(job: tuple) -> dict:
         record["input_mtime_ns"] = mtime
         if piece.start == 0:
             record["input_sha256"] = sources.file_sha256(pathlib.Path(piece.path))
-    _atomic_write(_meta_path(shards, piece), json.dumps(record, sort_keys=True, indent=1) + "\n")
+    atomic_write(_meta_path(shards, piece), json.dumps(record, sort_keys=True, indent=1) + "\n")
     counters.work(piece.work)
     return record
 
@@ -209,7 +209,7 @@ def build(directory: pathlib.Path, p: Plan, workers: int | None = None, quiet: b
                 with _interrupts_raise():
                     records = _run(p, shards, workers or default_workers(), quiet)
                 manifest = _manifest(p, records)
-                _atomic_write(directory / MANIFEST, json.dumps(manifest, sort_keys=True, indent=1) + "\n")
+                write_manifest(directory, manifest)
         except IOFault as e:
             raise e.with_note("completed shards are kept; run the same command again to continue") from None
         finally:
@@ -243,7 +243,7 @@ def _interrupts_raise():
 def _reusable(record: dict | None, piece: Piece, limit: int | None, shards: pathlib.Path) -> bool:
     if record is None or record["piece"] != json.loads(json.dumps(dataclasses.asdict(piece))):
         return False
-    if piece.kind == "file" and record.get("input_mtime_ns", _mtime(piece.path)) != _mtime(piece.path):
+    if piece.kind == "file" and record.get("input_mtime_ns") not in (None, _mtime(piece)):
         return False  # the input changed (its size the same) since the piece was made
     read = sum(record["documents"].values())
     if record["limit"] != limit and not (record["exhausted"] and (limit is None or read < limit)):
@@ -251,8 +251,8 @@ def _reusable(record: dict | None, piece: Piece, limit: int | None, shards: path
     return all((shards.parent / s["file"]).is_file() for s in record["shards"].values() if s["tokens"])
 
 
-def _mtime(path: str) -> int:
-    return pathlib.Path(path).stat().st_mtime_ns
+def _mtime(piece: Piece) -> int:
+    return pathlib.Path(piece.path).stat().st_mtime_ns
 
 
 def _load_record(shards: pathlib.Path, piece: Piece) -> dict | None:
@@ -285,7 +285,7 @@ def _run(p: Plan, shards: pathlib.Path, workers: int, quiet: bool) -> list[dict]
     pool = None
     _setup(*initargs)  # the parent tokenizes too: with one worker, and the piece a limit cuts
     if max(1, min(workers, len(todo))) == 1:
-        results = iter(map(tokenize_piece, jobs))
+        results = map(tokenize_piece, jobs)
     else:
         # An executor, not multiprocessing.Pool: a worker the system kills (out of memory) breaks
         # it and fails the waits, where a Pool would replace the worker and lose its piece silently.
@@ -433,12 +433,3 @@ def _manifest(p: Plan, records: list[dict]) -> dict:
         "splits": splits,
         "skipped": dict(sorted(skipped.items())),
     }
-
-
-def _atomic_write(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

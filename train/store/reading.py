@@ -4,6 +4,7 @@ tokenizer and from its inputs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -33,6 +34,26 @@ def read_manifest(directory: pathlib.Path) -> dict:
             f"{manifest.get('version')!r}; this moara-jax reads {FORMAT!r} version {VERSION}: rebuild it"
         )
     return manifest
+
+
+def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
+    """``manifest.json``, replaced atomically (its presence marks the store complete)."""
+    atomic_write(pathlib.Path(directory) / MANIFEST, json.dumps(manifest, sort_keys=True, indent=1) + "\n")
+
+
+def atomic_write(path: pathlib.Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file of this process, synced, then renamed: a
+    reader sees the old file or the whole new one."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class TokenStream:
@@ -147,12 +168,8 @@ class TokenStore:
                 )
             entry["mtime_ns"], verified = st.st_mtime_ns, True
         if verified:  # the same bytes: not hashed again at the next start, where the store is writable
-            tmp = self.directory / f"{MANIFEST}.{os.getpid()}.tmp"
-            try:
-                tmp.write_text(json.dumps(self.manifest, indent=1, sort_keys=True) + "\n")
-                os.replace(tmp, self.directory / MANIFEST)
-            except OSError:
-                tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                write_manifest(self.directory, self.manifest)
 
 
 def _describe_source(source: dict) -> str:
