@@ -185,21 +185,36 @@ def test_report_statistics_on_hand_made_runs(tmp_path):
     make_run(tmp_path, "galore-seed1", "completed", [40, 30, 22])
     make_run(tmp_path, "galore-seed2", "diverged", [40, 900])
     make_run(tmp_path, "full-seed0", "completed", [35, 21, 18])
-    make_run(tmp_path, "full-seed1", "completed", [35, 25, 19], seconds_per_step=2.0)
+    make_run(tmp_path, "full-seed1", "completed", [35, 21.5, 19], seconds_per_step=2.0)
     make_run(tmp_path, "full-seed2", "completed", [30, 20, 17])
     result = sweep.report(tmp_path, runs)
     assert result["baseline"] == "galore" and result["target_ppl"] == 21.0
     galore, full = result["points"]["galore"], result["points"]["full"]
     assert galore["final_ppl"] == {"mean": 21.0, "std": statistics.stdev([20, 22]), "n": 2}
-    # steps to ppl <= 21: galore seed 0 at 30, seed 1 never; full at 20, 30, 20
+    # The mean curves reach ppl <= 21: galore's (40, 30, 21) at step 30, its last, in 30 s;
+    # full's (33.3, 20.8, 18) at step 20, in (20 + 40 + 20) / 3 s. The reductions come from them.
+    assert galore["mean_curve"] == {"steps_to_target": 30, "time_to_target_s": 30.0}
+    assert full["mean_curve"] == {"steps_to_target": 20, "time_to_target_s": pytest.approx(80 / 3)}
+    assert full["step_reduction_pct"] == pytest.approx(100 * (1 - 20 / 30))
+    assert full["time_reduction_pct"] == pytest.approx(100 * (1 - (80 / 3) / 30))
+    assert galore["step_reduction_pct"] == 0.0 and galore["time_reduction_pct"] == 0.0
+    # Each seed on its own: galore seed 0 at 30, seed 1 (final 22) never; full at 20, 30, 20.
     assert galore["steps_to_target"] == {"mean": 30.0, "std": 0.0, "n": 1} and galore["reached"] == 1
     assert full["steps_to_target"]["mean"] == pytest.approx(70 / 3)
-    assert full["step_reduction_pct"] == pytest.approx(100 * (1 - (70 / 3) / 30))
     assert full["time_to_target_s"]["mean"] == pytest.approx((20 + 60 + 20) / 3)
     assert [s["steps"] for s in full["seeds"]] == [20, 30, 20]
     assert result["excluded"] == [{"run": "galore-seed2", "status": "failed"}]
     text = (tmp_path / "report.md").read_text()
-    assert "| full | 3 (3 reached) | 18.000 ± 1.000 |" in text and "- galore-seed2: failed" in text
+    # point | runs | final ppl | steps, reduction, per seed | time (s), reduction, per seed
+    assert (
+        "| galore | 2 (1 reached) | 21.000 ± 1.414 | 30 | +0.0% | 30 ± 0 | 30.0 | +0.0% | 30.0 ± 0.0 |"
+        in text
+    )
+    assert (
+        "| full | 3 (3 reached) | 18.000 ± 1.000 | 20 | +33.3% | 23 ± 6 | 26.7 | +11.1% | 33.3 ± 23.1 |"
+        in text
+    )
+    assert "- galore-seed2: failed" in text
     assert (tmp_path / "report.png").stat().st_size > 0
     with pytest.raises(UserError, match="--baseline nope is not a grid point"):
         sweep.report(tmp_path, runs, baseline="nope")
@@ -224,6 +239,7 @@ def test_report_without_a_completed_baseline_gives_the_final_ppl_and_says_so(tmp
     ]
     text = (tmp_path / "report.md").read_text()
     assert text.startswith("No target: the baseline `galore` has no completed run yet")
-    assert "| full | 2 (0 reached) | 19.000 ± 1.414 | - | - | - | - |" in text
+    assert "| full | 2 (0 reached) | 19.000 ± 1.414 | - | - | - | - | - | - |" in text
+    assert result["points"]["full"]["mean_curve"] == {"steps_to_target": None, "time_to_target_s": None}
     assert "- galore-seed0: resumable" in text and "- galore-seed1: new, no evaluation" in text
     assert "ran at the same time" in text and (tmp_path / "report.png").stat().st_size > 0

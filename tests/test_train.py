@@ -238,6 +238,7 @@ def test_sweep_then_compare(tmp_path):
     assert "full-seed0: completed, skipped" in again.stdout
     report = json.loads((sweep_dir / "report.json").read_text())
     assert report["points"]["galore"]["steps_to_target"]["mean"] == 12
+    assert report["points"]["galore"]["mean_curve"]["steps_to_target"] == 12  # one seed: its own curve
     proc = subprocess.run(
         [
             sys.executable,

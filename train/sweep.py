@@ -11,10 +11,13 @@ stopped (SIGTERM: the run in progress saves; exit 75) and started again with the
 A run that fails or diverges is reported and left out of the statistics, never averaged.
 
 The report (``report.md``, ``report.json``, ``report.png``): per grid point, the mean and
-standard deviation over seeds of the final eval ppl, of the steps and of the wall-clock time to
-reach the baseline point's mean final ppl (each seed's too), and the reductions against the
-baseline in %; eval-ppl curves with a band of one standard deviation over seeds, against steps
-and against wall-clock. Until the baseline has a completed run the report gives the final ppl
+standard deviation over seeds of the final eval ppl; the steps and wall-clock time at which the
+point's mean curve (eval ppl averaged over its seeds at each evaluation) reaches the baseline
+point's mean final ppl, and the reductions against the baseline in % from them; the mean and
+standard deviation of the same figures over the seeds that reach the target on their own (a seed
+whose final ppl lies above the target never does: about half the baseline's seeds), and each
+seed's; eval-ppl curves with a band of one standard deviation over seeds, against steps and
+against wall-clock. Until the baseline has a completed run the report gives the final ppl
 alone and says so; runs that ran at the same time or on different devices are flagged (their
 wall-clock times do not compare).
 """
@@ -228,20 +231,22 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
             seeds.append(
                 {"seed": r["seed"], "final_ppl": r["evals"][-1]["eval_ppl"], "steps": step, "time_s": wall}
             )
+        step, wall = reach(mean_curve(done[point]), target) if target is not None else (None, None)
         rows[point] = {
             "final_ppl": _stats([s["final_ppl"] for s in seeds]),
+            "mean_curve": {"steps_to_target": step, "time_to_target_s": wall},
             "steps_to_target": _stats([s["steps"] for s in seeds if s["steps"] is not None]),
             "time_to_target_s": _stats([s["time_s"] for s in seeds if s["time_s"] is not None]),
             "reached": sum(s["steps"] is not None for s in seeds),
             "seeds": seeds,
         }
-    base = rows[baseline]
+    base = rows[baseline]["mean_curve"]
     for row in rows.values():
         for key, red in (
             ("steps_to_target", "step_reduction_pct"),
             ("time_to_target_s", "time_reduction_pct"),
         ):
-            m, b = row[key]["mean"], base[key]["mean"]
+            m, b = row["mean_curve"][key], base[key]
             row[red] = 100 * (1 - m / b) if m is not None and b else None
     summaries = [
         {"name": r["run"], "status": "completed", "summary": RunDir(out / r["run"]).summary() or {}}
@@ -263,6 +268,28 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
     return result
 
 
+def mean_curve(seeds: list[dict]) -> list[dict]:
+    """A grid point's eval curve averaged over its completed seeds, at the evaluation steps every
+    seed has: ``step``, ``eval_ppl`` (mean), ``ppl_std`` (over seeds; 0 for one), ``wall_s`` (mean).
+    At the last step the mean is the point's mean final ppl, computed in the same order."""
+    if not seeds:
+        return []
+    steps = sorted(set.intersection(*(set(r["step"] for r in s["evals"]) for s in seeds)))
+    curve = []
+    for step in steps:
+        rows = [next(r for r in s["evals"] if r["step"] == step) for s in seeds]
+        ppl = [r["eval_ppl"] for r in rows]
+        curve.append(
+            {
+                "step": step,
+                "eval_ppl": statistics.fmean(ppl),
+                "ppl_std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
+                "wall_s": statistics.fmean(r["wall_s"] for r in rows),
+            }
+        )
+    return curve
+
+
 def _pm(s: dict, fmt: str = ".2f") -> str:
     return "-" if s["mean"] is None else f"{s['mean']:{fmt}} ± {s['std']:{fmt}}"
 
@@ -275,19 +302,28 @@ def markdown(result: dict) -> str:
         else f"No target: the baseline `{result['baseline']}` has no completed run yet, so steps and "
         "time to target are not computed (final ppl only)"
     )
+    num = lambda v, fmt: "-" if v is None else f"{v:{fmt}}"  # noqa: E731
     lines = [
         target,
         "",
-        "| point | runs | final ppl | steps to target | step reduction | time to target (s) "
-        "| time reduction |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "Steps and time to the target are where a point's mean curve (its eval ppl averaged over "
+        "its seeds at each evaluation) reaches it; the reductions come from them. The per-seed "
+        "columns are the mean ± std over the seeds that reach the target on their own (`runs`: "
+        "how many did; a seed whose final ppl is above the target never does).",
+        "",
+        "| point | runs | final ppl | steps to target | step reduction | per seed | time to target (s) "
+        "| time reduction | per seed (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for point, row in result["points"].items():
+        curve = row["mean_curve"]
         lines.append(
             f"| {point} | {row['final_ppl']['n']} ({row['reached']} reached) | "
             f"{_pm(row['final_ppl'], '.3f')} | "
-            f"{_pm(row['steps_to_target'], '.0f')} | {pct(row['step_reduction_pct'])} | "
-            f"{_pm(row['time_to_target_s'], '.1f')} | {pct(row['time_reduction_pct'])} |"
+            f"{num(curve['steps_to_target'], 'd')} | {pct(row['step_reduction_pct'])} | "
+            f"{_pm(row['steps_to_target'], '.0f')} | "
+            f"{num(curve['time_to_target_s'], '.1f')} | {pct(row['time_reduction_pct'])} | "
+            f"{_pm(row['time_to_target_s'], '.1f')} |"
         )
     lines += ["", "Per seed (final ppl; steps and seconds to the target):", ""]
     for point, row in result["points"].items():
@@ -309,16 +345,11 @@ def plot(path: pathlib.Path, done: dict) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for point, seeds in done.items():
-        if not seeds:
+        curve = mean_curve(seeds)
+        if not curve:
             continue
-        steps = sorted(set.intersection(*(set(r["step"] for r in s["evals"]) for s in seeds)))
-        if not steps:
-            continue
-        by_step = [[next(r for r in s["evals"] if r["step"] == st) for s in seeds] for st in steps]
-        ppl = [[r["eval_ppl"] for r in rows] for rows in by_step]
-        wall = [statistics.fmean(r["wall_s"] for r in rows) for rows in by_step]
-        mean = [statistics.fmean(v) for v in ppl]
-        std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in ppl]
+        steps, wall = [c["step"] for c in curve], [c["wall_s"] for c in curve]
+        mean, std = [c["eval_ppl"] for c in curve], [c["ppl_std"] for c in curve]
         for ax, x in zip(axes, (steps, wall), strict=True):
             (line,) = ax.plot(x, mean, label=f"{point} (n={len(seeds)})")
             ax.fill_between(
