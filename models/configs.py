@@ -76,10 +76,25 @@ class ModelConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be a positive integer, got {v!r}")
-        for f in ("num_key_value_heads", "head_dim"):  # None: the family's default
+        for f in (  # None: the family's default, or not MLA
+            "num_key_value_heads",
+            "head_dim",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        ):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{f} must be a positive integer or null, got {v!r}")
+        for f in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise ValueError(f"{f} must be a positive number, got {v!r}")
+        for f in ("tie_word_embeddings", "attention_bias", "scan_layers"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be true or false, got {getattr(self, f)!r}")
         if self.model_type != "deepseek_v2" and self.head_size % 2:
             raise ValueError(f"the head width must be even for RoPE's pairs, got {self.head_size}")
         if self.num_attention_heads % self.kv_heads:

@@ -116,6 +116,68 @@ def test_verification_names_each_kind_of_damage(finished_run, tmp_path):
     ckpt.close()
 
 
+def test_the_checksums_are_those_of_the_checkpoints_kept(finished_run):
+    """orbax removes the checkpoints beyond ``checkpoint.keep`` (2 here); their checksums go too."""
+    assert sorted(p.name for p in (finished_run / "checksums").iterdir()) == ["4.json", "6.json", "8.json"]
+
+
+def test_a_save_drops_the_checksums_an_earlier_checkpoint_of_its_step_left(tmp_path):
+    """A run dir whose checkpoints were removed but not its checksums: a new checkpoint of the
+    same step is not judged by the old one's files, also before its own are recorded."""
+    import jax.numpy as jnp
+
+    from train.checkpoint import Checkpointer
+    from train.rundir import RunDir
+
+    run = tmp_path / "run"
+    (run / "checksums").mkdir(parents=True)
+    (run / "checksums" / "2.json").write_text(json.dumps({"state/gone": "0" * 64}))
+    ckpt = Checkpointer(RunDir(run), keep=3, every=2)
+    ckpt.save(2, {"w": jnp.ones(4)}, {"iterator": 1})
+    ckpt.wait()  # saved, its checksums not yet recorded: a kill here leaves it so
+    assert ckpt.verify(2) is None and not (run / "checksums" / "2.json").exists()
+    ckpt.close()
+    assert ckpt.verify(2) is None and (run / "checksums" / "2.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_is_verifiable_before_the_next_save(tmp_path):
+    """The checksums of a checkpoint are recorded once orbax has finished it, not at the next
+    save: a run killed between two saves leaves its newest checkpoint verifiable."""
+    from train.checkpoint import Checkpointer
+    from train.rundir import RunDir
+
+    run = tmp_path / "run"
+    proc = start_cli(run, *FAST, "train.steps=5000", "checkpoint.every=50", "train.eval_every=1000")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (run / "checksums" / "50.json").is_file():
+        time.sleep(0.02)
+    logged = max(losses(run), default=0)
+    proc.kill()
+    proc.communicate()
+    assert (run / "checksums" / "50.json").is_file(), "no checksums of checkpoint 50"
+    assert logged < 100  # recorded before the save of checkpoint 100
+    ckpt = Checkpointer(RunDir(run), keep=3, every=50)
+    assert ckpt.verify(50) is None
+    ckpt.close()
+
+
+def test_a_steps_time_leaves_out_the_evaluation_before_it(tmp_path, monkeypatch):
+    """``step_time_s`` (and tokens/s) of the step after an evaluation is that step's own."""
+    from train.loop import StepLoop
+
+    evaluate = StepLoop.evaluate
+
+    def slow_evaluation(self, step, params):
+        evaluate(self, step, params)
+        time.sleep(1.5)
+
+    monkeypatch.setattr(StepLoop, "evaluate", slow_evaluation)
+    run_cli(tmp_path / "run", *FAST, "checkpoint.every=0")
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "step_time_s" in r}
+    assert rows[7]["step_time_s"] < 1.0, rows[7]  # the evaluation at step 6 took 1.5 s more
+
+
 def failing_checkpointer(run, failure):
     """The run's checkpoints, each of whose reads raises ``failure``."""
     from train.checkpoint import Checkpointer

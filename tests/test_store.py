@@ -538,7 +538,7 @@ def test_loader_shuffles_lazily_reshuffles_each_epoch_and_resumes(tmp_path):
     np.testing.assert_array_equal(ahead[0], data.read_train(order[5]))
     assert ahead[0].shape == (4, 32) and ahead[0].dtype == np.int32
     val = data.val_batches(4, 2)
-    assert len(val) == 2 and val[0].shape == (4, 32)
+    assert len(val) == 2 and val[0][0].shape == (4, 32) and val[0][1].shape == (4,)
 
 
 SHARDED = textwrap.dedent(

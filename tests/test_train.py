@@ -278,6 +278,13 @@ def test_sweep_then_compare(tmp_path):
         (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
         (["train.seq_len=300"], "train.seq_len (300) exceeds the model's max_position_embeddings (256)"),
         (["model.overrides={loss_chunk: -8}"], "model: loss_chunk must be a non-negative integer"),
+        (["model.overrides.rope_theta=abc"], "model: rope_theta must be a positive number, got 'abc'"),
+        (["model.overrides.rms_norm_eps=0"], "model: rms_norm_eps must be a positive number, got 0"),
+        (
+            ["model.overrides.tie_word_embeddings=no thanks"],
+            "model: tie_word_embeddings must be true or false",
+        ),
+        (["model.overrides.scan_layers=maybe"], "model: scan_layers must be true or false, got 'maybe'"),
         (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
         (["mode=profile", "profile.steps=6", "profile.every=10"], "profile.every (10) must be <="),
@@ -501,6 +508,23 @@ def test_labels_command_prints_the_optimizer_view():
     assert "moments 650.88" in lines[-1]
 
 
+@pytest.mark.parametrize(
+    "key,value",
+    [("train.grad_clip", 1.0), ("train.param_dtype", "bfloat16"), ("train.seed", 3), ("optimizer.r_base", 4)],
+)
+def test_a_resume_refuses_settings_the_state_or_data_order_depend_on(key, value):
+    """A gradient clip adds a stage (and its state) to the optimizer; the parameters' dtype is
+    the checkpoint's: a resume that changes them is refused by name, before any restore."""
+    from train.config import check_resumable, to_dict
+
+    saved = to_dict(load_config(TINY))
+    with pytest.raises(UserError, match=rf"differs in settings a resume cannot change \({key}: "):
+        check_resumable(saved, to_dict(load_config(TINY, [f"{key}={value}"])))
+    # How long it runs and how the model computes may change.
+    free = ["train.steps=99", "train.lr=0.002", "model.overrides.remat=full", "train.dtype=bfloat16"]
+    check_resumable(saved, to_dict(load_config(TINY, free)))
+
+
 @pytest.mark.slow
 def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path):
     sets = [*FAST, "train.steps=4", "checkpoint.every=2"]
@@ -630,6 +654,44 @@ def write_jsonl(path, n, seed):
     rng = np.random.default_rng(seed)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
     path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 60))}) + "\n" for _ in range(n)))
+
+
+def test_evaluation_reads_each_validation_window_once(tmp_path):
+    """More validation batches asked for than the split holds: each window is read once (the
+    last batch filled up with windows of weight 0), and the eval loss is the mean over exactly
+    those windows' tokens; fewer asked for: the first ones, all counted."""
+    import jax
+
+    import models
+    from train.config import DataSection
+    from train.data import build_data
+    from train.model import model_config
+    from train.step import loss_fn, make_eval_step, mean_nll
+
+    write_jsonl(tmp_path / "a.jsonl", 60, 0)
+    section = DataSection(
+        source="files", paths=[str(tmp_path / "a.jsonl")], validation_fraction=0.3, store=str(tmp_path / "s")
+    )
+    data = build_data(section, seq_len=15, quiet=True)
+    n = data.n_windows("validation")
+    batch = next(b for b in (4, 5, 6, 7) if n % b)  # a last batch only partly made of windows
+    batches = data.val_batches(batch, n // batch + 3)
+    assert len(batches) == n // batch + 1 and all(b.shape == (batch, 16) for b, _ in batches)
+    windows = np.concatenate([b for b, _ in batches])
+    weights = np.concatenate([w for _, w in batches])
+    assert weights.tolist() == [1.0] * n + [0.0] * (len(batches) * batch - n)
+    every = data.store.splits["validation"].windows(np.arange(n), 16)
+    np.testing.assert_array_equal(windows[:n], every)
+    first = data.val_batches(batch, 1)
+    assert len(first) == 1 and first[0][1].tolist() == [1.0] * batch
+    np.testing.assert_array_equal(first[0][0], every[:batch])
+
+    cfg = model_config(load_config(TINY), data.vocab_size)
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    got = mean_nll(jax.jit(make_eval_step(cfg)), params, batches)
+    assert got == pytest.approx(float(loss_fn(cfg, params, every)), rel=1e-6)
+    # The windows that only fill the last batch up would have moved it (a repeated window).
+    assert got != pytest.approx(float(loss_fn(cfg, params, windows)), rel=1e-6)
 
 
 @pytest.mark.slow

@@ -101,6 +101,9 @@ class Checkpointer:
             return
         self._record_finished()
         self._check_space(step, state, data_state)
+        if self.enabled:  # checksums of an earlier checkpoint of this step (removed) are not its own
+            with io_operation("writing checkpoint checksums to", self.sums_dir):
+                (self.sums_dir / f"{step}.json").unlink(missing_ok=True)
         self._unrecorded.append(step)  # a fault of this save may surface at the next wait
         with io_operation(f"saving checkpoint {step} to", self.directory):
             self.manager.save(
@@ -140,6 +143,16 @@ class Checkpointer:
             return
         with io_operation(f"saving checkpoint {self._unrecorded[-1]} to", self.directory):
             self.manager.wait_until_finished()
+        self._write_sums()
+
+    def record_if_finished(self) -> None:
+        """Checksums of the last save as soon as orbax has finished it, without waiting (called
+        once per step: a run killed before its next save leaves its newest checkpoint
+        verifiable)."""
+        if self._unrecorded and not self.manager.is_saving_in_progress():
+            self._write_sums()
+
+    def _write_sums(self) -> None:
         if self.enabled:
             with io_operation("writing checkpoint checksums to", self.sums_dir):
                 self.sums_dir.mkdir(exist_ok=True)
@@ -147,6 +160,10 @@ class Checkpointer:
                     if (self.directory / str(step)).is_dir():
                         sums = json.dumps(_file_sums(self.directory / str(step)), indent=0)
                         write_atomically(self.sums_dir / f"{step}.json", sums)
+                kept = {str(s) for s in self.complete_steps()}  # orbax removes the oldest beyond `keep`
+                for stale in self.sums_dir.glob("*.json"):
+                    if stale.stem.isdigit() and stale.stem not in kept:
+                        stale.unlink(missing_ok=True)
         self._unrecorded.clear()
 
     def abandon(self) -> None:

@@ -62,7 +62,7 @@ class TrainSection:
     min_lr_ratio: float = 0.1
     grad_clip: float = 0.0
     eval_every: int = 100
-    eval_batches: int = 4
+    eval_batches: int = 4  # validation batches per evaluation, at most: each window is read once
     log_every: int = 1
     seed: int = 0
     # The divergence guard: stop when the loss exceeds this factor x its running minimum, or the
@@ -399,9 +399,20 @@ def to_dict(cfg: RunConfig) -> dict:
 
 DEFAULT_MODEL = "tiny"  # the model of a config that names none (and has no init_from)
 
-# Settings a resumed run must share with the run it continues (they shape the state or the data
-# order); everything else (steps, learning rate, logging, mesh, ...) may change.
-_FIXED_ON_RESUME = ("mode", "model", "data", "optimizer", "train.batch_size", "train.seq_len", "train.seed")
+# Settings a resumed run must share with the run it continues (they shape the state, its dtypes
+# or the data order: a gradient clip adds a stage to the optimizer's state); everything else
+# (steps, learning rate, logging, mesh, ...) may change.
+_FIXED_ON_RESUME = (
+    "mode",
+    "model",
+    "data",
+    "optimizer",
+    "train.batch_size",
+    "train.seq_len",
+    "train.seed",
+    "train.grad_clip",
+    "train.param_dtype",
+)
 # How the model computes, not what it is: a resume may take less memory or another attention.
 _FREE_ON_RESUME = (
     "optimizer.svd",

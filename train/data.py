@@ -74,11 +74,20 @@ class Data:
         """The token windows of ``indices``: ``(len(indices), window)`` int32."""
         return self.store.splits["train"].windows(indices, self.window)
 
-    def val_batches(self, batch_size: int, n: int) -> list[np.ndarray]:
-        """The first ``n`` validation batches (fixed; windows wrap around if too few)."""
-        idx = np.arange(n * batch_size) % self.n_windows("validation")
-        rows = self.store.splits["validation"].windows(idx, self.window)
-        return [rows[i * batch_size : (i + 1) * batch_size] for i in range(n)]
+    def val_batches(self, batch_size: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """What evaluation reads: the first ``n`` batches of the validation windows, each window
+        once. Each batch is ``(windows (batch_size, window) int32, weights (batch_size,) float32)``;
+        when the split has fewer than ``n * batch_size`` windows there are fewer batches, the last
+        filled up with windows of weight 0 (every batch keeps the shape the step is compiled for)."""
+        count = min(n * batch_size, self.n_windows("validation"))
+        batches = -(-count // batch_size)
+        idx = np.arange(batches * batch_size)
+        rows = self.store.splits["validation"].windows(idx % count, self.window)
+        weights = (idx < count).astype(np.float32)
+        return [
+            (rows[i * batch_size : (i + 1) * batch_size], weights[i * batch_size : (i + 1) * batch_size])
+            for i in range(batches)
+        ]
 
     def identity(self) -> str:
         """The store's content: a hash of its tokenizer and its shards' (both splits, in order).

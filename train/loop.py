@@ -44,7 +44,15 @@ from train.sharding import (
     process_rows,
     state_shardings,
 )
-from train.step import Allocation, TrainState, make_eval_step, make_optimizer, make_train_step, schedule
+from train.step import (
+    Allocation,
+    TrainState,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    mean_nll,
+    schedule,
+)
 
 
 def train_and_evaluate(cfg: RunConfig, run_dir, resume: bool = False, quiet: bool = False) -> dict:
@@ -359,13 +367,19 @@ class StepLoop:
             out_shardings=(setup.shardings, None),
             donate_argnums=(0,),
         )
+        sharding = setup.batch_sharding
+        row_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0]))
         self.eval_fn = jax.jit(
-            make_eval_step(setup.model_cfg), in_shardings=(setup.shardings.params, setup.batch_sharding)
+            make_eval_step(setup.model_cfg),
+            in_shardings=(setup.shardings.params, setup.batch_sharding, row_sharding),
         )
         shape = (t.batch_size, setup.data.window)
         self.val_batches = [
-            global_batch(b, setup.batch_sharding, None, shape)
-            for b in setup.data.val_batches(t.batch_size, t.eval_batches)
+            (
+                global_batch(b, setup.batch_sharding, None, shape),
+                jax.make_array_from_callback(w.shape, row_sharding, lambda idx, w=w: w[idx]),
+            )
+            for b, w in setup.data.val_batches(t.batch_size, t.eval_batches)
         ]
         sinks = (
             make_sinks(cfg.metrics.writers, run, to_dict(cfg), cfg.metrics.wandb_project, start.resumed_from)
@@ -394,11 +408,11 @@ class StepLoop:
     def run(self, state: TrainState, step: int, signals: StopSignals) -> Outcome:
         """Steps from ``step`` to the last, or to the step after which ``signals`` asks to stop;
         a fault of the machine (a write that fails) ends them with the status ``io_error``."""
-        self.step, fault = step, None
+        self.step, self.checked, fault = step, step, None
         try:
             outcome = self._steps(state, signals)
         except IOFault as e:
-            outcome, fault = Outcome("io_error", self.step, None), e
+            outcome, fault = Outcome("io_error", self.checked, None), e
         finally:
             self.writer.end_progress()
         try:
@@ -431,6 +445,9 @@ class StepLoop:
                 self.evaluate(step, state.params)
             if saving and (stop := self.save(step, state, drawn_ahead=batch is not None)):
                 break
+            if evaluating or saving:  # the next step's time starts here, not before them
+                self.last_done = time.perf_counter()
+            self.ckpt.record_if_finished()
             if signals.at_step():  # once per step, at the same step in every process
                 if pending is not None:
                     stop, pending = self.read_metrics(*pending), None
@@ -461,6 +478,7 @@ class StepLoop:
         stop = self.guard.check(step, loss, grad_norm, step_lr)
         if stop is not None:
             return stop
+        self.checked = step
         if self.recorder is not None and step % self.setup.cfg.profile.every == 0:
             self.recorder.record(step, metrics["alignment"], self.setup.abstract_params)
             self.writer.scalars(step, {f"alignment/S_{k}": v[-1] for k, v in self.recorder.values.items()})
@@ -474,9 +492,7 @@ class StepLoop:
         return None
 
     def evaluate(self, step: int, params) -> None:
-        # Every batch dispatched before the first is read: the host waits on the device once.
-        losses = jax.device_get([self.eval_fn(params, b) for b in self.val_batches])
-        loss = float(np.mean([float(x) for x in losses]))
+        loss = mean_nll(self.eval_fn, params, self.val_batches)
         self.last_eval = loss
         self.writer.write(
             {"step": step, "eval_loss": loss, "eval_ppl": ppl(loss), "wall_s": self.writer.wall()}

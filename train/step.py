@@ -154,7 +154,21 @@ def make_train_step(
 
 
 def make_eval_step(model_cfg: models.ModelConfig):
-    def eval_step(params, batch):
-        return loss_fn(model_cfg, params, batch)
+    """``eval_step(params, batch, weights) -> (nll_sum, tokens)``: the next-token cross entropy of
+    ``batch (B, seq_len + 1)`` summed over its positions with each row weighted by ``weights (B,)``
+    (0 for a row that only fills the batch up), and the number of tokens so counted."""
+
+    def eval_step(params, batch, weights):
+        nll = models.token_nll(model_cfg, params, batch[:, :-1], batch[:, 1:])
+        return jnp.sum(nll.sum(axis=1) * weights), jnp.sum(weights) * nll.shape[1]
 
     return eval_step
+
+
+def mean_nll(eval_step, params, batches) -> float:
+    """The mean next-token cross entropy over every counted token of ``batches`` (pairs of
+    windows and row weights, as ``Data.val_batches`` gives them) under ``eval_step`` (from
+    ``make_eval_step``, jitted). Every batch is dispatched before the first is read: the host
+    waits on the device once."""
+    sums = jax.device_get([eval_step(params, b, w) for b, w in batches])
+    return float(sum(float(x) for x, _ in sums) / sum(float(n) for _, n in sums))
