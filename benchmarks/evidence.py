@@ -89,7 +89,7 @@ FINISHED = ("completed", "failed")  # RunDir.state: a summary that says complete
 # two of its requirements that are not there. Python 3.12, manylinux x86_64.
 WHEELS_SCRIPT = CODE / "benchmarks" / "gpu_wheels.sh"  # the GPU sessions' one wheel set
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint")
-VERSIONS += ("grain", "numpy", "sentencepiece")
+VERSIONS += ("grain", "numpy", "sentencepiece", "protobuf")  # grain's generated code checks protobuf's
 TRAVEL_LIMIT_MIB = 64
 ORIGINAL_ENV: dict = {}  # the environment before main() set JAX_PLATFORMS for this process
 TAIL_BYTES = 200_000

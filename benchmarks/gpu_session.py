@@ -42,6 +42,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,7 +77,20 @@ class Session:
         self.jax_args = list(jax_args or [])
         self.deadline = time.monotonic() + budget_s
         self.results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": smoke, "phases": {}}
-        self.work = pathlib.Path(tempfile.mkdtemp(prefix="gpu-session-"))
+        self._work: pathlib.Path | None = None
+
+    @property
+    def work(self) -> pathlib.Path:
+        """A scratch directory for the phases' own files, made when the first phase needs it;
+        ``close`` removes it."""
+        if self._work is None:
+            self._work = pathlib.Path(tempfile.mkdtemp(prefix="gpu-session-"))
+        return self._work
+
+    def close(self) -> None:
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -147,7 +161,9 @@ def phase_env(s: Session) -> dict:
         "import json, jax, jax.extend, jaxlib, flax, optax, importlib.metadata as md\n"
         "d = jax.devices()[0]\n"
         "v = {}\n"
-        "for p in ('torch', 'transformers', 'galore-torch', 'grain', 'orbax-checkpoint', 'numpy'):\n"
+        "names = ('torch', 'transformers', 'galore-torch', 'grain', 'orbax-checkpoint', 'numpy',\n"
+        "         'protobuf')\n"
+        "for p in names:\n"
         "    try: v[p] = md.version(p)\n"
         "    except md.PackageNotFoundError: v[p] = None\n"
         "print('ENV ' + json.dumps({'jax': jax.__version__, 'jaxlib': jaxlib.__version__, "
@@ -517,7 +533,15 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     s = Session(out, args.budget_s, args.smoke, args.variant_steps, shlex.split(args.jax_args))
     s.results["jax_args"] = s.jax_args
-    for name in args.phases:
+    try:
+        run_phases(s, args.phases)
+    finally:
+        s.close()
+    return 0
+
+
+def run_phases(s: Session, phases: list[str]) -> None:
+    for name in phases:
         need = PHASES[name][0](s)
         if s.left() < need:
             s.results["phases"][name] = {"skipped": f"{s.left():.0f}s left, needs at least {need:.0f}s"}
@@ -532,7 +556,6 @@ def main(argv=None) -> int:
     s.results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     s.save()
     print(json.dumps({k: v for k, v in s.results.items() if k != "phases"}), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -398,3 +398,8 @@ def test_gpu_session_variants_run_over_the_paper_settings():
     assert gpu_session._same_as_baseline(session, ["--micro-batch", "64"])
     assert not gpu_session._same_as_baseline(session, ["--layers", "unrolled"])
     assert not gpu_session._same_as_baseline(session, ["--attention", "xla"])
+    assert session._work is None  # no phase ran: no scratch directory was made
+    work = session.work
+    assert work.is_dir() and session.work == work
+    session.close()
+    assert not work.exists()

@@ -87,6 +87,36 @@ def test_the_safety_factor_applies_to_the_plans_estimate_too():
     assert est == pytest.approx(300 * 2 * 1.5) and "x 1.5" in basis
 
 
+def test_carried_wheels_install_offline_into_the_site_and_installed_ones_are_left(tmp_path):
+    """The bare GPU machine's step: each carried wheel whose distribution is not installed goes
+    into the site folder, without the package index (``--no-index``) or its requirements; one
+    whose distribution is installed is left (this one would not install: it is no wheel)."""
+    import zipfile
+
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    dist, info = "moara_carried_probe", "moara_carried_probe-0.1.dist-info"
+    files = {
+        f"{dist}/__init__.py": "VALUE = 7\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n"
+        "Requires-Dist: not-on-any-index\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{info}/RECORD": "",
+    }
+    with zipfile.ZipFile(wheels / f"{dist}-0.1-py3-none-any.whl", "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    (wheels / "numpy-0.0-py3-none-any.whl").write_bytes(b"not a wheel")
+    said = []
+    assert evidence.install_wheels(wheels, tmp_path / "site", said.append)
+    assert said == [f"wheels: installed {dist} into {tmp_path / 'site'}"]
+    assert (tmp_path / "site" / dist / "__init__.py").read_text() == "VALUE = 7\n"
+    assert not (tmp_path / "site" / "numpy").exists()
+    (wheels / f"{dist}-0.1-py3-none-any.whl").unlink()
+    assert not evidence.install_wheels(wheels, tmp_path / "site2", said.append)
+    assert said[-1] == f"wheels: nothing to install from {wheels}"
+
+
 def test_unpack_refuses_members_outside_the_results(tmp_path):
     archive = tmp_path / "bad.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
