@@ -158,20 +158,35 @@ def test_resume_finishes_a_run_whose_last_writes_failed(tmp_path, capsys, monkey
 def test_a_save_that_fails_in_orbaxs_writer_thread_leaves_no_partial_checkpoint(
     tmp_path, capsys, monkeypatch
 ):
-    # An asynchronous save fails after the step went on: the failure surfaces at the next wait,
-    # as a tensorstore error, with orbax's temporary directory left behind.
+    # An asynchronous save fails after the step went on: orbax's temporary directory is left
+    # behind, the save is over (no longer in progress), and the failure surfaces at the next
+    # wait, as a tensorstore error, naming that save.
     run = tmp_path / "run"
-    wait = ocp.CheckpointManager.wait_until_finished
+    wait, in_progress = ocp.CheckpointManager.wait_until_finished, ocp.CheckpointManager.is_saving_in_progress
+    failed = []
+
+    def fail_8(self):
+        if (run / "checkpoints" / "8").is_dir():
+            (run / "checkpoints" / "8").rename(run / "checkpoints" / "8.orbax-checkpoint-tmp-123")
+            failed.append(8)
 
     def fail_finishing_8(self):
         wait(self)
-        if (run / "checkpoints" / "8").is_dir():
-            (run / "checkpoints" / "8").rename(run / "checkpoints" / "8.orbax-checkpoint-tmp-123")
+        fail_8(self)
+        if failed == [8]:
+            failed.append("raised")
             raise ValueError(
                 "RESOURCE_EXHAUSTED: Failed to write: No space left on device [os_error_code='28']"
             )
 
+    def saving_in_progress(self):
+        if in_progress(self):
+            return True
+        fail_8(self)
+        return False
+
     monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", fail_finishing_8)
+    monkeypatch.setattr(ocp.CheckpointManager, "is_saving_in_progress", saving_in_progress)
     code, err = train(run, capsys)
     line = assert_one_io_error(code, err, "saving checkpoint 8 to")
     assert "the last complete checkpoint, step 4," in line

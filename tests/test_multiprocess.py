@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -225,11 +226,22 @@ def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
 
     # 4. Resumed to the end, as the two tasks of a SLURM job step of an allocation of 4 tasks
     # (jax.distributed finds the coordinator and each one's id in SLURM's variables; the number
-    # of processes is the step's).
+    # of processes is the step's), after the newest checkpoint's largest file was deleted:
+    # process 0 alone verifies it (or, where its checksums were not recorded before the kill,
+    # both fail to read it), moves it aside once both are done with it, and both resume from the
+    # one before (processes that verified on their own restored different steps, or read files
+    # being moved, and hung).
+    kept = sorted(int(p.name) for p in (run / CHECKPOINTS).iterdir() if p.name.isdigit())
+    assert kept[-1] == 12, kept
+    files = [p for p in (run / CHECKPOINTS / "12").rglob("*") if p.is_file()]
+    max(files, key=lambda p: p.stat().st_size).unlink()
     pair = Pair(run, "finish", "--resume", slurm=True)
     codes = [pair.wait(i) for i in range(2)]
     assert codes == [0, 0], pair.report()
-    assert pair.resumed_from() >= 12
+    assert pair.resumed_from() == kept[-2], pair.logs[0][0].read_text()
+    assert "checkpoint 12 is not usable: " in pair.logs[0][0].read_text()
+    assert (run / "rejected_checkpoints" / "12").is_dir()
+    shutil.rmtree(run / "rejected_checkpoints")  # the run dir compared with the one-process one below
     steps = logged_steps(run)
     assert steps == list(range(1, STEPS + 1)), steps  # every step once, in order
     evals = [r["step"] for r in read_metrics(run / METRICS) if "eval_loss" in r]
@@ -365,6 +377,25 @@ def test_a_slurm_step_gives_jax_the_steps_number_of_processes(monkeypatch):
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "one")
     with pytest.raises(UserError, match="JAX_PROCESS_ID must be a whole number"):
+        distributed.initialize()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "127.0.0.1:notaport", ":1234", "host0:0", "host0:70000"])
+def test_a_coordinator_address_without_a_port_is_one_line(address, monkeypatch):
+    """Checked before JAX reads it (which fails with an IndexError, or logs a second line)."""
+    import jax
+
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"JAX got {kw}"))
+    monkeypatch.setattr(distributed, "_initialized", False)
+    for name, value in (
+        ("JAX_COORDINATOR_ADDRESS", address),
+        ("JAX_NUM_PROCESSES", "2"),
+        ("JAX_PROCESS_ID", "0"),
+    ):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(
+        UserError, match=rf"JAX_COORDINATOR_ADDRESS must be HOST:PORT \(a port 1-65535\), got '{address}'"
+    ):
         distributed.initialize()
 
 

@@ -71,7 +71,7 @@ def test_sharded_optimizer_matches_single_device(host):
 
 
 STATE_SHARDINGS = textwrap.dedent("""
-    import re
+    import math, re
     import jax, jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     import models, moara_jax as mj
@@ -95,15 +95,30 @@ STATE_SHARDINGS = textwrap.dedent("""
     for name in ("['embed_tokens']['embedding']", "['lm_head']['kernel']"):
         assert pspec[name] in (P("tensor", "fsdp"), P("fsdp", "tensor")), pspec[name]
         assert of("mu", name) == of("nu", name) == pspec[name], (name, of("mu", name))
-    # low-rank leaves: the kept dimension as the parameter shards it, the rank dimension not
+    # low-rank leaves: the kept dimension as the parameter shards it; the parameter's other
+    # axis on the largest free dimension it divides (the rank 16 of down, 4 of q; fan_in / B = 22)
     down = "['layers_0']['mlp']['down_proj']['kernel']"   # (fan_in 176: tensor, fan_out 64: fsdp)
     assert pspec[down] == P("tensor", "fsdp")
-    assert of("basis", down) == P("fsdp", None)           # (fan_out, r)
-    assert of("dir_mu", down) == P("tensor", None)        # (fan_in, r)
-    assert of("mag_mu", down) == P(None, "fsdp")          # (ceil(fan_in / B), fan_out)
+    assert of("basis", down) == P("fsdp", "tensor")       # (fan_out, r)
+    assert of("dir_mu", down) == P("tensor", "fsdp")      # (fan_in, r)
+    assert of("mag_mu", down) == P("tensor", "fsdp")      # (ceil(fan_in / B), fan_out)
     q = "['layers_0']['self_attn']['q_proj']['kernel']"  # (fan_in: fsdp, fan_out: tensor)
-    assert of("basis", q) == P("fsdp", None) and of("dir_mu", q) == P(None, "tensor")
+    assert of("basis", q) == P("fsdp", "tensor") and of("dir_mu", q) == P("fsdp", "tensor")
     assert all(s == P() for k, s in spec.items() if k.endswith(".count"))
+
+    # Pure FSDP (tensor 1): the moments r x fan_out of a kernel whose fan_in FSDP shards keep no
+    # sharded dimension of it; they are split over FSDP all the same. Per device: the state's
+    # bytes over the 4 FSDP devices, up to the leaves no axis divides.
+    def per_device(mesh):
+        p_shard = param_shardings(models.logical_axes(cfg), params, mesh)
+        shard = state_shardings(state, mesh, params, p_shard)
+        held = whole = 0
+        for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shard)):
+            whole += x.size * x.dtype.itemsize
+            held += math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+        return held, whole
+    held, whole = per_device(make_mesh(MeshSection(data=2, fsdp=4, tensor=1)))
+    assert held < 1.01 * whole / 4, (held, whole)
 
     # The compiled update of the embedding's and LM head's AdamW state moves none of it.
     small = {k: params[k] for k in ("embed_tokens", "lm_head")}

@@ -345,6 +345,14 @@ def test_micro_batches_off_the_data_split_name_the_numbers(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr
     assert "train.micro_batch_size (3) must be divisible by the mesh's data x fsdp = 2 x 1 = 2" in proc.stderr
+    # No micro-batch size set: the batch size is the one named.
+    proc = run_cli(
+        tmp_path / "bad", *FAST, "train.batch_size=6", "mesh.data=4", check=False, env=cpu_devices(4)
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        "error: train.batch_size (6) must be divisible by the mesh's data x fsdp = 4 x 1 = 4" in proc.stderr
+    )
 
 
 @pytest.mark.slow

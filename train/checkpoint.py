@@ -88,13 +88,12 @@ class Checkpointer:
         with io_operation("creating the checkpoint directory", self.directory):
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._unrecorded: list[int] = []
-        self._skipped: set[int] = set()  # rejected by another process that moves them
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def steps(self) -> list[int]:
-        return sorted(s for s in self.manager.all_steps() if s not in self._skipped)
+        return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, data_state: dict, force: bool = False) -> None:
         if step in self.manager.all_steps():
@@ -138,33 +137,39 @@ class Checkpointer:
             raise IOFault(f"saving checkpoint {step} to", self.directory, f"{cause(errno.ENOSPC)} ({room})")
 
     def _record_finished(self) -> None:
-        """Checksums of the checkpoints saved so far (waits for an asynchronous save to end)."""
+        """Checksums of the checkpoints saved so far (waits for an asynchronous save to end: a
+        save that failed in orbax's threads raises here)."""
         if not self._unrecorded:
             return
         with io_operation(f"saving checkpoint {self._unrecorded[-1]} to", self.directory):
             self.manager.wait_until_finished()
-        self._write_sums()
+        self._write_sums(self._unrecorded)
+        self._unrecorded.clear()
 
     def record_if_finished(self) -> None:
-        """Checksums of the last save as soon as orbax has finished it, without waiting (called
-        once per step: a run killed before its next save leaves its newest checkpoint
-        verifiable)."""
-        if self._unrecorded and not self.manager.is_saving_in_progress():
-            self._write_sums()
+        """Checksums of the saves orbax has put in place, as soon as it has, without waiting
+        (called once per step: a run killed before its next save leaves its newest checkpoint
+        verifiable). The first process's alone; a save not in place (failed in orbax's threads)
+        stays for the next wait to report."""
+        if not self.enabled or not self._unrecorded or self.manager.is_saving_in_progress():
+            return
+        done = [s for s in self._unrecorded if (self.directory / str(s)).is_dir()]
+        self._write_sums(done)
+        self._unrecorded = [s for s in self._unrecorded if s not in done]
 
-    def _write_sums(self) -> None:
-        if self.enabled:
-            with io_operation("writing checkpoint checksums to", self.sums_dir):
-                self.sums_dir.mkdir(exist_ok=True)
-                for step in self._unrecorded:
-                    if (self.directory / str(step)).is_dir():
-                        sums = json.dumps(_file_sums(self.directory / str(step)), indent=0)
-                        write_atomically(self.sums_dir / f"{step}.json", sums)
-                kept = {str(s) for s in self.complete_steps()}  # orbax removes the oldest beyond `keep`
-                for stale in self.sums_dir.glob("*.json"):
-                    if stale.stem.isdigit() and stale.stem not in kept:
-                        stale.unlink(missing_ok=True)
-        self._unrecorded.clear()
+    def _write_sums(self, steps: list[int]) -> None:
+        if not self.enabled:
+            return
+        with io_operation("writing checkpoint checksums to", self.sums_dir):
+            self.sums_dir.mkdir(exist_ok=True)
+            for step in steps:
+                if (self.directory / str(step)).is_dir():
+                    sums = json.dumps(_file_sums(self.directory / str(step)), indent=0)
+                    write_atomically(self.sums_dir / f"{step}.json", sums)
+            kept = {str(s) for s in self.complete_steps()}  # orbax removes the oldest beyond `keep`
+            for stale in self.sums_dir.glob("*.json"):
+                if stale.stem.isdigit() and stale.stem not in kept:
+                    stale.unlink(missing_ok=True)
 
     def abandon(self) -> None:
         """After a fault of the machine: ends the manager without waiting on the failed save,
@@ -215,28 +220,21 @@ class Checkpointer:
         non-finite weights, or a read that fails on a checkpoint without checksums (a crash
         right after orbax finished it). A read that fails on files that verify (the device's
         memory, the filesystem, a library's version) moves nothing: an ``IOFault`` for a fault
-        of the machine, else a ``UserError``; a later run can still resume from it."""
+        of the machine, else a ``UserError``; a later run can still resume from it.
+
+        In a multi-process run every process restores the same step: the first process alone
+        verifies the checksums (it also moves what is refused, once every process is done
+        with it) and the others follow its verdict; a read that fails in any process refuses
+        the checkpoint in all of them."""
         tried = []
         for step in reversed(self.steps()):
-            reason = self.verify(step)
+            reason = self.verify(step) if self.enabled else None
+            if any_process(reason is not None) and reason is None:
+                reason = "fails verification (checked by the first process)"
             if reason is None:
-                try:
-                    state, data = self.restore(step, abstract_state)
-                    reason = usable(state)
-                except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
-                    first = (str(e).strip().splitlines() or [""])[0][:200]
-                    path = self.directory / str(step)
-                    code = machine_errno(e)
-                    if code is not None:
-                        raise IOFault("reading checkpoint", path, cause(code), "it is kept") from e
-                    if (self.sums_dir / f"{step}.json").is_file():
-                        raise UserError(
-                            f"checkpoint {path} matches its checksums but could not be restored "
-                            f"({type(e).__name__}: {first}); it is kept"
-                        ) from e
-                    reason = f"unreadable ({type(e).__name__}: {first})"
-            if reason is None:
-                return step, state, data
+                reason, restored = self._restore_verified(step, abstract_state, usable)
+                if reason is None:
+                    return (step, *restored)
             tried.append(f"step {step} ({reason})")
             say(f"checkpoint {step} is not usable: {reason}; moved to {self.rejected_dir}")
             self.reject(step)
@@ -244,15 +242,42 @@ class Checkpointer:
             raise UserError(f"no usable checkpoint in {self.directory}: tried {'; '.join(tried)}")
         return None
 
+    def _restore_verified(self, step: int, abstract_state, usable) -> tuple[str | None, tuple]:
+        """Reads checkpoint ``step`` (which passed verification): ``(None, (state, data))``, or
+        the reason to refuse it; raises for a read that fails on files that verify."""
+        error = None
+        try:
+            state, data = self.restore(step, abstract_state)
+        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+            error = e
+        if not any_process(error is not None):
+            return usable(state), (state, data)  # the same verdict in every process: a global check
+        if error is None:
+            return "unreadable in another process", ()
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        path = self.directory / str(step)
+        code = machine_errno(error)
+        if code is not None:
+            raise IOFault("reading checkpoint", path, cause(code), "it is kept") from error
+        if (self.sums_dir / f"{step}.json").is_file():
+            raise UserError(
+                f"checkpoint {path} matches its checksums but could not be restored "
+                f"({type(error).__name__}: {first}); it is kept"
+            ) from error
+        return f"unreadable ({type(error).__name__}: {first})", ()
+
     def reject(self, step: int) -> None:
-        """Moves checkpoint ``step`` (and its checksums) out of the way of later runs (the first
-        process of a multi-host run moves it; the others only stop considering it)."""
+        """Moves checkpoint ``step`` (and its checksums) out of the way of later runs. In a
+        multi-process run the first process moves it once every process has reached this point
+        (none reads it any more), and every process then reads the directory again: they agree
+        on the checkpoints there, and so on the saves to make (a save of a step they see is
+        skipped)."""
         self.manager.wait_until_finished()
-        if not self.enabled:
-            self._skipped.add(step)
-            return
-        with io_operation(f"moving checkpoint {step} to", self.rejected_dir):
-            self._move_aside(step)
+        any_process(False)  # every process is here
+        if self.enabled:
+            with io_operation(f"moving checkpoint {step} to", self.rejected_dir):
+                self._move_aside(step)
+        any_process(False)  # it is moved
         self.manager.reload()
 
     def _move_aside(self, step: int) -> None:

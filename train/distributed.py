@@ -147,6 +147,11 @@ def initialize() -> None:
             if not os.environ[var].strip().isdigit():
                 raise UserError(f"{var} must be a whole number, got {os.environ[var]!r}")
             env[key] = int(os.environ[var])
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS", "").strip()
+    if address:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UserError(f"JAX_COORDINATOR_ADDRESS must be HOST:PORT (a port 1-65535), got {address!r}")
     if os.environ.get("JAX_COORDINATOR_ADDRESS") and len(env) == 2:
         # JAX's three variables say it all: no cluster's (SLURM's) variables read, which would
         # also give the process one GPU of its host.

@@ -178,8 +178,9 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock) -> Setup:
     micro = t.batch_size // (t.micro_batch_size or t.batch_size)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if (t.batch_size // micro) % shards:
+        what = "train.micro_batch_size" if t.micro_batch_size else "train.batch_size"
         raise UserError(
-            f"train.micro_batch_size ({t.batch_size // micro}) must be divisible by the mesh's "
+            f"{what} ({t.batch_size // micro}) must be divisible by the mesh's "
             f"data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']} = {shards}"
         )
     lr = schedule(cfg)

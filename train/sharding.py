@@ -74,8 +74,10 @@ def state_shardings(abstract_state, mesh: Mesh, abstract_params=None, param_shar
     needs no resharding. A low-rank leaf (moments ``r x n``, bases ``m x r``, magnitudes
     ``m x ceil(n/B)``, stacked or not) shards each dimension it keeps from the parameter as the
     parameter shards it (the same size at the same place in the matrix, else at the other place:
-    bases are stored in the paper's orientation), and the rank dimension not at all; leading
-    (stacked-layer) dimensions follow the parameter's. Scalars are replicated. Leaves matched to
+    bases are stored in the paper's orientation); leading (stacked-layer) dimensions follow the
+    parameter's; a mesh axis that shards the parameter and none of those dimensions then shards
+    the leaf's largest dimension it divides (often the rank dimension), so no device holds a
+    whole low-rank moment that FSDP would have split. Scalars are replicated. Leaves matched to
     no parameter shard their largest axis that ``fsdp`` divides, as does every leaf when no
     parameter shardings are given."""
     fsdp = mesh.shape["fsdp"]
@@ -109,9 +111,26 @@ def state_shardings(abstract_state, mesh: Mesh, abstract_params=None, param_shar
         param, spec = match
         if x.shape == param.shape:
             return NamedSharding(mesh, P(*spec))
-        return NamedSharding(mesh, _fit(_derived_spec(x.shape, param.shape, spec), x.shape, mesh))
+        derived = _fit(_derived_spec(x.shape, param.shape, spec), x.shape, mesh)
+        return NamedSharding(mesh, _spread(tuple(derived), x.shape, spec, mesh))
 
     return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def _spread(spec: tuple, shape: tuple, param_spec: tuple, mesh: Mesh) -> P:
+    """``spec`` with each mesh axis (of more than one device) that shards the parameter but not
+    the leaf placed on the leaf's largest dimension it divides and no axis shards: a low-rank
+    leaf that keeps only the parameter's dimension another axis shards (under pure FSDP, the
+    moments ``r x fan_out`` of a kernel whose ``fan_in`` FSDP shards) would otherwise be held
+    whole by every device of that axis."""
+    spec = [a if a is not None and mesh.shape[a] > 1 else None for a in spec]
+    for axis in dict.fromkeys(a for a in param_spec if a is not None and mesh.shape[a] > 1):
+        if axis in spec:
+            continue
+        free = [k for k in range(len(shape)) if spec[k] is None and shape[k] % mesh.shape[axis] == 0]
+        if free:
+            spec[max(free, key=lambda k: shape[k])] = axis
+    return P(*spec)
 
 
 def _path_key(path) -> tuple[str, ...]:
