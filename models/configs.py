@@ -88,10 +88,16 @@ class ModelConfig:
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{f} must be a positive integer or null, got {v!r}")
-        for f in ("rope_theta", "rms_norm_eps", "initializer_range"):
+        for f, least in (("rope_theta", 0), ("rms_norm_eps", 0), ("initializer_range", None)):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-                raise ValueError(f"{f} must be a positive number, got {v!r}")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or not (v > least if least == 0 else v >= 0)
+            ):
+                raise ValueError(
+                    f"{f} must be a {'positive' if least == 0 else 'non-negative'} number, got {v!r}"
+                )
         for f in ("tie_word_embeddings", "attention_bias", "scan_layers"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be true or false, got {getattr(self, f)!r}")

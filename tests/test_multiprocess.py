@@ -210,6 +210,9 @@ def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
     # process 0 says so.
     pair = Pair(run, "kill1", "--resume")
     pair.wait_for_step(13, checkpoint=12)
+    deadline = time.time() + 120  # process 0 records its checksums at a step after orbax is done
+    while not (run / "checksums" / "12.json").is_file() and time.time() < deadline:
+        time.sleep(0.05)
     assert pair.resumed_from() == stopped
     killed_at = time.time()
     pair.procs[1].kill()
@@ -227,10 +230,9 @@ def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
     # 4. Resumed to the end, as the two tasks of a SLURM job step of an allocation of 4 tasks
     # (jax.distributed finds the coordinator and each one's id in SLURM's variables; the number
     # of processes is the step's), after the newest checkpoint's largest file was deleted:
-    # process 0 alone verifies it (or, where its checksums were not recorded before the kill,
-    # both fail to read it), moves it aside once both are done with it, and both resume from the
-    # one before (processes that verified on their own restored different steps, or read files
-    # being moved, and hung).
+    # process 0 alone verifies it against its checksums, moves it aside once both are done with
+    # it, and both resume from the one before (processes that verified on their own restored
+    # different steps, or read files being moved, and hung).
     kept = sorted(int(p.name) for p in (run / CHECKPOINTS).iterdir() if p.name.isdigit())
     assert kept[-1] == 12, kept
     files = [p for p in (run / CHECKPOINTS / "12").rglob("*") if p.is_file()]
@@ -239,7 +241,7 @@ def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
     codes = [pair.wait(i) for i in range(2)]
     assert codes == [0, 0], pair.report()
     assert pair.resumed_from() == kept[-2], pair.logs[0][0].read_text()
-    assert "checkpoint 12 is not usable: " in pair.logs[0][0].read_text()
+    assert "checkpoint 12 is not usable: files missing: " in pair.logs[0][0].read_text()
     assert (run / "rejected_checkpoints" / "12").is_dir()
     shutil.rmtree(run / "rejected_checkpoints")  # the run dir compared with the one-process one below
     steps = logged_steps(run)

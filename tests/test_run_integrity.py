@@ -230,6 +230,26 @@ def test_an_unreadable_checkpoint_without_checksums_is_refused(finished_run, tmp
     ckpt.close()
 
 
+def test_in_a_multi_process_run_an_unreadable_checkpoint_without_checksums_is_reported(
+    finished_run, tmp_path, monkeypatch
+):
+    """A read that fails may fail in one process only, while the others wait in orbax's closing
+    barrier: the process says so in one line and keeps the checkpoint, moved by hand."""
+    import train.checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "checksums" / "8.json").unlink()
+    monkeypatch.setattr(train.checkpoint, "multi_process", lambda: True)
+    ckpt = failing_checkpointer(run, OUT_OF_MEMORY)
+    with pytest.raises(
+        UserError, match=r"checkpoint .*8 has no checksums and could not be read in process 0 "
+    ):
+        ckpt.restore_latest(None, lambda state: None, say=pytest.fail)
+    assert ckpt.steps() == [4, 6, 8] and not (run / "rejected_checkpoints").exists()
+    ckpt.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", [truncate])  # each kind of damage: test_verification_names_...
 def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finished_run, tmp_path):

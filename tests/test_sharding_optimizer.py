@@ -95,15 +95,16 @@ STATE_SHARDINGS = textwrap.dedent("""
     for name in ("['embed_tokens']['embedding']", "['lm_head']['kernel']"):
         assert pspec[name] in (P("tensor", "fsdp"), P("fsdp", "tensor")), pspec[name]
         assert of("mu", name) == of("nu", name) == pspec[name], (name, of("mu", name))
-    # low-rank leaves: the kept dimension as the parameter shards it; the parameter's other
-    # axis on the largest free dimension it divides (the rank 16 of down, 4 of q; fan_in / B = 22)
+    # low-rank leaves: the kept dimension as the parameter shards it; fsdp, where the leaf keeps
+    # no dimension it shards, on the largest free dimension it divides (the ranks 16 of down and
+    # 4 of q); tensor not on a rank dimension (it would meet the gradient's in P^T G)
     down = "['layers_0']['mlp']['down_proj']['kernel']"   # (fan_in 176: tensor, fan_out 64: fsdp)
     assert pspec[down] == P("tensor", "fsdp")
-    assert of("basis", down) == P("fsdp", "tensor")       # (fan_out, r)
+    assert of("basis", down) == P("fsdp", None)           # (fan_out, r)
     assert of("dir_mu", down) == P("tensor", "fsdp")      # (fan_in, r)
-    assert of("mag_mu", down) == P("tensor", "fsdp")      # (ceil(fan_in / B), fan_out)
+    assert of("mag_mu", down) == P(None, "fsdp")          # (ceil(fan_in / B), fan_out)
     q = "['layers_0']['self_attn']['q_proj']['kernel']"  # (fan_in: fsdp, fan_out: tensor)
-    assert of("basis", q) == P("fsdp", "tensor") and of("dir_mu", q) == P("fsdp", "tensor")
+    assert of("basis", q) == P("fsdp", None) and of("dir_mu", q) == P("fsdp", "tensor")
     assert all(s == P() for k, s in spec.items() if k.endswith(".count"))
 
     # Pure FSDP (tensor 1): the moments r x fan_out of a kernel whose fan_in FSDP shards keep no

@@ -220,6 +220,21 @@ def test_report_statistics_on_hand_made_runs(tmp_path):
         sweep.report(tmp_path, runs, baseline="nope")
 
 
+def test_report_baseline_seeds_that_end_at_other_steps_still_give_a_target(tmp_path):
+    """A baseline seed resumed for more steps: the target is the baseline's mean at the last step
+    its seeds all evaluated, which its mean curve reaches, so the reductions are computed."""
+    runs = sweep.expand(PAPER, ["conditions/galore,full"], [0, 1])
+    make_run(tmp_path, "galore-seed0", "completed", [30, 20, 15])
+    make_run(tmp_path, "galore-seed1", "completed", [31, 21, 16, 14])
+    make_run(tmp_path, "full-seed0", "completed", [25, 15, 12])
+    make_run(tmp_path, "full-seed1", "completed", [26, 16, 13])
+    result = sweep.report(tmp_path, runs)
+    assert result["target_ppl"] == 15.5  # (15 + 16) / 2 at step 30
+    assert result["points"]["galore"]["mean_curve"]["steps_to_target"] == 30
+    assert result["points"]["full"]["mean_curve"]["steps_to_target"] == 20
+    assert result["points"]["full"]["step_reduction_pct"] == pytest.approx(100 / 3)
+
+
 def test_report_without_a_completed_baseline_gives_the_final_ppl_and_says_so(tmp_path):
     runs = sweep.expand(PAPER, ["conditions/galore,full"], [0, 1])
     make_run(tmp_path, "galore-seed0", "interrupted", [40], checkpoint=True)

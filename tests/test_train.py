@@ -516,6 +516,18 @@ def test_labels_command_prints_the_optimizer_view():
     assert "moments 650.88" in lines[-1]
 
 
+def test_model_override_numbers_written_as_yaml_reads_them():
+    """PyYAML reads ``1e-5`` as a string; a float field of the model takes it as the number, as
+    the typed config sections do."""
+    from train.model import model_config
+
+    cfg = model_config(
+        load_config(TINY, ["model.overrides.rms_norm_eps=1e-5", "model.overrides.rope_theta=5e5"]), 64
+    )
+    assert (cfg.rms_norm_eps, cfg.rope_theta) == (1e-5, 5e5)
+    assert model_config(load_config(TINY, ["model.overrides.initializer_range=0"]), 64).initializer_range == 0
+
+
 @pytest.mark.parametrize(
     "key,value",
     [("train.grad_clip", 1.0), ("train.param_dtype", "bfloat16"), ("train.seed", 3), ("optimizer.r_base", 4)],

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 import orbax.checkpoint as ocp
 
-from train.distributed import any_process
+from train.distributed import any_process, multi_process
 from train.errors import IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
 from train.rundir import CHECKPOINTS, RunDir, write_atomically
 
@@ -224,8 +224,8 @@ class Checkpointer:
 
         In a multi-process run every process restores the same step: the first process alone
         verifies the checksums (it also moves what is refused, once every process is done
-        with it) and the others follow its verdict; a read that fails in any process refuses
-        the checkpoint in all of them."""
+        with it) and the others follow its verdict; a checkpoint without checksums whose read
+        fails is not refused but reported (``_restore_verified``)."""
         tried = []
         for step in reversed(self.steps()):
             reason = self.verify(step) if self.enabled else None
@@ -244,27 +244,34 @@ class Checkpointer:
 
     def _restore_verified(self, step: int, abstract_state, usable) -> tuple[str | None, tuple]:
         """Reads checkpoint ``step`` (which passed verification): ``(None, (state, data))``, or
-        the reason to refuse it; raises for a read that fails on files that verify."""
-        error = None
+        the reason to refuse it; raises for a read that fails on files that verify.
+
+        In a multi-process run a failed read raises in the process it failed in: the others may
+        have read the checkpoint and wait for it in orbax's closing barrier, which no vote can
+        reach (they end with the lost-peer error when it exits). Checksums refuse a checkpoint
+        in every process together; one without them is refused there by hand."""
         try:
             state, data = self.restore(step, abstract_state)
-        except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
-            error = e
-        if not any_process(error is not None):
-            return usable(state), (state, data)  # the same verdict in every process: a global check
-        if error is None:
-            return "unreadable in another process", ()
-        first = (str(error).strip().splitlines() or [""])[0][:200]
-        path = self.directory / str(step)
-        code = machine_errno(error)
-        if code is not None:
-            raise IOFault("reading checkpoint", path, cause(code), "it is kept") from error
-        if (self.sums_dir / f"{step}.json").is_file():
-            raise UserError(
-                f"checkpoint {path} matches its checksums but could not be restored "
-                f"({type(error).__name__}: {first}); it is kept"
-            ) from error
-        return f"unreadable ({type(error).__name__}: {first})", ()
+        except Exception as error:  # noqa: BLE001 - orbax/tensorstore raise many types
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            path = self.directory / str(step)
+            code = machine_errno(error)
+            if code is not None:
+                raise IOFault("reading checkpoint", path, cause(code), "it is kept") from error
+            if (self.sums_dir / f"{step}.json").is_file():
+                raise UserError(
+                    f"checkpoint {path} matches its checksums but could not be restored "
+                    f"({type(error).__name__}: {first}); it is kept"
+                ) from error
+            if multi_process():
+                raise UserError(
+                    f"checkpoint {path} has no checksums and could not be read in process "
+                    f"{jax.process_index()} ({type(error).__name__}: {first}); it is kept: move it "
+                    f"out of {self.directory} to resume from the one before"
+                ) from error
+            return f"unreadable ({type(error).__name__}: {first})", ()
+        # Every process has read it: the check is of the global arrays, the same verdict in all.
+        return usable(state), (state, data)
 
     def reject(self, step: int) -> None:
         """Moves checkpoint ``step`` (and its checksums) out of the way of later runs. In a

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import pathlib
 
 import models
@@ -22,10 +24,24 @@ def model_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
             vocab_size=vocab_size,
             param_dtype=t.param_dtype,
             dtype=t.dtype,
-            **m.overrides,
+            **_numbers(m.overrides),
         )
     except (ValueError, TypeError) as e:
         raise UserError(f"model: {e}") from None
+
+
+_FLOAT_FIELDS = {f.name for f in dataclasses.fields(models.ModelConfig) if f.type in (float, "float")}
+
+
+def _numbers(overrides: dict) -> dict:
+    """The overrides with a number written as a string in a float field read as the number: YAML
+    1.1 (PyYAML) reads ``1e-5`` as a string, which the typed config sections take as a float too."""
+    out = dict(overrides)
+    for key, value in overrides.items():
+        if key in _FLOAT_FIELDS and isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                out[key] = float(value)
+    return out
 
 
 def _init_from_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
@@ -37,9 +53,10 @@ def _init_from_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
         found = models.read_hf_config(directory)
     except (ImportError, ValueError) as e:
         raise UserError(f"model.init_from: {e}") from None
-    framework = {k: v for k, v in m.overrides.items() if k in FRAMEWORK_FIELDS}
+    overrides = _numbers(m.overrides)
+    framework = {k: v for k, v in overrides.items() if k in FRAMEWORK_FIELDS}
     name = framework.pop("name", directory.name)
-    stated = {k: v for k, v in m.overrides.items() if k not in FRAMEWORK_FIELDS}
+    stated = {k: v for k, v in overrides.items() if k not in FRAMEWORK_FIELDS}
     try:
         if m.name is not None:  # the preset's architecture, but the vocabulary (the tokenizer's)
             preset = models.get_config(m.name)

@@ -221,8 +221,11 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
             excluded.append({"run": run.name, "status": status if evals else f"{status}, no evaluation"})
             continue
         done[run.point].append({"run": run.name, "seed": run.seed, "evals": evals})
-    # Without a completed baseline run there is no target: the final ppl are still reported.
-    target = statistics.fmean(r["evals"][-1]["eval_ppl"] for r in done[baseline]) if done[baseline] else None
+    # Without a completed baseline run there is no target: the final ppl are still reported. The
+    # target is the last point of the baseline's mean curve: its seeds' mean final ppl when they
+    # end at the same step (else at the last step they all evaluated, which its curve reaches).
+    base_curve = mean_curve(done[baseline])
+    target = base_curve[-1]["eval_ppl"] if base_curve else None
     rows = {}
     for point in points:
         seeds = []
