@@ -88,16 +88,14 @@ class ModelConfig:
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{f} must be a positive integer or null, got {v!r}")
-        for f, least in (("rope_theta", 0), ("rms_norm_eps", 0), ("initializer_range", None)):
+        for f, what, ok in (
+            ("rope_theta", "positive", lambda v: v > 0),
+            ("rms_norm_eps", "positive", lambda v: v > 0),
+            ("initializer_range", "non-negative", lambda v: v >= 0),
+        ):
             v = getattr(self, f)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int | float)
-                or not (v > least if least == 0 else v >= 0)
-            ):
-                raise ValueError(
-                    f"{f} must be a {'positive' if least == 0 else 'non-negative'} number, got {v!r}"
-                )
+            if isinstance(v, bool) or not isinstance(v, int | float) or not ok(v):
+                raise ValueError(f"{f} must be a {what} number, got {v!r}")
         for f in ("tie_word_embeddings", "attention_bias", "scan_layers"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be true or false, got {getattr(self, f)!r}")

@@ -100,9 +100,7 @@ class Checkpointer:
             return
         self._record_finished()
         self._check_space(step, state, data_state)
-        if self.enabled:  # checksums of an earlier checkpoint of this step (removed) are not its own
-            with io_operation("writing checkpoint checksums to", self.sums_dir):
-                (self.sums_dir / f"{step}.json").unlink(missing_ok=True)
+        self._forget_stale_sums()  # an earlier checkpoint of this step's, removed, is not this one
         self._unrecorded.append(step)  # a fault of this save may surface at the next wait
         with io_operation(f"saving checkpoint {step} to", self.directory):
             self.manager.save(
@@ -154,8 +152,9 @@ class Checkpointer:
         if not self.enabled or not self._unrecorded or self.manager.is_saving_in_progress():
             return
         done = [s for s in self._unrecorded if (self.directory / str(s)).is_dir()]
-        self._write_sums(done)
-        self._unrecorded = [s for s in self._unrecorded if s not in done]
+        if done:
+            self._write_sums(done)
+            self._unrecorded = [s for s in self._unrecorded if s not in done]
 
     def _write_sums(self, steps: list[int]) -> None:
         if not self.enabled:
@@ -166,7 +165,14 @@ class Checkpointer:
                 if (self.directory / str(step)).is_dir():
                     sums = json.dumps(_file_sums(self.directory / str(step)), indent=0)
                     write_atomically(self.sums_dir / f"{step}.json", sums)
-            kept = {str(s) for s in self.complete_steps()}  # orbax removes the oldest beyond `keep`
+        self._forget_stale_sums()  # orbax removes the oldest checkpoints beyond `keep`
+
+    def _forget_stale_sums(self) -> None:
+        """Removes the checksums of checkpoints no longer on disk (the first process's)."""
+        if not self.enabled or not self.sums_dir.is_dir():
+            return
+        kept = {str(s) for s in self.complete_steps()}
+        with io_operation("writing checkpoint checksums to", self.sums_dir):
             for stale in self.sums_dir.glob("*.json"):
                 if stale.stem.isdigit() and stale.stem not in kept:
                     stale.unlink(missing_ok=True)

@@ -5,6 +5,7 @@ A YAML file may name ``base: other.yaml`` (relative to itself); its keys are mer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pathlib
@@ -147,6 +148,14 @@ class RunConfig:
     xla: XlaSection = field(default_factory=XlaSection)
 
 
+def yaml_float(value: Any) -> Any:
+    """``value``, or the float a string spells: YAML 1.1 (PyYAML) reads ``1e-5`` as a string."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    return value
+
+
 def _check_type(where: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -158,11 +167,8 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     expected = origin or hint
-    if expected is float and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
+    if expected is float:
+        value = yaml_float(value)
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         raise UserError(
             f"config key {where}: expected {getattr(expected, '__name__', expected)}, "

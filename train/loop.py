@@ -368,18 +368,13 @@ class StepLoop:
             out_shardings=(setup.shardings, None),
             donate_argnums=(0,),
         )
-        sharding = setup.batch_sharding
-        row_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0]))
+        rows = setup.batch_sharding
+        row_weights = jax.sharding.NamedSharding(rows.mesh, jax.sharding.PartitionSpec(rows.spec[0]))
         self.eval_fn = jax.jit(
-            make_eval_step(setup.model_cfg),
-            in_shardings=(setup.shardings.params, setup.batch_sharding, row_sharding),
+            make_eval_step(setup.model_cfg), in_shardings=(setup.shardings.params, rows, row_weights)
         )
-        shape = (t.batch_size, setup.data.window)
         self.val_batches = [
-            (
-                global_batch(b, setup.batch_sharding, None, shape),
-                jax.make_array_from_callback(w.shape, row_sharding, lambda idx, w=w: w[idx]),
-            )
+            (global_batch(b, rows, None, b.shape), global_batch(w, row_weights, None, w.shape))
             for b, w in setup.data.val_batches(t.batch_size, t.eval_batches)
         ]
         sinks = (

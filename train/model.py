@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import pathlib
 
 import models
 from models.hf_files import FRAMEWORK_FIELDS, architecture
-from train.config import DEFAULT_MODEL, RunConfig
+from train.config import DEFAULT_MODEL, RunConfig, yaml_float
 from train.errors import UserError
 
 
@@ -34,14 +33,9 @@ _FLOAT_FIELDS = {f.name for f in dataclasses.fields(models.ModelConfig) if f.typ
 
 
 def _numbers(overrides: dict) -> dict:
-    """The overrides with a number written as a string in a float field read as the number: YAML
-    1.1 (PyYAML) reads ``1e-5`` as a string, which the typed config sections take as a float too."""
-    out = dict(overrides)
-    for key, value in overrides.items():
-        if key in _FLOAT_FIELDS and isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                out[key] = float(value)
-    return out
+    """The overrides with a float field's number written as a string read as the number, as the
+    typed config sections read it (``yaml_float``)."""
+    return {k: yaml_float(v) if k in _FLOAT_FIELDS else v for k, v in overrides.items()}
 
 
 def _init_from_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:

@@ -186,7 +186,7 @@ def process_rows(sharding, shape: tuple[int, int]) -> np.ndarray | None:
     return None if len(rows) == shape[0] else np.asarray(sorted(rows))
 
 
-def global_batch(local: np.ndarray, sharding, rows: np.ndarray | None, shape: tuple[int, int]) -> jax.Array:
+def global_batch(local: np.ndarray, sharding, rows: np.ndarray | None, shape: tuple[int, ...]) -> jax.Array:
     """The global batch as a sharded array, from this process's ``rows`` of it (``local``: those
     rows in order; all rows when ``rows`` is None). Every process draws the same seeded index
     stream, so the processes' rows fit together into one global batch."""

@@ -224,8 +224,8 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
     # Without a completed baseline run there is no target: the final ppl are still reported. The
     # target is the last point of the baseline's mean curve: its seeds' mean final ppl when they
     # end at the same step (else at the last step they all evaluated, which its curve reaches).
-    base_curve = mean_curve(done[baseline])
-    target = base_curve[-1]["eval_ppl"] if base_curve else None
+    curves = {point: mean_curve(done[point]) for point in points}
+    target = curves[baseline][-1]["eval_ppl"] if curves[baseline] else None
     rows = {}
     for point in points:
         seeds = []
@@ -234,7 +234,7 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
             seeds.append(
                 {"seed": r["seed"], "final_ppl": r["evals"][-1]["eval_ppl"], "steps": step, "time_s": wall}
             )
-        step, wall = reach(mean_curve(done[point]), target) if target is not None else (None, None)
+        step, wall = reach(curves[point], target) if target is not None else (None, None)
         rows[point] = {
             "final_ppl": _stats([s["final_ppl"] for s in seeds]),
             "mean_curve": {"steps_to_target": step, "time_to_target_s": wall},
@@ -267,7 +267,7 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
     with io_operation("writing the sweep's report to", out):
         (out / "report.json").write_text(json.dumps(result, indent=2))
         (out / "report.md").write_text(markdown(result))
-        plot(out / "report.png", done)
+        plot(out / "report.png", curves, {point: len(done[point]) for point in points})
     return result
 
 
@@ -277,10 +277,10 @@ def mean_curve(seeds: list[dict]) -> list[dict]:
     At the last step the mean is the point's mean final ppl, computed in the same order."""
     if not seeds:
         return []
-    steps = sorted(set.intersection(*(set(r["step"] for r in s["evals"]) for s in seeds)))
+    by_step = [{r["step"]: r for r in reversed(s["evals"])} for s in seeds]  # a step's first row
     curve = []
-    for step in steps:
-        rows = [next(r for r in s["evals"] if r["step"] == step) for s in seeds]
+    for step in sorted(set.intersection(*(set(rows) for rows in by_step))):
+        rows = [seed[step] for seed in by_step]
         ppl = [r["eval_ppl"] for r in rows]
         curve.append(
             {
@@ -342,19 +342,19 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path: pathlib.Path, done: dict) -> None:
+def plot(path: pathlib.Path, curves: dict, seeds: dict) -> None:
+    """Each point's mean curve (``curves``) with its band, labelled with its number of ``seeds``."""
     plt = pyplot("report.png")
     if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for point, seeds in done.items():
-        curve = mean_curve(seeds)
+    for point, curve in curves.items():
         if not curve:
             continue
         steps, wall = [c["step"] for c in curve], [c["wall_s"] for c in curve]
         mean, std = [c["eval_ppl"] for c in curve], [c["ppl_std"] for c in curve]
         for ax, x in zip(axes, (steps, wall), strict=True):
-            (line,) = ax.plot(x, mean, label=f"{point} (n={len(seeds)})")
+            (line,) = ax.plot(x, mean, label=f"{point} (n={seeds[point]})")
             ax.fill_between(
                 x,
                 [m - s for m, s in zip(mean, std, strict=True)],
