@@ -3,6 +3,14 @@ Llama 2 model at once), in JAX and, where torch and galore-torch are importable,
 
 Usage:
   python benchmarks/refresh_methods.py [--size 350m] [--methods NAME ...] [--out FILE.json]
+  python benchmarks/refresh_methods.py --spread [--size 60m] [--methods NAME ...]
+
+``--spread`` compares, on all local devices, ``moara_jax``'s refresh (``top_basis`` per group)
+with every device factoring every matrix (no context mesh: how the refresh ran before) against
+the refresh spread over the devices (under ``jax.set_mesh``; ``moara_jax._bases.spread``), for
+gradients replicated on every device (data parallel) and sharded over them (FSDP), side by side
+in one process. On a CPU, fake devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+share the machine's cores: the spread saves what the devices would have repeated.
 
 Each JAX method computes, for every target matrix, the top-r singular vectors of the side GaLore
 projects (r as MoARa allocates: q/k r/2, down 2r, others r), batching same-shaped matrices.
@@ -28,16 +36,20 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from optimizer_step import SIZES  # noqa: E402
 
-from moara_jax import _projection  # noqa: E402
+from moara_jax import _bases, _projection  # noqa: E402
 
 HI = jax.lax.Precision.HIGHEST
 
 
-def shape_groups(size: str) -> list[tuple[int, tuple[int, int], int]]:
-    """(count, Flax kernel shape, rank) per group of same-shaped target matrices."""
-    hidden, inter, layers, r_base, _ = SIZES[size]
+def shape_groups(size: str, layers: int | None = None) -> list[tuple[int, tuple[int, int], int]]:
+    """(count, Flax kernel shape, rank) per group of same-shaped target matrices (of ``layers``
+    layers, or the size's)."""
+    hidden, inter, size_layers, r_base, _ = SIZES[size]
+    layers = layers or size_layers
     return [
         (4 * layers, (hidden, hidden), r_base),  # q k v o (q/k use r/2: nested in the top r)
         (2 * layers, (hidden, inter), r_base),  # gate up
@@ -62,8 +74,13 @@ def _side_first(g: jax.Array) -> jax.Array:
     return g if side == "in" else jnp.swapaxes(g, -1, -2)
 
 
-def basis_exact(g, r, key):
-    return _projection._exact_basis(g, _projection.projection_side(g.shape), r)
+def _top_basis(svd: str):
+    """``moara_jax``'s basis of a group by ``svd`` (what a refresh computes)."""
+
+    def fn(g, r, key):
+        return _bases.top_basis(g, _projection.projection_side(g.shape), r, svd, key)
+
+    return fn
 
 
 def _svd_left(algorithm):
@@ -85,23 +102,21 @@ def _gram_eigh(implementation):
     return fn
 
 
-def basis_randomized(g, r, key):
-    side = _projection.projection_side(g.shape)
-    return _projection._randomized_basis(g, side, r, key, oversample=8, power_iters=2)
-
-
 ALG = jax.lax.linalg.SvdAlgorithm
 EIG = jax.lax.linalg.EighImplementation
 JAX_METHODS = {  # fastest candidates first
-    "jax_randomized": basis_randomized,
-    "jax_gram_eigh": lambda g, r, key: _projection._eigh_basis(g, _projection.projection_side(g.shape), r),
+    "jax_randomized": _top_basis("randomized"),
+    "jax_gram_eigh": _top_basis("eigh"),
     "jax_gram_eigh_jacobi": _gram_eigh(EIG.JACOBI),
     "jax_svd_jacobi": _svd_left(ALG.JACOBI),
     "jax_svd_polar": _svd_left(ALG.POLAR),
-    "jax_exact_current": basis_exact,
+    "jax_exact_current": _top_basis("exact"),
     "jax_svd_qr": _svd_left(ALG.QR),
     "jax_gram_eigh_qdwh": _gram_eigh(EIG.QDWH),
 }
+
+
+SPREAD_METHODS = ("jax_exact_current", "jax_gram_eigh", "jax_randomized")  # moara_jax's own
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -167,6 +182,46 @@ def run_jax(groups, groups_np, ranks, refs, names, repeats) -> dict:
             out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         print(name, json.dumps(out[name]), flush=True)
     return out
+
+
+def run_spread(groups, ranks, names, repeats) -> dict:
+    """Each method's refresh on every local device: every device factoring all the matrices
+    against the matrices spread over the devices, gradients replicated and sharded."""
+    devices = jax.devices()
+    mesh = Mesh(np.asarray(devices), ("devices",))
+    n = len(devices)
+    layouts = {
+        "replicated": [NamedSharding(mesh, P()) for _ in groups],
+        "sharded": [
+            NamedSharding(mesh, P(None, None, "devices") if g.shape[-1] % n == 0 else P()) for g in groups
+        ],
+    }
+    key = jax.random.PRNGKey(3)
+    out = {"devices": n}
+    for name in names:
+        fn = JAX_METHODS[name]
+        for layout, shardings in layouts.items():
+            placed = [jax.device_put(g, s) for g, s in zip(groups, shardings, strict=True)]
+            row = {}
+            for mode in ("every_device", "spread"):
+                step = jax.jit(lambda gs, k, fn=fn: [fn(g, r, k) for g, r in zip(gs, ranks, strict=True)])
+                if mode == "spread":
+                    step = _under_mesh(step, mesh)
+                jax.block_until_ready(step(placed, key))  # compiles
+                times = _timed(lambda step=step, x=placed: jax.block_until_ready(step(x, key)), repeats)
+                row[mode] = {"ms_median": statistics.median(times), "ms_all": times}
+            row["speedup"] = row["every_device"]["ms_median"] / row["spread"]["ms_median"]
+            out[f"{name}/{layout}"] = row
+            print(f"{name}/{layout}", json.dumps(row), flush=True)
+    return out
+
+
+def _under_mesh(fn, mesh):
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return call
 
 
 def _galore_projector_class():
@@ -247,15 +302,29 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=list(JAX_METHODS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default: the size's)")
+    parser.add_argument("--spread", action="store_true", help="every device vs spread over the devices")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     r_base = SIZES[args.size][3]
-    groups_spec = shape_groups(args.size)
+    groups_spec = shape_groups(args.size, args.layers)
     key = jax.random.PRNGKey(0)
     groups = [decaying(jax.random.fold_in(key, i), c, s, r_base) for i, (c, s, _) in enumerate(groups_spec)]
     ranks = [r for _, _, r in groups_spec]
     groups_np = [np.asarray(g) for g in groups]
     refs = reference_bases(groups_np, ranks)
+    if args.spread:
+        names = [m for m in args.methods if m in SPREAD_METHODS] or list(SPREAD_METHODS)
+        result = {"size": args.size, "layers": args.layers or SIZES[args.size][2]}
+        result |= {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+        result["spread"] = run_spread(groups, ranks, names, args.repeats)
+        _write(args.out, result)
+        print(f"\n{'method/gradients':32s} {'every device ms':>16s} {'spread ms':>10s} {'speedup':>8s}")
+        for name, row in result["spread"].items():
+            if isinstance(row, dict):
+                every, spread = row["every_device"]["ms_median"], row["spread"]["ms_median"]
+                print(f"{name:32s} {every:16.1f} {spread:10.1f} {row['speedup']:8.2f}")
+        return
     dev = jax.devices()[0]
     result = {
         "size": args.size,

@@ -3,12 +3,18 @@ the projected side, exactly (SVD), from the Gram matrix's eigendecomposition (fa
 by a randomized range finder with CholeskyQR2 orthonormalisation; and sign canonicalisation.
 
 ``top_basis`` is what :func:`moara_jax._projection.refresh_bases` calls per same-shaped batch.
+Under a mesh (``jax.set_mesh``) the batch is spread over the mesh's devices, each factoring its
+share of the matrices (``spread``), instead of every device factoring all of them.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 
 def _per_matrix(fn, x: jax.Array):
@@ -22,6 +28,33 @@ def _per_matrix(fn, x: jax.Array):
     if x.ndim > 2 and x.shape[0] > 1 and jax.default_backend() == "cpu":
         return jax.lax.map(fn, x)
     return fn(x)
+
+
+def spread(fn, *batches: jax.Array) -> jax.Array:
+    """``fn(*batches)`` for batches of matrices ``(B, ...)`` (one leading size ``B``), with each
+    device of the context mesh (``jax.set_mesh``; its axes not already manual) computing
+    ``ceil(B / n)`` of the results, ``n = mesh.size``, instead of every device all of them;
+    ``fn(*batches)`` as is with no such mesh. ``fn`` must treat the matrices independently.
+
+    The batches are gathered whole on every device first (gradients are sharded across matrix
+    dimensions, the shares are along the batch: each device then takes its share locally), and
+    the results are gathered back, replicated, so that each lands in its state's sharding by a
+    local slice. A batch that ``n`` does not divide is filled up with copies of its first
+    matrices (real input: no zero matrix for a factorisation to degenerate on); their results
+    are dropped. Each matrix is factored exactly as without the mesh.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    kinds = () if mesh.empty else zip(mesh.axis_names, mesh.axis_types, strict=True)
+    axes = tuple(a for a, kind in kinds if kind != AxisType.Manual)
+    n = math.prod(mesh.shape[a] for a in axes)
+    if n == 1:
+        return fn(*batches)
+    b = batches[0].shape[0]
+    total = -(-b // n) * n
+    whole = [jax.lax.with_sharding_constraint(x, P()) for x in batches]
+    filled = [jnp.concatenate([x] * -(-total // b), axis=0)[:total] if total > b else x for x in whole]
+    out = jax.shard_map(fn, mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=set(axes))(*filled)
+    return jax.lax.with_sharding_constraint(out, P())[:b]
 
 
 def _svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -60,10 +93,7 @@ def _eigh_basis(g: jax.Array, side: str, r: int) -> jax.Array:
     largest (the Gram squares them; directions below that carry < 1e-6 of the energy each). On GPU
     cuSOLVER's ``syevd`` on the small Gram matrix is far faster than its ``gesvd`` on ``A``.
     """
-    a = g.astype(jnp.float32)
-    if side == "out":
-        a = jnp.swapaxes(a, -1, -2)  # (..., fan_out, fan_in)
-    return _top_eigvecs(_gram(a), r)
+    return _top_eigvecs(_gram(_oriented(g, side)), r)
 
 
 def _householder(x: jax.Array) -> jax.Array:
@@ -96,22 +126,21 @@ def _orthonormal(x: jax.Array) -> jax.Array:
     return jax.lax.cond(ok, lambda: q, lambda: _householder(x))
 
 
-def _randomized_basis(
-    g: jax.Array, side: str, r: int, key: jax.Array, oversample: int, power_iters: int
-) -> jax.Array:
+def _oriented(g: jax.Array, side: str) -> jax.Array:
+    """The leaf as float32 with the projected side first (rows)."""
+    a = g.astype(jnp.float32)
+    return jnp.swapaxes(a, -1, -2) if side == "out" else a  # "out": (..., fan_out, fan_in)
+
+
+def _randomized_basis(g: jax.Array, side: str, r: int, omega: jax.Array, power_iters: int) -> jax.Array:
     """Randomized range finder with subspace (power) iteration, then a small exact SVD.
 
     Halko, Martinsson & Tropp (2011), Algorithms 4.4 and 5.1: ``Q = orth(A Omega)``, a few rounds of
     ``Q = orth(A orth(A^T Q))``, then the top-``r`` left singular vectors of ``A`` from the SVD of
     the small ``Q^T A`` (from the eigendecomposition of its ``k x k`` Gram matrix). ``A`` is the
-    leaf with the projected side first.
+    leaf with the projected side first; ``omega`` the Gaussian test matrices ``(..., e, k)``.
     """
-    a = g.astype(jnp.float32)
-    if side == "out":
-        a = jnp.swapaxes(a, -1, -2)  # (..., fan_out, fan_in)
-    d, e = a.shape[-2], a.shape[-1]
-    k = min(r + oversample, d, e)
-    omega = jax.random.normal(key, a.shape[:-2] + (e, k), jnp.float32)
+    a = _oriented(g, side)
     q = _orthonormal(a @ omega)
     for _ in range(power_iters):
         z = _orthonormal(jnp.swapaxes(a, -1, -2) @ q)
@@ -136,10 +165,12 @@ def top_basis(
     oversample: int = 8,
     power_iters: int = 2,
 ) -> jax.Array:
-    """Float32 bases ``(B, d, r)`` of a batch ``(B, ...)`` by ``svd``: ``exact``, ``eigh`` or
-    ``randomized`` (seeded by ``key``)."""
-    if svd == "exact":
-        return _exact_basis(batch, side, r)
-    if svd == "eigh":
-        return _eigh_basis(batch, side, r)
-    return _randomized_basis(batch, side, r, key, oversample, power_iters)
+    """Float32 bases ``(B, d, r)`` of a batch ``(B, a, b)`` by ``svd``: ``exact``, ``eigh`` or
+    ``randomized`` (seeded by ``key``); spread over the context mesh's devices (``spread``)."""
+    if svd == "randomized":
+        d, e = _oriented(batch, side).shape[-2:]  # traced for its shape only
+        k = min(r + oversample, d, e)
+        omega = jax.random.normal(key, batch.shape[:-2] + (e, k), jnp.float32)  # one per matrix
+        return spread(lambda g, w: _randomized_basis(g, side, r, w, power_iters), batch, omega)
+    basis = {"exact": _exact_basis, "eigh": _eigh_basis}[svd]
+    return spread(lambda g: basis(g, side, r), batch)

@@ -273,7 +273,7 @@ def list_configs() -> list[str]:
     return sorted(PRESETS)
 
 
-def get_config(name: str, **overrides) -> ModelConfig:
+def get_config(name: str, /, **overrides) -> ModelConfig:
     """A named preset, with fields overridden (e.g. ``vocab_size=259``, ``dtype='bfloat16'``).
 
     Raises:

@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic: the HLO reading of step_anatomy and train_anatomy, the in-jit
-timing guard, vs_torch.py's CPU smoke run, the GPU session driver's readers."""
+timing guard, vs_torch.py's and refresh_methods.py's CPU smoke runs, the GPU session driver's
+readers."""
 
 import json
 import subprocess
@@ -403,3 +404,29 @@ def test_gpu_session_variants_run_over_the_paper_settings():
     assert work.is_dir() and session.work == work
     session.close()
     assert not work.exists()
+
+
+@pytest.mark.parametrize("mode", ["methods", "spread"])
+def test_refresh_methods_runs_moara_jax_refresh(mode, tmp_path):
+    """refresh_methods.py's moara_jax methods at the tiny size: each gives the float64 SVD's
+    subspace (``methods``), and the spread refresh is timed beside the unspread one on two CPU
+    devices (``spread``)."""
+    from helpers import cpu_devices
+
+    names = ["jax_exact_current", "jax_gram_eigh", "jax_randomized"]
+    args = [sys.executable, str(BENCH / "refresh_methods.py"), "--size", "tiny", "--repeats", "1"]
+    args += ["--methods", *names, "--out", str(tmp_path / "out.json")]
+    args += ["--spread"] if mode == "spread" else ["--no-torch"]
+    proc = subprocess.run(args, env=cpu_devices(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    if mode == "methods":
+        rows = result["jax_methods"]
+        assert rows["jax_exact_current"]["largest_angle_deg"] < 0.1, rows
+        assert rows["jax_gram_eigh"]["largest_angle_deg"] < 1.0, rows
+        assert rows["jax_randomized"]["energy_ratio_min"] > 0.9, rows
+    else:
+        rows = dict(result["spread"])
+        assert rows.pop("devices") == 2
+        assert set(rows) == {f"{n}/{g}" for n in names for g in ("replicated", "sharded")}
+        assert all(r["every_device"]["ms_median"] > 0 and r["spread"]["ms_median"] > 0 for r in rows.values())

@@ -1,5 +1,6 @@
 """The optimizer on an 8-device CPU mesh: sharded params and state give the one-device result and
-the state keeps its sharding across updates (run in a subprocess: XLA_FLAGS must precede jax)."""
+the state keeps its sharding across updates; under the mesh each device factors its share of a
+refresh's matrices (run in a subprocess: XLA_FLAGS must precede jax)."""
 
 import subprocess
 import sys
@@ -49,7 +50,8 @@ SCRIPT = textwrap.dedent("""
         return out, state
 
     single, _ = run(params, grads)
-    sharded, state = run(shard(params), [shard(g) for g in grads])
+    with jax.set_mesh(mesh):  # the refresh spread over the devices, as the trainer traces it
+        sharded, state = run(shard(params), [shard(g) for g in grads])
     for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
     assert any(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(state))
@@ -142,5 +144,69 @@ def test_optimizer_state_is_sharded_like_its_parameter():
     env = cpu_devices(8)
     proc = subprocess.run(
         [sys.executable, "-c", STATE_SHARDINGS], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
+
+
+SPREAD = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from moara_jax import _bases, _projection
+    from train import loop
+    from train.config import load_config
+
+    factored = []  # the leading size of each batch handed to the SVD, as traced
+    svd = _bases._svd
+    _bases._svd = lambda w: (factored.append(w.shape[0]), svd(w))[1]
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+    rng = np.random.default_rng(0)
+    mats = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(11, 24, 40), (8, 40, 24), (40, 40)]]
+    ranks = [6, 4, 5]
+
+    def refresh(svd, under=None):
+        factored.clear()
+        fn = lambda ms: _projection.refresh_bases(ms, ranks, svd, jax.random.PRNGKey(1), canonical_signs=True)
+        if under is None:
+            return jax.jit(fn)(mats), list(factored)
+        with jax.set_mesh(under):
+            return jax.jit(fn)(mats), list(factored)
+
+    for method in ("exact", "eigh", "randomized"):
+        alone, counts = refresh(method)
+        spread, spread_counts = refresh(method, mesh)
+        for a, b in zip(alone, spread):
+            assert a.shape == b.shape
+            if method == "randomized":  # the same subspace (its signs may differ in the last bits)
+                projector = lambda x: x @ jnp.swapaxes(x, -1, -2)
+                np.testing.assert_allclose(projector(b), projector(a), atol=1e-5)
+            else:  # the same bases, up to float32 rounding (the Gram products of other batch sizes)
+                np.testing.assert_allclose(b, a, atol=1e-5)
+        if method == "exact":
+            assert counts == [11, 8, 1] and spread_counts == [2, 1, 1], (counts, spread_counts)
+
+    # Within a shard_map (the mesh's axes manual) the refresh is not spread again.
+    inner = lambda *ms: tuple(_projection.refresh_bases(list(ms), ranks, canonical_signs=True))
+    with jax.set_mesh(mesh):
+        inner = jax.jit(jax.shard_map(inner, in_specs=P(), out_specs=P()))(*mats)
+    for a, b in zip(refresh("exact")[0], inner):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+
+    # The trainer's step traces its refresh under the run's mesh: tiny's 8 q/k/v/o, 4 gate/up
+    # and 2 down matrices, one of each per device on 8 devices.
+    cfg = load_config("configs/tiny.yaml", ["mesh.data=2", "mesh.fsdp=4"])
+    setup = loop.make_setup(cfg, True, loop.Clock())
+    state = jax.eval_shape(setup.init, jax.random.PRNGKey(0))  # (sizing the state traces a refresh)
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
+    factored.clear()
+    loop.jit_train_step(setup).lower(state, batch)
+    assert factored == [1, 1, 1], factored
+    print("OK")
+""")
+
+
+def test_refresh_is_spread_over_the_mesh():
+    env = cpu_devices(8)
+    proc = subprocess.run(
+        [sys.executable, "-c", SPREAD], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]

@@ -151,6 +151,13 @@ def test_resume_after_sigterm_and_sigkill_equals_uninterrupted(tmp_path):
     assert rows == list(range(1, 25))  # every step once, in order
     full, again = losses(tmp_path / "full"), losses(cut)
     np.testing.assert_allclose([again[s] for s in full], [full[s] for s in full], rtol=1e-6)
+    # Each session's first step (its time includes the compilation) is marked and left out of
+    # the summary's tokens/s.
+    rows = dedupe_by_step(read_metrics(cut / "metrics.jsonl"), "tokens_per_s")
+    marked = [r["step"] for r in rows if r.get("includes_compile")]
+    assert marked[0] == 1 and start + 1 in marked and len(marked) <= 3, marked
+    steady = [r["tokens_per_s"] for r in rows if not r.get("includes_compile")]
+    assert json.loads((cut / "summary.json").read_text())["tokens_per_s"] == np.median(steady)
 
 
 @pytest.mark.slow
@@ -285,6 +292,14 @@ def test_sweep_then_compare(tmp_path):
             "model: tie_word_embeddings must be true or false",
         ),
         (["model.overrides.scan_layers=maybe"], "model: scan_layers must be true or false, got 'maybe'"),
+        (
+            ["model.overrides.vocab_size=100"],
+            "model.overrides.vocab_size must be an integer >= the tokenizer's 257 ids",
+        ),
+        (
+            ["model.overrides.param_dtype=bfloat16"],
+            "model.overrides.param_dtype: the run's dtypes are train.param_dtype and train.dtype",
+        ),
         (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
         (["mode=profile", "profile.steps=6", "profile.every=10"], "profile.every (10) must be <="),
@@ -526,6 +541,26 @@ def test_model_override_numbers_written_as_yaml_reads_them():
     )
     assert (cfg.rms_norm_eps, cfg.rope_theta) == (1e-5, 5e5)
     assert model_config(load_config(TINY, ["model.overrides.initializer_range=0"]), 64).initializer_range == 0
+
+
+@pytest.mark.parametrize("ratio,steps,warmup", [(0.29, 100, 29), (0.1, 12, 1), (0.07, 100, 7)])
+def test_warmup_is_the_nearest_whole_number_of_steps(ratio, steps, warmup):
+    from train.step import schedule
+
+    cfg = load_config(TINY, [f"train.warmup_ratio={ratio}", f"train.steps={steps}", "train.lr=0.5"])
+    lr = schedule(cfg)
+    assert float(lr(warmup - 1)) < 0.5 and float(lr(warmup)) == pytest.approx(0.5)
+
+
+def test_model_overrides_pad_the_vocabulary_and_rename_the_preset():
+    """A vocabulary larger than the tokenizer's pads the embedding (e.g. to a multiple a tensor
+    axis divides); ``name`` renames the preset."""
+    from train.model import model_config
+
+    sets = ["model.overrides.vocab_size=320", "model.overrides.name=mine"]
+    cfg = model_config(load_config(TINY, sets), 259)
+    assert (cfg.vocab_size, cfg.name, cfg.hidden_size) == (320, "mine", 64)
+    assert model_config(load_config(TINY), 259).vocab_size == 259
 
 
 @pytest.mark.parametrize(

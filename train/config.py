@@ -259,6 +259,11 @@ def validate(cfg: RunConfig) -> None:
     """Range and choice checks that types alone do not express (every refusal that needs only
     the config), section by section; a ``UserError`` naming the first key that fails."""
     _need(cfg.mode in ("train", "profile"), f"mode must be train or profile, got {cfg.mode!r}")
+    for key in ("param_dtype", "dtype"):
+        _need(
+            key not in cfg.model.overrides,
+            f"model.overrides.{key}: the run's dtypes are train.param_dtype and train.dtype; set train.{key}",
+        )
     _validate_optimizer(cfg.optimizer)
     _validate_train(cfg.train)
     _validate_data(cfg.data)

@@ -40,6 +40,7 @@ from train.sharding import (
     batch_sharding,
     global_batch,
     make_mesh,
+    on_mesh,
     param_shardings,
     process_rows,
     state_shardings,
@@ -343,6 +344,25 @@ class Outcome:
     fault: IOFault | None = None  # the failed write of an io_error
 
 
+def jit_train_step(setup: Setup):
+    """The run's train step, jitted with the state's and the batch's shardings (the state
+    donated) and traced under the run's mesh (``on_mesh``: each basis refresh is spread over the
+    devices)."""
+    step = make_train_step(
+        setup.model_cfg,
+        setup.tx,
+        setup.micro_batches,
+        alignment_block=setup.cfg.optimizer.block_size,
+        with_alignment=setup.profiling,
+    )
+    return jax.jit(
+        on_mesh(step, setup.mesh),
+        in_shardings=(setup.shardings, setup.batch_sharding),
+        out_shardings=(setup.shardings, None),
+        donate_argnums=(0,),
+    )
+
+
 class StepLoop:
     """The jitted steps and what happens between them.
 
@@ -356,18 +376,7 @@ class StepLoop:
     ):
         cfg, t = setup.cfg, setup.cfg.train
         self.setup, self.ckpt, self.clock = setup, ckpt, clock
-        self.step_fn = jax.jit(
-            make_train_step(
-                setup.model_cfg,
-                setup.tx,
-                setup.micro_batches,
-                alignment_block=cfg.optimizer.block_size,
-                with_alignment=setup.profiling,
-            ),
-            in_shardings=(setup.shardings, setup.batch_sharding),
-            out_shardings=(setup.shardings, None),
-            donate_argnums=(0,),
-        )
+        self.step_fn = jit_train_step(setup)
         rows = setup.batch_sharding
         row_weights = jax.sharding.NamedSharding(rows.mesh, jax.sharding.PartitionSpec(rows.spec[0]))
         self.eval_fn = jax.jit(
@@ -404,7 +413,7 @@ class StepLoop:
     def run(self, state: TrainState, step: int, signals: StopSignals) -> Outcome:
         """Steps from ``step`` to the last, or to the step after which ``signals`` asks to stop;
         a fault of the machine (a write that fails) ends them with the status ``io_error``."""
-        self.step, self.checked, fault = step, step, None
+        self.step, self.checked, self.first_step, fault = step, step, step, None
         try:
             outcome = self._steps(state, signals)
         except IOFault as e:
@@ -481,9 +490,10 @@ class StepLoop:
         if step % t.log_every == 0 or step == total:
             tokens_per_s = self.setup.tokens_per_step / dt
             row = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": grad_norm}
-            self.writer.write(
-                row | {"tokens_per_s": tokens_per_s, "step_time_s": dt, "wall_s": self.writer.wall()}
-            )
+            row |= {"tokens_per_s": tokens_per_s, "step_time_s": dt, "wall_s": self.writer.wall()}
+            if step == self.first_step + 1:  # this session's first: its time includes the compilation
+                row["includes_compile"] = True
+            self.writer.write(row)
             self.writer.progress(step, loss, tokens_per_s, dt)
         return None
 
@@ -621,10 +631,13 @@ def make_summary(setup: Setup, run: RunDir, start: Start, loop: StepLoop, outcom
 
 
 def _median_tokens_per_s(run: RunDir) -> float | None:
-    """The median over logged steps but the first (its time includes the compilation); None in
-    a process that writes no metrics (multi-host, not the first)."""
+    """The median over the logged steps but each session's first (its time includes the
+    compilation: ``includes_compile``), of all sessions; None in a process that writes no
+    metrics (multi-host, not the first)."""
     rows = run.rows("tokens_per_s")
-    rates = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
+    rates = [r["tokens_per_s"] for r in rows if not r.get("includes_compile")] or [
+        r["tokens_per_s"] for r in rows
+    ]
     return float(np.median(rates)) if rates else None
 
 

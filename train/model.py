@@ -17,14 +17,16 @@ def model_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
     m, t = cfg.model, cfg.train
     if m.init_from is not None:
         return _init_from_config(cfg, vocab_size)
-    try:
-        return models.get_config(
-            m.name or DEFAULT_MODEL,
-            vocab_size=vocab_size,
-            param_dtype=t.param_dtype,
-            dtype=t.dtype,
-            **_numbers(m.overrides),
+    overrides = {"vocab_size": vocab_size} | _numbers(m.overrides)
+    wanted = overrides["vocab_size"]
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < vocab_size:
+        raise UserError(
+            f"model.overrides.vocab_size must be an integer >= the tokenizer's {vocab_size} ids "
+            f"(a larger vocabulary pads the embedding), got {wanted!r}"
         )
+    try:
+        preset = m.name or DEFAULT_MODEL
+        return models.get_config(preset, param_dtype=t.param_dtype, dtype=t.dtype, **overrides)
     except (ValueError, TypeError) as e:
         raise UserError(f"model: {e}") from None
 

@@ -15,6 +15,8 @@ hold.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -167,6 +169,19 @@ def _derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
             if shape[k] == param_shape[lead + candidate]:
                 break
     return tuple(spec)
+
+
+def on_mesh(fn, mesh: Mesh):
+    """``fn`` traced with ``mesh`` as the context mesh, so that what reads it (the optimizer's
+    basis refresh spreads its factorisations over the devices: ``moara_jax._bases.spread``)
+    sees the run's devices."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    return traced
 
 
 def batch_sharding(mesh: Mesh, global_batch: int) -> NamedSharding:

@@ -27,7 +27,7 @@ def schedule(cfg: RunConfig) -> optax.Schedule:
     """Linear warmup to ``train.lr`` over ``warmup_ratio`` of the steps, then cosine to
     ``min_lr_ratio * lr`` (the paper's Appendix D)."""
     t = cfg.train
-    warmup = int(t.warmup_ratio * t.steps)
+    warmup = round(t.warmup_ratio * t.steps)  # the nearest step: 0.29 x 100 is 28.999999999999996
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=t.lr,
