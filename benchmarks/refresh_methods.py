@@ -3,14 +3,16 @@ Llama 2 model at once), in JAX and, where torch and galore-torch are importable,
 
 Usage:
   python benchmarks/refresh_methods.py [--size 350m] [--methods NAME ...] [--out FILE.json]
-  python benchmarks/refresh_methods.py --spread [--size 60m] [--methods NAME ...]
+  python benchmarks/refresh_methods.py --spread [--size 60m] [--methods NAME ...] [--repeats 0]
 
 ``--spread`` compares, on all local devices, ``moara_jax``'s refresh (``top_basis`` per group)
 with every device factoring every matrix (no context mesh: how the refresh ran before) against
 the refresh spread over the devices (under ``jax.set_mesh``; ``moara_jax._bases.spread``), for
 gradients replicated on every device (data parallel) and sharded over them (FSDP), side by side
-in one process. On a CPU, fake devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
-share the machine's cores: the spread saves what the devices would have repeated.
+in one process: times and XLA's scratch memory per device. The randomized refresh, which
+``moara_jax`` does not spread, is run through ``spread`` to show why. On a CPU, fake devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8``) share the machine's cores: the spread
+saves what the devices would have repeated. ``--repeats 0`` compiles only (the memory).
 
 Each JAX method computes, for every target matrix, the top-r singular vectors of the side GaLore
 projects (r as MoARa allocates: q/k r/2, down 2r, others r), batching same-shaped matrices.
@@ -23,6 +25,7 @@ each), the reference figure the issue quotes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import statistics
@@ -116,7 +119,8 @@ JAX_METHODS = {  # fastest candidates first
 }
 
 
-SPREAD_METHODS = ("jax_exact_current", "jax_gram_eigh", "jax_randomized")  # moara_jax's own
+# moara_jax's refreshes: exact and eigh spread, randomized as spread would run it (it is not)
+SPREAD_METHODS = ("jax_exact_current", "jax_gram_eigh", "jax_randomized")
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -184,9 +188,16 @@ def run_jax(groups, groups_np, ranks, refs, names, repeats) -> dict:
     return out
 
 
+def _forced_spread_randomized(g, r, key):
+    """The randomized refresh as ``spread`` would run it (``top_basis`` does not spread it)."""
+    side = _projection.projection_side(g.shape)
+    return _bases.spread(lambda a: _bases._randomized_basis(a, side, r, key, 8, 2), g)
+
+
 def run_spread(groups, ranks, names, repeats) -> dict:
     """Each method's refresh on every local device: every device factoring all the matrices
-    against the matrices spread over the devices, gradients replicated and sharded."""
+    against the matrices spread over the devices, gradients replicated and sharded; times and
+    XLA's scratch memory per device (``temp_size_in_bytes``)."""
     devices = jax.devices()
     mesh = Mesh(np.asarray(devices), ("devices",))
     n = len(devices)
@@ -199,29 +210,35 @@ def run_spread(groups, ranks, names, repeats) -> dict:
     key = jax.random.PRNGKey(3)
     out = {"devices": n}
     for name in names:
-        fn = JAX_METHODS[name]
         for layout, shardings in layouts.items():
             placed = [jax.device_put(g, s) for g, s in zip(groups, shardings, strict=True)]
             row = {}
             for mode in ("every_device", "spread"):
+                fn = (
+                    _forced_spread_randomized
+                    if (name, mode) == ("jax_randomized", "spread")
+                    else JAX_METHODS[name]
+                )
                 step = jax.jit(lambda gs, k, fn=fn: [fn(g, r, k) for g, r in zip(gs, ranks, strict=True)])
-                if mode == "spread":
-                    step = _under_mesh(step, mesh)
-                jax.block_until_ready(step(placed, key))  # compiles
-                times = _timed(lambda step=step, x=placed: jax.block_until_ready(step(x, key)), repeats)
-                row[mode] = {"ms_median": statistics.median(times), "ms_all": times}
-            row["speedup"] = row["every_device"]["ms_median"] / row["spread"]["ms_median"]
+                context = (lambda: jax.set_mesh(mesh)) if mode == "spread" else contextlib.nullcontext
+                with context():
+                    compiled = step.lower(placed, key).compile()
+                    temp = compiled.memory_analysis().temp_size_in_bytes
+                    if repeats:
+                        jax.block_until_ready(step(placed, key))  # compiles
+
+                def once(step=step, x=placed, context=context):
+                    with context():
+                        jax.block_until_ready(step(x, key))
+
+                times = _timed(once, repeats) if repeats else []
+                median = statistics.median(times) if times else None
+                row[mode] = {"ms_median": median, "ms_all": times, "temp_mib": temp / 2**20}
+            timed = row["every_device"]["ms_median"] is not None
+            row["speedup"] = row["every_device"]["ms_median"] / row["spread"]["ms_median"] if timed else None
             out[f"{name}/{layout}"] = row
             print(f"{name}/{layout}", json.dumps(row), flush=True)
     return out
-
-
-def _under_mesh(fn, mesh):
-    def call(*args):
-        with jax.set_mesh(mesh):
-            return fn(*args)
-
-    return call
 
 
 def _galore_projector_class():
@@ -319,11 +336,28 @@ def main() -> None:
         result |= {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
         result["spread"] = run_spread(groups, ranks, names, args.repeats)
         _write(args.out, result)
-        print(f"\n{'method/gradients':32s} {'every device ms':>16s} {'spread ms':>10s} {'speedup':>8s}")
+        head = (
+            "method/gradients",
+            "every device ms",
+            "spread ms",
+            "speedup",
+            "every device MiB",
+            "spread MiB",
+        )
+        line = "{:32s} {:>16} {:>10} {:>8} {:>17} {:>11}"
+        print("\n" + line.format(*head))
         for name, row in result["spread"].items():
             if isinstance(row, dict):
-                every, spread = row["every_device"]["ms_median"], row["spread"]["ms_median"]
-                print(f"{name:32s} {every:16.1f} {spread:10.1f} {row['speedup']:8.2f}")
+                every, spread = row["every_device"], row["spread"]
+                cells = (
+                    every["ms_median"],
+                    spread["ms_median"],
+                    row["speedup"],
+                    every["temp_mib"],
+                    spread["temp_mib"],
+                )
+                text = ["-" if c is None else f"{c:.{2 if i == 2 else 1}f}" for i, c in enumerate(cells)]
+                print(line.format(name, *text))
         return
     dev = jax.devices()[0]
     result = {

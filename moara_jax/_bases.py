@@ -37,24 +37,35 @@ def spread(fn, *batches: jax.Array) -> jax.Array:
     ``fn(*batches)`` as is with no such mesh. ``fn`` must treat the matrices independently.
 
     The batches are gathered whole on every device first (gradients are sharded across matrix
-    dimensions, the shares are along the batch: each device then takes its share locally), and
-    the results are gathered back, replicated, so that each lands in its state's sharding by a
-    local slice. A batch that ``n`` does not divide is filled up with copies of its first
-    matrices (real input: no zero matrix for a factorisation to degenerate on); their results
-    are dropped. Each matrix is factored exactly as without the mesh.
+    dimensions, the shares are along the batch: each device then takes its share locally; a
+    factorisation needed them whole on every device before), and the results are gathered back,
+    replicated, so that each lands in its state's sharding by a local slice. A batch that ``n``
+    does not divide is filled up with copies of its first matrices (real input: no zero matrix
+    for a factorisation to degenerate on); their results are dropped. Each matrix is factored
+    exactly as without the mesh. Auto and Explicit mesh axes alike; in or outside ``jit``.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    kinds = () if mesh.empty else zip(mesh.axis_names, mesh.axis_types, strict=True)
+    kinds = () if mesh.empty else tuple(zip(mesh.axis_names, mesh.axis_types, strict=True))
     axes = tuple(a for a, kind in kinds if kind != AxisType.Manual)
     n = math.prod(mesh.shape[a] for a in axes)
     if n == 1:
         return fn(*batches)
+    explicit = any(kind == AxisType.Explicit for _, kind in kinds)
+    # On Explicit axes a layout is changed by reshard (there a sharding constraint only asserts).
+    place = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
     b = batches[0].shape[0]
     total = -(-b // n) * n
-    whole = [jax.lax.with_sharding_constraint(x, P()) for x in batches]
-    filled = [jnp.concatenate([x] * -(-total // b), axis=0)[:total] if total > b else x for x in whole]
-    out = jax.shard_map(fn, mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=set(axes))(*filled)
-    return jax.lax.with_sharding_constraint(out, P())[:b]
+
+    @jax.jit
+    def shares(*xs):
+        whole = [place(x, P()) for x in xs]
+        filled = [jnp.concatenate([x] * -(-total // b), axis=0)[:total] if total > b else x for x in whole]
+        if explicit:
+            filled = [place(x, P(axes)) for x in filled]
+        out = jax.shard_map(fn, mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=set(axes))(*filled)
+        return place(out, P())[:b]
+
+    return shares(*batches)
 
 
 def _svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -132,15 +143,20 @@ def _oriented(g: jax.Array, side: str) -> jax.Array:
     return jnp.swapaxes(a, -1, -2) if side == "out" else a  # "out": (..., fan_out, fan_in)
 
 
-def _randomized_basis(g: jax.Array, side: str, r: int, omega: jax.Array, power_iters: int) -> jax.Array:
+def _randomized_basis(
+    g: jax.Array, side: str, r: int, key: jax.Array, oversample: int, power_iters: int
+) -> jax.Array:
     """Randomized range finder with subspace (power) iteration, then a small exact SVD.
 
     Halko, Martinsson & Tropp (2011), Algorithms 4.4 and 5.1: ``Q = orth(A Omega)``, a few rounds of
     ``Q = orth(A orth(A^T Q))``, then the top-``r`` left singular vectors of ``A`` from the SVD of
     the small ``Q^T A`` (from the eigendecomposition of its ``k x k`` Gram matrix). ``A`` is the
-    leaf with the projected side first; ``omega`` the Gaussian test matrices ``(..., e, k)``.
+    leaf with the projected side first.
     """
     a = _oriented(g, side)
+    d, e = a.shape[-2], a.shape[-1]
+    k = min(r + oversample, d, e)
+    omega = jax.random.normal(key, a.shape[:-2] + (e, k), jnp.float32)
     q = _orthonormal(a @ omega)
     for _ in range(power_iters):
         z = _orthonormal(jnp.swapaxes(a, -1, -2) @ q)
@@ -166,11 +182,12 @@ def top_basis(
     power_iters: int = 2,
 ) -> jax.Array:
     """Float32 bases ``(B, d, r)`` of a batch ``(B, a, b)`` by ``svd``: ``exact``, ``eigh`` or
-    ``randomized`` (seeded by ``key``); spread over the context mesh's devices (``spread``)."""
+    ``randomized`` (seeded by ``key``). ``exact`` and ``eigh`` are spread over the context mesh's
+    devices (``spread``); ``randomized`` is not: its products with the gradients contract over
+    the dimensions FSDP shards, so it runs on the shards as they are, where a spread would gather
+    each group whole on every device (more memory, and no time gained in
+    ``benchmarks/refresh_methods.py --spread``)."""
     if svd == "randomized":
-        d, e = _oriented(batch, side).shape[-2:]  # traced for its shape only
-        k = min(r + oversample, d, e)
-        omega = jax.random.normal(key, batch.shape[:-2] + (e, k), jnp.float32)  # one per matrix
-        return spread(lambda g, w: _randomized_basis(g, side, r, w, power_iters), batch, omega)
+        return _randomized_basis(batch, side, r, key, oversample, power_iters)
     basis = {"exact": _exact_basis, "eigh": _eigh_basis}[svd]
     return spread(lambda g: basis(g, side, r), batch)

@@ -17,6 +17,13 @@ from models.deepseek_v2 import MLAttention
 from models.layers import MLP, rms_norm
 from models.llama import LlamaAttention
 
+# Logical names of the residual stream's axes (batch, length, hidden) and of the embedding
+# table's for its lookup. A trainer that maps them to mesh axes (``nn.logical_axis_rules``, as
+# ``train.sharding.on_mesh`` does) pins the activations' sharding; without rules the
+# constraints do nothing.
+ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
+LOOKUP_AXES = ("activation_vocab", "activation_embed")
+
 _REMAT = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
@@ -32,7 +39,11 @@ class DecoderLayer(nn.Module):
         attn = MLAttention if cfg.model_type == "deepseek_v2" else LlamaAttention
         x = x + attn(cfg, name="self_attn")(rms_norm(cfg, "input_layernorm", "embed")(x), positions)
         x = x + MLP(cfg, name="mlp")(rms_norm(cfg, "post_attention_layernorm", "embed")(x))
-        return x
+        return _residual(x)
+
+
+def _residual(x: jax.Array) -> jax.Array:
+    return nn.with_logical_constraint(x, ACTIVATION_AXES)
 
 
 class _ScanBody(nn.Module):
@@ -86,7 +97,11 @@ class CausalLM(nn.Module):
             ),
             name="embed_tokens",
         )
-        x = embed(tokens)
+        # nn.Embed's lookup (``take`` of the table in the compute dtype), of the table as the
+        # rules lay it out for it: under FSDP gathered whole over the hidden axis, so that the
+        # rows land sharded by batch (XLA otherwise moves the activations to the table's layout).
+        table = nn.with_logical_constraint(embed.embedding, LOOKUP_AXES)
+        x = _residual(jnp.take(table.astype(jnp.dtype(cfg.dtype)), tokens, axis=0))
         positions = jnp.arange(tokens.shape[1])
         if cfg.scan_layers:
             body = nn.scan(

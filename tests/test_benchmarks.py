@@ -429,4 +429,30 @@ def test_refresh_methods_runs_moara_jax_refresh(mode, tmp_path):
         rows = dict(result["spread"])
         assert rows.pop("devices") == 2
         assert set(rows) == {f"{n}/{g}" for n in names for g in ("replicated", "sharded")}
-        assert all(r["every_device"]["ms_median"] > 0 and r["spread"]["ms_median"] > 0 for r in rows.values())
+        assert all(
+            r[m]["ms_median"] > 0 and r[m]["temp_mib"] > 0
+            for r in rows.values()
+            for m in ("every_device", "spread")
+        )
+
+
+def test_sharded_step_counts_fewer_collective_bytes_with_activation_rules(tmp_path):
+    """sharded_step.py on the tiny config: under FSDP (and FSDP with tensor parallelism) the
+    activation constraints cut the bytes the compiled step moves through collectives at least
+    in half; without FSDP (pure data parallelism) they change nothing."""
+    from helpers import cpu_devices
+
+    out = tmp_path / "out.json"
+    args = [sys.executable, str(BENCH / "sharded_step.py"), "--meshes", "2x4x1", "2x2x2", "8x1x1"]
+    proc = subprocess.run(
+        [*args, "--out", str(out)],
+        cwd=BENCH.parent,
+        env=cpu_devices(8),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["meshes"]
+    assert rows["2x4x1"]["ratio"] < 0.5 and rows["2x2x2"]["ratio"] < 0.5, rows
+    assert rows["8x1x1"]["with_rules"]["bytes"] == rows["8x1x1"]["without_rules"]["bytes"]

@@ -521,13 +521,19 @@ def test_cli_trains_on_another_host(host, tmp_path):
 def test_labels_command_prints_the_optimizer_view():
     from train.labels import describe
 
-    text = describe(load_config(ROOT / "configs" / "paper" / "llama2-350m.yaml"))
+    paper = ROOT / "configs" / "paper" / "llama2-350m.yaml"
+    text = describe(load_config(paper, ["data.tokenizer=/no/such/spiece.model"]))
     lines = text.splitlines()
     down = next(line for line in lines if "down_proj" in line)
     q = next(line for line in lines if "q_proj" in line)
     embed = next(line for line in lines if "embed_tokens" in line)
     assert down.split()[-2:] == ["down", "512"] and q.split()[-2:] == ["q", "128"]
-    assert embed.split()[-2:] == ["adamw", "-"]
+    assert embed.split()[-2:] == ["adamw", "-"] and "(32000, 1024)" in embed  # no tokenizer file: 32,000
+    # The tokenizer's vocabulary where it can be read (bytes: 257), padded by an override.
+    embed = next(line for line in describe(load_config(TINY)).splitlines() if "embed_tokens" in line)
+    assert "(257, 64)" in embed
+    padded = describe(load_config(TINY, ["model.overrides.vocab_size=320"]))
+    assert "(320, 64)" in next(line for line in padded.splitlines() if "embed_tokens" in line)
     assert "moments 650.88" in lines[-1]
 
 

@@ -12,13 +12,27 @@ import jax
 import moara_jax as mj
 import models
 from train.config import load_config
-from train.errors import cli
+from train.errors import UserError, cli
 from train.model import model_config
+from train.sources import make_tokenizer
 from train.step import Allocation, make_optimizer
 
+# The vocabulary where the config's tokenizer file is not at hand (Llama 2's and T5's).
+FALLBACK_VOCAB = 32000
 
-def describe(cfg, vocab_size: int = 32000) -> str:
-    model_cfg = model_config(cfg, vocab_size)
+
+def tokenizer_vocab(cfg) -> int:
+    """The ids of the config's tokenizer (``data.tokenizer``), or ``FALLBACK_VOCAB`` where it
+    cannot be read here."""
+    try:
+        return make_tokenizer(cfg.data.tokenizer).vocab_size
+    except UserError:
+        return FALLBACK_VOCAB
+
+
+def describe(cfg, vocab_size: int | None = None) -> str:
+    """The table for ``cfg`` with ``vocab_size`` ids (default: its tokenizer's, ``tokenizer_vocab``)."""
+    model_cfg = model_config(cfg, tokenizer_vocab(cfg) if vocab_size is None else vocab_size)
     params = models.abstract_params(model_cfg)
     opt = cfg.optimizer
     rows = {}
@@ -52,7 +66,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.labels", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, action="append")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"the tokenizer's ids (default: data.tokenizer's; {FALLBACK_VOCAB:,} where it cannot be read)",
+    )
     args = parser.parse_args(argv)
 
     def body() -> int:

@@ -380,7 +380,8 @@ class StepLoop:
         rows = setup.batch_sharding
         row_weights = jax.sharding.NamedSharding(rows.mesh, jax.sharding.PartitionSpec(rows.spec[0]))
         self.eval_fn = jax.jit(
-            make_eval_step(setup.model_cfg), in_shardings=(setup.shardings.params, rows, row_weights)
+            on_mesh(make_eval_step(setup.model_cfg), setup.mesh),
+            in_shardings=(setup.shardings.params, rows, row_weights),
         )
         self.val_batches = [
             (global_batch(b, rows, None, b.shape), global_batch(w, row_weights, None, w.shape))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -171,14 +172,26 @@ def _derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
     return tuple(spec)
 
 
+# The model's activation axes (``models.model.ACTIVATION_AXES``, ``LOOKUP_AXES``): the residual
+# stream sharded by batch over (data, fsdp) and whole over its hidden axis (replicated over
+# tensor, as tensor-parallel layers take it), the embedding table gathered over fsdp for the lookup.
+ACTIVATION_RULES = (
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_vocab", "tensor"),
+)
+
+
 def on_mesh(fn, mesh: Mesh):
-    """``fn`` traced with ``mesh`` as the context mesh, so that what reads it (the optimizer's
-    basis refresh spreads its factorisations over the devices: ``moara_jax._bases.spread``)
-    sees the run's devices."""
+    """``fn`` traced with ``mesh`` as the context mesh and the model's activation axes mapped to
+    it (``ACTIVATION_RULES``): the optimizer's basis refresh spreads its factorisations over the
+    devices (``moara_jax._bases.spread``) and the activations keep the layout FSDP wants (the
+    parameters gathered, the activations left in place)."""
 
     @functools.wraps(fn)
     def traced(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(ACTIVATION_RULES):
             return fn(*args)
 
     return traced
