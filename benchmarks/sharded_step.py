@@ -27,9 +27,9 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_anatomy import _bytes  # noqa: E402
 
-import train.sharding  # noqa: E402
 from train import loop  # noqa: E402
 from train.config import load_config  # noqa: E402
+from train.sharding import ACTIVATION_RULES  # noqa: E402
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) (" + "|".join(KINDS) + r")(?:-start)?\(")
@@ -52,14 +52,10 @@ def step_collectives(config: str, sets: list[str], mesh: tuple[int, int, int], r
     data, fsdp, tensor = mesh
     cfg = load_config(config, [*sets, f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"])
     setup = loop.make_setup(cfg, True, loop.Clock())
-    kept = train.sharding.ACTIVATION_RULES
-    train.sharding.ACTIVATION_RULES = kept if rules else ()
-    try:
-        state = jax.eval_shape(setup.init, jax.random.PRNGKey(0))
-        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
-        text = loop.jit_train_step(setup).lower(state, batch).compile().as_text()
-    finally:
-        train.sharding.ACTIVATION_RULES = kept
+    state = jax.eval_shape(setup.init, jax.random.PRNGKey(0))
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
+    step = loop.jit_train_step(setup, ACTIVATION_RULES if rules else ())
+    text = step.lower(state, batch).compile().as_text()
     per_kind = collective_bytes(text)
     return {"bytes": per_kind, "total_bytes": sum(per_kind.values())}
 

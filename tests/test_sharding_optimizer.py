@@ -167,12 +167,13 @@ SPREAD = textwrap.dedent("""
 
     def refresh(svd, under=None):
         factored.clear()
-        fn = lambda ms: _projection.refresh_bases(ms, ranks, svd, jax.random.PRNGKey(1), canonical_signs=True)
+        fn = lambda ms: _projection.refresh_bases(ms, ranks, svd, key, canonical_signs=True)
         if under is None:
             return jax.jit(fn)(mats), list(factored)
         with jax.set_mesh(under):
             return jax.jit(fn)(mats), list(factored)
 
+    exact, _ = refresh("exact")
     for method in ("exact", "eigh", "randomized"):
         alone, counts = refresh(method)
         spread, spread_counts = refresh(method, mesh)
@@ -194,7 +195,7 @@ SPREAD = textwrap.dedent("""
     for under in (mesh, explicit):
         with jax.set_mesh(under):
             eager = _projection.refresh_bases(mats, ranks, "exact", canonical_signs=True)
-        for a, b in zip(refresh("exact")[0], eager):
+        for a, b in zip(exact, eager):
             np.testing.assert_allclose(b, a, atol=1e-5)
     params = {"layers": {"self_attn": {"q_proj": {"kernel": mats[0][:2, :, :24]}}}, "norm": jnp.ones(24)}
     grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
@@ -209,13 +210,13 @@ SPREAD = textwrap.dedent("""
     inner = lambda *ms: tuple(_projection.refresh_bases(list(ms), ranks, canonical_signs=True))
     with jax.set_mesh(mesh):
         inner = jax.jit(jax.shard_map(inner, in_specs=P(), out_specs=P()))(*mats)
-    for a, b in zip(refresh("exact")[0], inner):
+    for a, b in zip(exact, inner):
         np.testing.assert_allclose(b, a, atol=1e-6)
 
     # The trainer's step traces its refresh under the run's mesh: tiny's 8 q/k/v/o, 4 gate/up
     # and 2 down matrices, one of each per device on 8 devices.
-    for mesh in (["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]):
-        cfg = load_config("configs/tiny.yaml", mesh)
+    for sets in (["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]):
+        cfg = load_config("configs/tiny.yaml", sets)
         setup = loop.make_setup(cfg, True, loop.Clock())
         state = jax.eval_shape(setup.init, jax.random.PRNGKey(0))  # (sizing the state traces a refresh)
         batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)

@@ -37,6 +37,7 @@ from train.metrics import perplexity as ppl
 from train.model import init_from_params, model_config
 from train.rundir import RunDir, RunLock, banner, plot_curves
 from train.sharding import (
+    ACTIVATION_RULES,
     batch_sharding,
     global_batch,
     make_mesh,
@@ -344,10 +345,9 @@ class Outcome:
     fault: IOFault | None = None  # the failed write of an io_error
 
 
-def jit_train_step(setup: Setup):
+def jit_train_step(setup: Setup, rules=ACTIVATION_RULES):
     """The run's train step, jitted with the state's and the batch's shardings (the state
-    donated) and traced under the run's mesh (``on_mesh``: each basis refresh is spread over the
-    devices)."""
+    donated) and traced under the run's mesh and the activation ``rules`` (``on_mesh``)."""
     step = make_train_step(
         setup.model_cfg,
         setup.tx,
@@ -356,7 +356,7 @@ def jit_train_step(setup: Setup):
         with_alignment=setup.profiling,
     )
     return jax.jit(
-        on_mesh(step, setup.mesh),
+        on_mesh(step, setup.mesh, rules),
         in_shardings=(setup.shardings, setup.batch_sharding),
         out_shardings=(setup.shardings, None),
         donate_argnums=(0,),
@@ -636,9 +636,8 @@ def _median_tokens_per_s(run: RunDir) -> float | None:
     compilation: ``includes_compile``), of all sessions; None in a process that writes no
     metrics (multi-host, not the first)."""
     rows = run.rows("tokens_per_s")
-    rates = [r["tokens_per_s"] for r in rows if not r.get("includes_compile")] or [
-        r["tokens_per_s"] for r in rows
-    ]
+    rates = [r["tokens_per_s"] for r in rows if not r.get("includes_compile")]
+    rates = rates or [r["tokens_per_s"] for r in rows]
     return float(np.median(rates)) if rates else None
 
 

@@ -183,15 +183,15 @@ ACTIVATION_RULES = (
 )
 
 
-def on_mesh(fn, mesh: Mesh):
+def on_mesh(fn, mesh: Mesh, rules=ACTIVATION_RULES):
     """``fn`` traced with ``mesh`` as the context mesh and the model's activation axes mapped to
-    it (``ACTIVATION_RULES``): the optimizer's basis refresh spreads its factorisations over the
-    devices (``moara_jax._bases.spread``) and the activations keep the layout FSDP wants (the
-    parameters gathered, the activations left in place)."""
+    it by ``rules``: the optimizer's basis refresh spreads its factorisations over the devices
+    (``moara_jax._bases.spread``) and the activations keep the layout FSDP wants (the parameters
+    gathered, the activations left in place)."""
 
     @functools.wraps(fn)
     def traced(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(ACTIVATION_RULES):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
             return fn(*args)
 
     return traced
