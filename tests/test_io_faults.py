@@ -261,6 +261,30 @@ def test_a_failed_write_of_the_runs_files_stops_cleanly(where, tmp_path, capsys,
         assert summary["status"] == "io_error" and summary["steps"] == 7
 
 
+def test_a_completed_run_resumed_on_a_full_disk_keeps_its_record(tmp_path, capsys, monkeypatch):
+    """Resumed to more steps, a completed run first keeps its summary as
+    ``summary.completed-N.json``: when that write fails, the run is left as it was (its summary
+    and config), and the same command once there is space goes on."""
+    run = tmp_path / "run"
+    assert train(run, capsys, "train.steps=4")[0] == 0
+    before = {name: (run / name).read_text() for name in ("summary.json", "config.yaml")}
+    full = failing(
+        errno.ENOSPC,
+        lambda self, *a, **k: self.name.startswith("summary.completed-"),
+        otherwise=pathlib.Path.write_text,
+    )
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    code, err = train(run, capsys, "train.steps=8", resume=True)
+    expected = f"keeping the completed run's summary in {run} failed: no space left on device"
+    assert_one_io_error(code, err, expected)
+    assert {name: (run / name).read_text() for name in before} == before
+    assert not list(run.glob("summary.completed-*"))
+    monkeypatch.undo()
+    assert train(run, capsys, "train.steps=8", resume=True)[0] == 0
+    assert (run / "summary.completed-4.json").read_text() == before["summary.json"]
+    assert RunDir(run).summary()["steps"] == 8
+
+
 def test_a_run_file_written_over_keeps_its_old_text_when_the_write_fails(tmp_path, monkeypatch):
     """``config.yaml``, ``model.json`` and ``summary.json`` are replaced whole or not at all: a
     resume stopped by a full disk leaves the config the next ``--resume`` compares with."""

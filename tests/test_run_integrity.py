@@ -18,7 +18,7 @@ from test_train import FAST, ROOT, TINY, losses, run_cli
 from train.compare import compare
 from train.errors import EXIT_PREEMPTED, IOFault, UserError
 from train.metrics import DivergenceGuard
-from train.rundir import read_metrics
+from train.rundir import RunDir, read_metrics
 
 
 def start_cli(run_dir, *sets, extra=()):
@@ -293,7 +293,7 @@ def test_no_usable_checkpoint_is_one_error_naming_each_tried(finished_run, tmp_p
 
 
 @pytest.mark.slow
-def test_divergence_stops_the_run_keeps_the_checkpoint_before_it_and_spares_a_completed_summary(tmp_path):
+def test_divergence_stops_the_run_keeps_the_checkpoint_before_it_and_the_completed_summary(tmp_path):
     run = tmp_path / "run"
     run_cli(run, *FAST, "train.steps=4", "checkpoint.every=2")
     completed = (run / "summary.json").read_text()
@@ -311,20 +311,49 @@ def test_divergence_stops_the_run_keeps_the_checkpoint_before_it_and_spares_a_co
     )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "stopping (diverged)" in proc.stdout
-    failed = json.loads((run / "summary.diverged.json").read_text())
+    failed = json.loads((run / "summary.json").read_text())
     # the loss blows up, or the model dies (gradient norm exactly 0), whichever comes first
     assert failed["status"] == "diverged"
     assert (
         "running minimum" in failed["stop_reason"]
         or "gradient norm has been exactly 0" in failed["stop_reason"]
     )
-    assert (run / "summary.json").read_text() == completed  # the completed record is kept
+    assert (run / "summary.completed-4.json").read_text() == completed  # the completed record
+    assert RunDir(run).state() == "failed"
     bad = failed["first_bad_step"]  # its loss came from the weights after step bad - 1
     assert failed["steps"] == bad - 1
     kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert kept and max(kept) < bad - 1 and f"step {max(kept)}, is kept" in proc.stdout
     rejected = [int(p.name) for p in (run / "rejected_checkpoints").iterdir() if p.name.isdigit()]
     assert bad - 1 in rejected and min(rejected) >= bad - 1  # those weights were set aside
+
+
+@pytest.mark.slow
+def test_a_completed_run_resumed_to_go_on_is_not_completed_until_it_ends(tmp_path):
+    """A completed run resumed to more steps: its summary is kept as summary.completed-N.json,
+    and summary.json records a resumable run until the attempt ends, so a SIGKILL on the way
+    leaves no "completed" run whose metrics and config go on past it."""
+    run = tmp_path / "run"
+    run_cli(run, *FAST, "train.steps=4", "checkpoint.every=2")
+    completed = (run / "summary.json").read_text()
+    longer = start_cli(run, *FAST, "train.steps=400", "checkpoint.every=2", extra=["--resume"])
+    wait_for_steps(longer, run, 8)
+    longer.kill()
+    longer.wait(timeout=60)
+    assert (run / "summary.completed-4.json").read_text() == completed
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["steps"], summary["last_checkpoint"]) == ("interrupted", 4, 4)
+    assert (
+        "resumed from step 4 to go on from the completed run (summary.completed-4.json)"
+        in (summary["stop_reason"])
+    )
+    assert RunDir(run).state() == "resumable"  # a sweep resumes it, train.compare does not count it
+    resumed = run_cli(run, *FAST, "train.steps=10", "checkpoint.every=2", extra=["--resume"])
+    assert "resuming from step" in resumed.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("completed", 10)
+    assert len(summary["sessions"]) == 2  # the first session's, kept through the kill, and this one
+    assert (run / "summary.completed-4.json").read_text() == completed
 
 
 def test_guard_catches_nan_a_loss_spike_and_a_dead_gradient():

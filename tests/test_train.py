@@ -610,6 +610,11 @@ def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path)
         extra=["--resume"],
     )
     assert longer.returncode == 0 and losses(tmp_path / "run").keys() >= {5, 6}
+    assert "held a completed run: going on from step 4; its summary is summary.completed-4.json" in (
+        longer.stdout
+    )
+    assert json.loads((tmp_path / "run" / "summary.completed-4.json").read_text()) == summary
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
     built = json.loads((tmp_path / "run" / "model.json").read_text())
     assert (built["loss_chunk"], built["remat"]) == (8, "full")
     # A completed run whose checkpoints were removed (a result kept without them) is not

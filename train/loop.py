@@ -89,6 +89,10 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             print(f"{run} is already complete at step {start.step}; nothing to do")
         return run.summary()
     if main:
+        if run.status() == "completed":  # resumed short of its end, e.g. to more steps
+            with io_operation("keeping the completed run's summary in", run.path):
+                kept = run.reopen(start.step)
+            print(f"{run} held a completed run: going on from step {start.step}; its summary is {kept.name}")
         write_run_files(run, setup)
     for line in banner_lines(setup, run):
         say(line)
@@ -571,10 +575,8 @@ def finish(
     if main:  # one writer per run dir in a multi-host run
         try:
             with io_operation("writing the summary", run.summary_file):
-                written = run.write_summary(summary)
+                run.write_summary(summary)
             summary_written = True
-            if written != run.summary_file:
-                print(f"{run} holds a completed run; this attempt's summary is {written.name}")
             plot_curves(run)
         except IOFault as e:
             unwritten = unwritten or e

@@ -1,5 +1,5 @@
 """A run directory: its layout (the one place that names its files), its readers, one writer at a
-time (a lock), the summary (a failed attempt never overwrites a completed run's), the
+time (a lock), the summary (a completed run resumed to go on keeps its completed record), the
 training-curve plot and the start-up banner.
 
 Layout of ``RUN_DIR`` (``python -m train --run-dir RUN_DIR``)::
@@ -7,7 +7,8 @@ Layout of ``RUN_DIR`` (``python -m train --run-dir RUN_DIR``)::
     config.yaml            the run's config, as validated
     model.json             the models.ModelConfig the run built
     metrics.jsonl          one object per logged step and per evaluation
-    summary.json           written when the run ends (summary.STATUS.json beside a completed one)
+    summary.json           written when the run ends, and when a completed run is resumed to go on
+    summary.completed-N.json   the record of the completed run of N steps that a resume went on from
     curves.png             training loss and eval ppl against step
     checkpoints/STEP/      orbax checkpoints
     checksums/STEP.json    sha256 of every file of a finished checkpoint
@@ -250,14 +251,29 @@ class RunDir:
     def write_model(self, model_config: dict) -> None:
         write_atomically(self.model_file, json.dumps(model_config, indent=1) + "\n")
 
-    def write_summary(self, summary: dict) -> pathlib.Path:
-        """``summary.json``, unless it records a completed run and this attempt did not complete:
-        then ``summary.STATUS.json`` beside it (the completed record is kept)."""
-        path = self.summary_file
-        if summary["status"] != "completed" and self.status() == "completed":
-            path = self.path / f"summary.{summary['status']}.json"
-        write_atomically(path, json.dumps(summary, indent=2, default=str))
-        return path
+    def write_summary(self, summary: dict) -> None:
+        write_atomically(self.summary_file, json.dumps(summary, indent=2, default=str))
+
+    def reopen(self, step: int) -> pathlib.Path:
+        """A completed run resumed short of its end (to more steps, or from an earlier checkpoint):
+        its summary is kept as ``summary.completed-N.json`` (N: the steps it completed), and
+        ``summary.json`` records the run as interrupted at ``step`` until this attempt ends, so a
+        kill on the way leaves a resumable run, not a completed one whose metrics go on past it.
+        Returns the kept record's path."""
+        completed = self.summary()
+        kept = self.path / f"summary.completed-{completed['steps']}.json"
+        write_atomically(kept, self.summary_file.read_text())
+        self.write_summary(
+            completed
+            | {
+                "status": "interrupted",
+                "stop_reason": f"resumed from step {step} to go on from the completed run ({kept.name})",
+                "first_bad_step": None,
+                "steps": step,
+                "last_checkpoint": step,
+            }
+        )
+        return kept
 
 
 def write_atomically(path: pathlib.Path, text: str, if_changed: bool = True) -> None:
