@@ -21,7 +21,7 @@ from helpers import cpu_devices
 from train import distributed
 from train.distributed import HEARTBEAT_ENV
 from train.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, UserError
-from train.rundir import CHECKPOINTS, METRICS, SUMMARY, read_metrics
+from train.rundir import CHECKPOINTS, METRICS, SUMMARY, RunLock, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -297,6 +297,26 @@ def _relay(*pieces: bytes, pause: float = 0.0) -> tuple[bytes, distributed._Rela
     relay.join(timeout=10)
     os.close(read)
     return relay.out.getvalue(), relay
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_dir_in_use_ends_every_process_with_the_same_line(resume, tmp_path):
+    """A second run of 2 processes on a run dir another run holds: process 0 cannot lock it, and
+    process 1 ends with process 0's line at once (it went on before, to a barrier where it failed
+    with a traceback once process 0 had gone); nothing is written."""
+    run = tmp_path / "run"
+    holder = RunLock(run).acquire()  # as a run in progress holds it
+    try:
+        pair = Pair(run, "busy", *["--resume"] * resume)
+        codes = [pair.wait(i, timeout=120) for i in range(2)]
+    finally:
+        holder.release()
+    line = f"error: run dir {run} is in use by pid {os.getpid()} on host {socket.gethostname()}; "
+    for i in range(2):
+        errors = [x for x in pair.err(i).splitlines() if x.startswith("error:")]
+        assert codes[i] == 2 and len(errors) == 1 and errors[0].startswith(line), pair.report()
+        assert "Traceback" not in pair.err(i), pair.report()
+    assert [p.name for p in run.iterdir()] == [".lock"]
 
 
 def test_launcher_relay_drops_jaxlib_dump_and_names_the_lost_process(monkeypatch):

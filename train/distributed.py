@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import pickle
 import re
 import select
 import signal
@@ -242,6 +243,34 @@ def any_process(flag: bool) -> bool:
     import jax
 
     return flag if jax.process_count() == 1 else bool(_shared_vote()(flag))
+
+
+def raise_everywhere(error: Exception | None) -> None:
+    """Raises ``error``, process 0's (``None``: it had none; ignored in the other processes), in
+    every process (every process must call it at the same point): e.g. process 0's refusal of a
+    run dir another run holds, which the others would not see until they waited for it in a
+    barrier. Sent pickled from process 0 (at most ``_ERROR_BYTES``: a longer one as its text)."""
+    import jax
+
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        sent = np.zeros(_ERROR_BYTES + 4, np.uint8)
+        if jax.process_index() == 0 and error is not None:
+            data = pickle.dumps(error)
+            if len(data) > _ERROR_BYTES:
+                data = pickle.dumps(UserError(str(error)[: _ERROR_BYTES // 8]))
+            sent[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
+            sent[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
+        got = np.asarray(multihost_utils.broadcast_one_to_all(sent))
+        size = int.from_bytes(got[:4].tobytes(), "little")
+        error = pickle.loads(got[4 : 4 + size].tobytes()) if size else None
+    if error is not None:
+        raise error
+
+
+_ERROR_BYTES = 4096
 
 
 @functools.cache

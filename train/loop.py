@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import socket
@@ -30,7 +29,7 @@ from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
 from train.data import Data, build_data
 from train.data import describe as describe_data
-from train.distributed import StopSignals
+from train.distributed import StopSignals, raise_everywhere
 from train.errors import IOFault, UserError, io_operation
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
 from train.metrics import perplexity as ppl
@@ -59,10 +58,20 @@ from train.step import (
 
 def train_and_evaluate(cfg: RunConfig, run_dir, resume: bool = False, quiet: bool = False) -> dict:
     """Runs (or resumes) one training or profiling run in ``run_dir`` and returns its summary;
-    the run dir is locked against a second writer for the whole run."""
+    the run dir is locked (by process 0) against a second writer for the whole run, and a run
+    dir in use ends every process of a multi-process run with process 0's line."""
     main = _is_main_process()
-    with RunLock(run_dir) if main else contextlib.nullcontext():
+    lock, refused = RunLock(run_dir), None
+    if main:
+        try:
+            lock.acquire()
+        except (UserError, IOFault) as e:
+            refused = e
+    try:
+        raise_everywhere(refused)  # before any process reads the run dir
         return _run(cfg, RunDir(run_dir), resume, quiet, main)
+    finally:
+        lock.release()
 
 
 def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> dict:
