@@ -20,7 +20,7 @@ from helpers import cpu_devices
 
 from train import distributed
 from train.distributed import HEARTBEAT_ENV
-from train.errors import EXIT_PEER_LOST, EXIT_PREEMPTED, UserError
+from train.errors import EXIT_IO_ERROR, EXIT_PEER_LOST, EXIT_PREEMPTED, UserError
 from train.rundir import CHECKPOINTS, METRICS, SUMMARY, RunLock, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,7 +84,9 @@ class Pair:
     """Two launchers of one run (processes 0 and 1), their output in files beside the run dir;
     started with JAX's variables, or (``slurm``) as the two tasks of a SLURM job step."""
 
-    def __init__(self, run_dir: pathlib.Path, name: str, *extra: str, slurm: bool = False):
+    def __init__(
+        self, run_dir: pathlib.Path, name: str, *extra: str, slurm: bool = False, more: dict | None = None
+    ):
         self.run_dir, self.logs, self.procs = run_dir, [], []
         metrics = run_dir / METRICS
         self.stale = metrics.stat().st_ino if metrics.exists() else None  # replaced when resuming
@@ -101,7 +103,7 @@ class Pair:
                     "JAX_NUM_PROCESSES": "2",
                     "JAX_PROCESS_ID": str(i),
                 }
-            env = environment(2, run_dir.parent / "xla-cache", **launch)
+            env = environment(2, run_dir.parent / "xla-cache", **launch, **(more or {}))
             out, err = (run_dir.parent / f"{name}.{i}.{ext}" for ext in ("out", "err"))
             self.logs.append((out, err))
             with open(out, "w") as o, open(err, "w") as e:
@@ -317,6 +319,39 @@ def test_a_run_dir_in_use_ends_every_process_with_the_same_line(resume, tmp_path
         assert codes[i] == 2 and len(errors) == 1 and errors[0].startswith(line), pair.report()
         assert "Traceback" not in pair.err(i), pair.report()
     assert [p.name for p in run.iterdir()] == [".lock"]
+
+
+# A full disk where process 0 writes the run's config (the processes' sitecustomize).
+FULL_AT_CONFIG = """
+import errno, os, pathlib
+
+_write_text = pathlib.Path.write_text
+
+def write_text(self, *args, **kwargs):
+    if self.name == "config.yaml.tmp":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _write_text(self, *args, **kwargs)
+
+pathlib.Path.write_text = write_text
+"""
+
+
+def test_a_full_disk_before_the_first_step_ends_every_process_with_the_same_line(tmp_path):
+    """Process 0 cannot write the run's config: every process ends with its line and 74 (process
+    1 waited for it in a barrier before, and failed there with a traceback)."""
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    (faults / "sitecustomize.py").write_text(FULL_AT_CONFIG)
+    run = tmp_path / "run"
+    pair = Pair(run, "full", more={"PYTHONPATH": f"{faults}{os.pathsep}{ROOT}"})
+    codes = [pair.wait(i, timeout=300) for i in range(2)]
+    line = f"error: writing the run's config to {run} failed: no space left on device; "
+    for i in range(2):
+        errors = [x for x in pair.err(i).splitlines() if x.startswith("error:")]
+        assert codes[i] == EXIT_IO_ERROR and len(errors) == 1, pair.report()
+        assert errors[0].startswith(line) and errors[0].endswith(" --resume"), pair.report()
+        assert "Traceback" not in pair.err(i), pair.report()
+    assert not (run / "config.yaml").exists()
 
 
 def test_launcher_relay_drops_jaxlib_dump_and_names_the_lost_process(monkeypatch):

@@ -2,7 +2,8 @@
 
 1. ``make_setup``: data, model config, mesh, shardings, optimizer and the abstract state (``Setup``);
 2. ``restore_or_init``: the newest usable checkpoint, or a new state (``Start``);
-3. ``write_run_files``: the run dir's ``config.yaml``, ``model.json`` and the start-up banner;
+3. ``open_run_dir``: the run dir's ``config.yaml`` and ``model.json`` (a completed run resumed to
+   go on keeps its summary aside first), and the start-up banner;
 4. ``StepLoop.run``: the jitted steps with the batch drawn ahead, each step's metrics read one
    step late, evaluation, checkpoints (SIGTERM-safe) and the divergence guard;
 5. ``finish``: what a stop leaves behind, ``summary.json`` and the plots.
@@ -97,12 +98,13 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
         if main:
             print(f"{run} is already complete at step {start.step}; nothing to do")
         return run.summary()
+    fault = None
     if main:
-        if run.status() == "completed":  # resumed short of its end, e.g. to more steps
-            with io_operation("keeping the completed run's summary in", run.path):
-                kept = run.reopen(start.step)
-            print(f"{run} held a completed run: going on from step {start.step}; its summary is {kept.name}")
-        write_run_files(run, setup)
+        try:
+            open_run_dir(run, setup, start.step)
+        except IOFault as e:
+            fault = e
+    raise_everywhere(fault)  # the others would wait for process 0 in the first barrier
     for line in banner_lines(setup, run):
         say(line)
     loop = StepLoop(setup, run, ckpt, start, quiet=quiet, main=main, clock=clock)
@@ -271,9 +273,15 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
 # ---------------------------------------------------------------------- 3. run-dir files, banner
 
 
-def write_run_files(run: RunDir, setup: Setup) -> None:
-    """``config.yaml`` and ``model.json``: the model as built (for ``train.export`` and
-    ``train.evaluate``; with ``init_from``, its directory may not stay where it is)."""
+def open_run_dir(run: RunDir, setup: Setup, step: int) -> None:
+    """The run dir for a session that runs steps from ``step``: a completed run resumed short of
+    its end (to more steps) first keeps its summary (``RunDir.reopen``); then ``config.yaml`` and
+    ``model.json``, the model as built (for ``train.export`` and ``train.evaluate``; with
+    ``init_from``, its directory may not stay where it is)."""
+    if run.status() == "completed":
+        with io_operation("keeping the completed run's summary in", run.path):
+            kept = run.reopen(step)
+        print(f"{run} held a completed run: going on from step {step}; its summary is {kept.name}")
     with io_operation("writing the run's config to", run.path):
         run.write_config(to_dict(setup.cfg))
         run.write_model(dataclasses.asdict(setup.model_cfg))
