@@ -253,12 +253,14 @@ def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
     want, got = losses(one), losses(run)
     # The same program on the same 4-device mesh; only the all-reduces differ (gloo across the
     # two processes), which may add the 4 partial sums in another order: float32 rounding, at
-    # most 1.6e-7 relative (1-2 ulps of the loss) with JAX 0.10.2. An exact SVD at a projection
-    # refresh can turn such a difference into a turn of the basis where singular values near the
-    # rank cut almost tie: with JAX 0.11.2 (Python 3.12), up to 3.5e-5 at steps 20-24, after the
-    # refresh at step 16. A resume off by a step, or a lost all-reduce, is off by more than 1e-2
-    # (the losses of neighbouring steps differ by 0.5% or more).
-    np.testing.assert_allclose([got[s] for s in want], [want[s] for s in want], rtol=1e-4)
+    # most 1.6e-7 relative (1-2 ulps of the loss) with JAX 0.10.2 on some CPUs. An exact SVD at
+    # a projection refresh can turn such a difference into a turn of the basis where singular
+    # values near the rank cut almost tie, and the steps after it drift apart: up to 3.5e-5 at
+    # steps 20-24, after the refresh at step 16, with JAX 0.11.2 (Python 3.12); 2.3e-4 at step
+    # 24 with JAX 0.10.2 on an AVX-512 Xeon (2026-11-25; 2.4e-6 at step 17). A resume off by a
+    # step, or a lost all-reduce, is off by more than 1e-2 (the losses of neighbouring steps
+    # differ by 0.5% or more).
+    np.testing.assert_allclose([got[s] for s in want], [want[s] for s in want], rtol=2e-3)
     # One writer: the files and checkpoints of a one-process run, nothing else.
     names = {p.name for p in run.iterdir()}
     assert names == {p.name for p in one.iterdir()}, names
@@ -321,37 +323,74 @@ def test_a_run_dir_in_use_ends_every_process_with_the_same_line(resume, tmp_path
     assert [p.name for p in run.iterdir()] == [".lock"]
 
 
-# A full disk where process 0 writes the run's config (the processes' sitecustomize).
-FULL_AT_CONFIG = """
+# The processes' sitecustomize: no space left for a file of that name after that many writes.
+FULL_DISK = """
 import errno, os, pathlib
 
-_write_text = pathlib.Path.write_text
+_name, _after, _writes = os.environ["TEST_FULL_FILE"], int(os.environ["TEST_FULL_AFTER"]), [0]
+_open = pathlib.Path.open
 
-def write_text(self, *args, **kwargs):
-    if self.name == "config.yaml.tmp":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return _write_text(self, *args, **kwargs)
+def open_(self, mode="r", *args, **kwargs):
+    if self.name == _name and set(mode) & set("wax"):
+        _writes[0] += 1
+        if _writes[0] > _after:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _open(self, mode, *args, **kwargs)
 
-pathlib.Path.write_text = write_text
+pathlib.Path.open = open_
 """
+
+
+def full_disk(tmp_path: pathlib.Path, name: str, after: int) -> dict:
+    """The environment of processes whose writes of ``name`` fail for no space after ``after``."""
+    faults = tmp_path / "faults"
+    faults.mkdir(exist_ok=True)
+    (faults / "sitecustomize.py").write_text(FULL_DISK)
+    path = f"{faults}{os.pathsep}{ROOT}"
+    return {"PYTHONPATH": path, "TEST_FULL_FILE": name, "TEST_FULL_AFTER": str(after)}
+
+
+def assert_same_io_error(pair: Pair, starts: str) -> None:
+    """Both processes exit 74 with the same one ``error:`` line, no traceback."""
+    codes = [pair.wait(i, timeout=300) for i in range(2)]
+    lines = []
+    for i in range(2):
+        errors = [x for x in pair.err(i).splitlines() if x.startswith("error:")]
+        assert codes[i] == EXIT_IO_ERROR and len(errors) == 1, pair.report()
+        assert errors[0].startswith(starts) and errors[0].endswith(" --resume"), pair.report()
+        assert "Traceback" not in pair.err(i), pair.report()
+        lines.append(errors[0])
+    assert lines[0] == lines[1], pair.report()
 
 
 def test_a_full_disk_before_the_first_step_ends_every_process_with_the_same_line(tmp_path):
     """Process 0 cannot write the run's config: every process ends with its line and 74 (process
     1 waited for it in a barrier before, and failed there with a traceback)."""
-    faults = tmp_path / "faults"
-    faults.mkdir()
-    (faults / "sitecustomize.py").write_text(FULL_AT_CONFIG)
     run = tmp_path / "run"
-    pair = Pair(run, "full", more={"PYTHONPATH": f"{faults}{os.pathsep}{ROOT}"})
-    codes = [pair.wait(i, timeout=300) for i in range(2)]
-    line = f"error: writing the run's config to {run} failed: no space left on device; "
-    for i in range(2):
-        errors = [x for x in pair.err(i).splitlines() if x.startswith("error:")]
-        assert codes[i] == EXIT_IO_ERROR and len(errors) == 1, pair.report()
-        assert errors[0].startswith(line) and errors[0].endswith(" --resume"), pair.report()
-        assert "Traceback" not in pair.err(i), pair.report()
+    pair = Pair(run, "full", more=full_disk(tmp_path, "config.yaml.tmp", 0))
+    assert_same_io_error(pair, f"error: writing the run's config to {run} failed: no space left on device; ")
     assert not (run / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_the_steps_stops_every_process_at_one_step(tmp_path):
+    """Process 0 alone writes metrics.jsonl: when a row cannot be written, every process stops at
+    the same step with its line and 74, saving nothing after it (process 1 went on to the next
+    collective and waited there for the shutdown timeout, 132 s, then ended with the lost-peer
+    line); ``--resume`` then logs every step once."""
+    run = tmp_path / "run"
+    started = time.time()
+    pair = Pair(run, "full", more=full_disk(tmp_path, METRICS, 8))  # steps 1-8: step 9's row fails
+    assert_same_io_error(pair, f"error: writing metrics to {run / METRICS} failed: no space left on device; ")
+    assert time.time() - started < LOST_BOUND_S + 30, pair.report()
+    assert "the last complete checkpoint, step 6, is in" in pair.err(1), pair.report()
+    assert sorted(int(p.name) for p in (run / CHECKPOINTS).iterdir() if p.name.isdigit()) == [6]
+    assert logged_steps(run) == list(range(1, 9))
+    summary = json.loads((run / SUMMARY).read_text())
+    assert (summary["status"], summary["last_checkpoint"]) == ("io_error", 6)
+    resumed = Pair(run, "resumed", "--resume")
+    assert [resumed.wait(i) for i in range(2)] == [0, 0], resumed.report()
+    assert logged_steps(run) == list(range(1, STEPS + 1))
 
 
 def test_launcher_relay_drops_jaxlib_dump_and_names_the_lost_process(monkeypatch):

@@ -24,7 +24,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from train.distributed import any_process, multi_process
-from train.errors import IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
+from train.errors import HeldFaults, IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
 from train.rundir import CHECKPOINTS, RunDir, write_atomically
 
 
@@ -88,6 +88,7 @@ class Checkpointer:
         with io_operation("creating the checkpoint directory", self.directory):
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._unrecorded: list[int] = []
+        self.faults = HeldFaults()  # the checksums' faults, held during a multi-process run's steps
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -159,7 +160,7 @@ class Checkpointer:
     def _write_sums(self, steps: list[int]) -> None:
         if not self.enabled:
             return
-        with io_operation("writing checkpoint checksums to", self.sums_dir):
+        with self.faults.operation("writing checkpoint checksums to", self.sums_dir):
             self.sums_dir.mkdir(exist_ok=True)
             for step in steps:
                 if (self.directory / str(step)).is_dir():
@@ -172,7 +173,7 @@ class Checkpointer:
         if not self.enabled or not self.sums_dir.is_dir():
             return
         kept = {str(s) for s in self.complete_steps()}
-        with io_operation("writing checkpoint checksums to", self.sums_dir):
+        with self.faults.operation("writing checkpoint checksums to", self.sums_dir):
             for stale in self.sums_dir.glob("*.json"):
                 if stale.stem.isdigit() and stale.stem not in kept:
                     stale.unlink(missing_ok=True)

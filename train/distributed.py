@@ -204,12 +204,15 @@ def before_traceback(error: BaseException) -> None:
 
 class StopSignals:
     """SIGTERM/SIGINT ask the step loop to stop after saving a checkpoint; ``at_step`` is called
-    once per step and says whether to stop after it.
+    once per step and says whether to stop after it, and why.
 
     One process: the loop stops after the step during which the request came. Several: every
     process must stop at the same step (the checkpoint is saved collectively), so each step's
-    requests are combined over the processes by a small jitted max, read at the next step: the
-    loop stops one step later, at the same step in every process."""
+    requests, and the faults of the machine a process holds (``HeldFaults``), are combined over
+    the processes by a small jitted max, read at the next step: the loop stops one step later,
+    at the same step in every process."""
+
+    SIGNAL, FAULT = 1, 2  # what stops the steps: the votes' values (a fault outvotes a signal)
 
     def __init__(self):
         import jax
@@ -231,11 +234,14 @@ class StopSignals:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
-    def at_step(self) -> bool:
+    def at_step(self, fault: bool = False) -> int:
+        """0 to go on, else why to stop: ``FAULT`` when a process holds a fault of the machine
+        (``fault``: this one does), ``SIGNAL`` when one was asked to stop."""
+        mine = self.FAULT if fault else self.SIGNAL if self.requested else 0
         if self._vote is None:
-            return self.requested
-        previous, self._pending = self._pending, self._vote(self.requested)
-        return previous is not None and bool(previous)
+            return mine
+        previous, self._pending = self._pending, self._vote(mine)
+        return 0 if previous is None else int(previous)
 
 
 def any_process(flag: bool) -> bool:
@@ -249,25 +255,33 @@ def raise_everywhere(error: Exception | None) -> None:
     """Raises ``error``, process 0's (``None``: it had none; ignored in the other processes), in
     every process (every process must call it at the same point): e.g. process 0's refusal of a
     run dir another run holds, which the others would not see until they waited for it in a
-    barrier. Sent pickled from process 0 (at most ``_ERROR_BYTES``: a longer one as its text)."""
-    import jax
-
-    if jax.process_count() > 1:
-        import numpy as np
-        from jax.experimental import multihost_utils
-
-        sent = np.zeros(_ERROR_BYTES + 4, np.uint8)
-        if jax.process_index() == 0 and error is not None:
-            data = pickle.dumps(error)
-            if len(data) > _ERROR_BYTES:
-                data = pickle.dumps(UserError(str(error)[: _ERROR_BYTES // 8]))
-            sent[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
-            sent[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
-        got = np.asarray(multihost_utils.broadcast_one_to_all(sent))
-        size = int.from_bytes(got[:4].tobytes(), "little")
-        error = pickle.loads(got[4 : 4 + size].tobytes()) if size else None
+    barrier."""
+    error = share_from_first(error)
     if error is not None:
         raise error
+
+
+def share_from_first(error: Exception | None) -> Exception | None:
+    """Process 0's ``error`` (or ``None``), in every process (every process must call it at the
+    same point); one process: ``error``. Sent pickled (at most ``_ERROR_BYTES``: a longer one as
+    a ``UserError`` of its text)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return error
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    sent = np.zeros(_ERROR_BYTES + 4, np.uint8)
+    if jax.process_index() == 0 and error is not None:
+        data = pickle.dumps(error)
+        if len(data) > _ERROR_BYTES:
+            data = pickle.dumps(UserError(str(error)[: _ERROR_BYTES // 8]))
+        sent[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
+        sent[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
+    got = np.asarray(multihost_utils.broadcast_one_to_all(sent))
+    size = int.from_bytes(got[:4].tobytes(), "little")
+    return pickle.loads(got[4 : 4 + size].tobytes()) if size else None
 
 
 _ERROR_BYTES = 4096
@@ -279,7 +293,7 @@ def _shared_vote() -> _Vote:
 
 
 class _Vote:
-    """The maximum over every device of a per-process 0/1, as a replicated array."""
+    """The maximum over every device of a per-process integer, as a replicated array."""
 
     def __init__(self):
         import jax
@@ -292,10 +306,10 @@ class _Vote:
         self.local = np.zeros(len(jax.local_devices()), np.int32)
         self.max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
-    def __call__(self, flag: bool):
+    def __call__(self, value: int):
         import jax
 
-        return self.max(jax.make_array_from_process_local_data(self.sharding, self.local + int(flag)))
+        return self.max(jax.make_array_from_process_local_data(self.sharding, self.local + int(value)))
 
 
 # ----------------------------------------------------------------------------------- the launcher

@@ -107,6 +107,28 @@ def io_operation(operation: str, path) -> Iterator[None]:
         raise IOFault(operation, path, cause(code)) from None
 
 
+class HeldFaults:
+    """The writes the first process makes alone (metrics, checksums) during the steps of a
+    multi-process run: while ``active``, a machine fault of one is held (the first kept in
+    ``fault``) rather than raised, so that every process stops at the same step (``StepLoop``)
+    instead of that process alone while the others wait for it in the next collective; raised as
+    ``io_operation`` raises it otherwise."""
+
+    def __init__(self):
+        self.active = False
+        self.fault: IOFault | None = None
+
+    @contextlib.contextmanager
+    def operation(self, operation: str, path) -> Iterator[None]:
+        try:
+            with io_operation(operation, path):
+                yield
+        except IOFault as e:
+            if not self.active:
+                raise
+            self.fault = self.fault or e
+
+
 def cli(body: Callable[[], int]) -> int:
     """Runs a command's body: a ``UserError``, an ``IOFault`` or a ``ProcessLost`` becomes one
     ``error:`` line on stderr and the status ``EXIT_USER_ERROR``, ``EXIT_IO_ERROR`` or

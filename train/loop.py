@@ -30,7 +30,7 @@ from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
 from train.data import Data, build_data
 from train.data import describe as describe_data
-from train.distributed import StopSignals, raise_everywhere
+from train.distributed import StopSignals, any_process, raise_everywhere, share_from_first
 from train.errors import IOFault, UserError, io_operation
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
 from train.metrics import perplexity as ppl
@@ -436,12 +436,18 @@ class StepLoop:
         """Steps from ``step`` to the last, or to the step after which ``signals`` asks to stop;
         a fault of the machine (a write that fails) ends them with the status ``io_error``."""
         self.step, self.checked, self.first_step, fault = step, step, step, None
+        several = jax.process_count() > 1
+        self.writer.faults.active = self.ckpt.faults.active = several
         try:
             outcome = self._steps(state, signals)
         except IOFault as e:
             outcome, fault = Outcome("io_error", self.checked, None), e
         finally:
+            self.writer.faults.active = self.ckpt.faults.active = False
             self.writer.end_progress()
+        if several:  # a fault the first process held ends every process with its line
+            first = share_from_first(fault or self._held())
+            fault = fault or first
         try:
             self.writer.close()  # sinks flush their files
         except IOFault as e:
@@ -470,15 +476,22 @@ class StepLoop:
                 break
             if evaluating:
                 self.evaluate(step, state.params)
+            if saving and self._fault_anywhere():
+                return Outcome("io_error", self.checked, None)
             if saving and (stop := self.save(step, state, drawn_ahead=batch is not None)):
                 break
             if evaluating or saving:  # the next step's time starts here, not before them
                 self.last_done = time.perf_counter()
             self.ckpt.record_if_finished()
-            if signals.at_step():  # once per step, at the same step in every process
+            why = signals.at_step(self._held() is not None)  # the same step in every process
+            if why == signals.FAULT:  # held by a process: nothing saved after it
+                return Outcome("io_error", self.checked, None)
+            if why:
                 if pending is not None:
                     stop, pending = self.read_metrics(*pending), None
                 if stop is None and not saving:  # the steps done so far are saved, then it stops
+                    if self._fault_anywhere():
+                        return Outcome("io_error", self.checked, None)
                     stop = self.save(step, state, drawn_ahead=batch is not None)
                 if stop is None:
                     return Outcome("interrupted", step, None)
@@ -488,6 +501,15 @@ class StepLoop:
         if stop is not None:
             return Outcome(stop.status, stop.first_bad_step - 1, stop)
         return Outcome("completed", self.step, None)
+
+    def _held(self) -> IOFault | None:
+        """The fault of the machine this process holds (``HeldFaults``: several processes)."""
+        return self.writer.faults.fault or self.ckpt.faults.fault
+
+    def _fault_anywhere(self) -> bool:
+        """Whether any process holds a fault, before a save (every process asks at the same
+        step): a checkpoint saved after it would leave its steps' metrics unwritten for good."""
+        return any_process(self._held() is not None)
 
     def host_lr(self, count: int) -> float:
         """The schedule's value, computed on the host's CPU: on an accelerator it would queue

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from train.errors import IOFault, UserError, io_operation
+from train.errors import HeldFaults, IOFault, UserError, io_operation
 from train.rundir import METRICS, TENSORBOARD, RunDir, write_atomically
 
 
@@ -137,6 +137,7 @@ class MetricsWriter:
         ``enabled=False`` (processes other than the first of a multi-host run) writes nothing."""
         self.path = run_dir / METRICS
         self.enabled = enabled
+        self.faults = HeldFaults()  # the writes' faults, held during a multi-process run's steps
         self.sinks = list(sinks) if enabled else []
         quiet = quiet or not enabled
         self.total = total_steps
@@ -158,23 +159,23 @@ class MetricsWriter:
         return self.wall_offset + time.perf_counter() - self.t0
 
     def write(self, row: dict) -> None:
-        if not self.enabled:
+        if not self.enabled or self.faults.fault:  # nothing after a held fault
             return
-        with io_operation("writing metrics to", self.path), self.path.open("a") as f:
+        with self.faults.operation("writing metrics to", self.path), self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         self.scalars(row["step"], {SCALARS[k]: v for k, v in row.items() if k in SCALARS})
 
     def scalars(self, step: int, values: dict) -> None:
         """Scalars for the sinks alone (e.g. the per-module ``S_tau`` of a profile)."""
-        for sink in self.sinks:
-            with io_operation(f"writing {sink.name} to", sink.path):
+        for sink in self.sinks if not self.faults.fault else []:
+            with self.faults.operation(f"writing {sink.name} to", sink.path):
                 sink.scalars(step, values)
 
     def flush(self) -> None:
         """The sinks' buffered scalars to their files (at each checkpoint: a run killed later
         resumes from it with every step up to it written)."""
-        for sink in self.sinks:
-            with io_operation(f"writing {sink.name} to", sink.path):
+        for sink in self.sinks if not self.faults.fault else []:
+            with self.faults.operation(f"writing {sink.name} to", sink.path):
                 sink.flush()
 
     def close(self) -> None:
