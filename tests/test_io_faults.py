@@ -285,6 +285,33 @@ def test_a_completed_run_resumed_on_a_full_disk_keeps_its_record(tmp_path, capsy
     assert RunDir(run).summary()["steps"] == 8
 
 
+def test_a_lock_file_that_cannot_be_written_is_one_error_and_no_lock(tmp_path, monkeypatch):
+    import builtins
+
+    from train import rundir
+
+    class Full:
+        """The lock file, on a disk with no room for its text."""
+
+        def __init__(self, *args, **kwargs):
+            self.file = builtins.open(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def flush(self):
+            raise fault(errno.ENOSPC)
+
+    monkeypatch.setattr(rundir, "open", Full, raising=False)
+    lock = rundir.RunLock(tmp_path / "run")
+    with pytest.raises(IOFault, match=r"^writing the run dir's lock file .*/run/\.lock failed: no space"):
+        lock.acquire()
+    assert lock.file is None  # released
+    monkeypatch.undo()
+    with rundir.RunLock(tmp_path / "run"):
+        assert "pid " in (tmp_path / "run" / ".lock").read_text()
+
+
 def test_a_run_file_written_over_keeps_its_old_text_when_the_write_fails(tmp_path, monkeypatch):
     """``config.yaml``, ``model.json`` and ``summary.json`` are replaced whole or not at all: a
     resume stopped by a full disk leaves the config the next ``--resume`` compares with."""

@@ -356,6 +356,25 @@ def test_a_completed_run_resumed_to_go_on_is_not_completed_until_it_ends(tmp_pat
     assert (run / "summary.completed-4.json").read_text() == completed
 
 
+def test_a_completed_run_reopened_from_an_earlier_checkpoint_drops_its_final_results(tmp_path):
+    """Resumed from a checkpoint before its end, the completed run's final evaluation is not the
+    interrupted run's: summary.json leaves it out (the kept record has it)."""
+    completed = {"status": "completed", "steps": 8, "final_eval_loss": 2.0, "final_eval_ppl": 7.39}
+    completed |= {"profile": {"allocation": "allocation.json"}, "sessions": [[0.0, 1.0, "host"]]}
+    (tmp_path / "summary.json").write_text(json.dumps(completed))
+    for step, kept_results in ((8, True), (4, False)):
+        run = RunDir(tmp_path)
+        (tmp_path / "summary.json").write_text(json.dumps(completed))
+        kept = run.reopen(step)
+        assert kept.name == "summary.completed-8.json" and json.loads(kept.read_text()) == completed
+        summary = run.summary()
+        assert (summary["status"], summary["steps"]) == ("interrupted", step)
+        assert summary["last_checkpoint"] == step
+        assert summary["sessions"] == completed["sessions"]
+        results = {k: summary[k] for k in ("final_eval_loss", "final_eval_ppl", "profile")}
+        assert results == ({k: completed[k] for k in results} if kept_results else dict.fromkeys(results))
+
+
 def test_guard_catches_nan_a_loss_spike_and_a_dead_gradient():
     guard = DivergenceGuard(factor=3.0, zero_grad_steps=4)
     assert guard.check(1, 5.0, 1.0, 0.1) is None and guard.check(2, 2.0, 1.0, 0.1) is None

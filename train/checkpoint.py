@@ -99,7 +99,7 @@ class Checkpointer:
     def save(self, step: int, state, data_state: dict, force: bool = False) -> None:
         if step in self.manager.all_steps():
             return
-        self._record_finished()
+        self.record_finished()
         self._check_space(step, state, data_state)
         self._forget_stale_sums()  # an earlier checkpoint of this step's, removed, is not this one
         self._unrecorded.append(step)  # a fault of this save may surface at the next wait
@@ -126,16 +126,24 @@ class Checkpointer:
                 if shard.replica_id == 0
             )
         )
-        with io_operation(f"saving checkpoint {step} to", self.directory):
-            free = shutil.disk_usage(self.directory).free
-        # The save is collective: every process refuses it when one has no room.
+        operation = f"saving checkpoint {step} to"
+        unreadable = None
+        try:
+            with io_operation(operation, self.directory):
+                free = shutil.disk_usage(self.directory).free
+        except IOFault as e:  # e.g. an I/O error
+            unreadable, free = e, 0
+        # The save is collective: every process refuses it when one has no room (or cannot tell).
         if any_process(free < need):
-            room = f"it needs {need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free"
+            if unreadable is not None:
+                raise unreadable
             if free >= need:
-                room = "another process's filesystem has too little room"
-            raise IOFault(f"saving checkpoint {step} to", self.directory, f"{cause(errno.ENOSPC)} ({room})")
+                elsewhere = "another process has no room for its share or cannot tell"
+                raise IOFault(operation, self.directory, elsewhere)
+            room = f"it needs {need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free"
+            raise IOFault(operation, self.directory, f"{cause(errno.ENOSPC)} ({room})")
 
-    def _record_finished(self) -> None:
+    def record_finished(self) -> None:
         """Checksums of the checkpoints saved so far (waits for an asynchronous save to end: a
         save that failed in orbax's threads raises here)."""
         if not self._unrecorded:
@@ -306,7 +314,7 @@ class Checkpointer:
 
     def reject_from(self, step: int) -> None:
         """Rejects every checkpoint at ``step`` or later (saved while a run was diverging)."""
-        self._record_finished()
+        self.record_finished()
         for s in self.steps():
             if s >= step:
                 self.reject(s)
@@ -315,7 +323,7 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self._record_finished()
+        self.record_finished()
         self.manager.wait_until_finished()
         self.manager.close()
 

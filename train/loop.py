@@ -98,16 +98,19 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
         if main:
             print(f"{run} is already complete at step {start.step}; nothing to do")
         return run.summary()
-    fault = None
-    if main:
-        try:
+    # Process 0's writes before the steps (the run files, metrics.jsonl rewritten on a resume,
+    # the metric writers): a fault or refusal of one ends every process, not process 0 alone
+    # while the others wait for it in the first collective.
+    error = None
+    try:
+        if main:
             open_run_dir(run, setup, start.step)
-        except IOFault as e:
-            fault = e
-    raise_everywhere(fault)  # the others would wait for process 0 in the first barrier
+        loop = StepLoop(setup, run, ckpt, start, quiet=quiet, main=main, clock=clock)
+    except (UserError, IOFault) as e:
+        error = e
+    raise_everywhere(error)
     for line in banner_lines(setup, run):
         say(line)
-    loop = StepLoop(setup, run, ckpt, start, quiet=quiet, main=main, clock=clock)
     # SIGTERM/SIGINT stop the steps after a checkpoint; once the steps are done they wait for
     # the wrap-up (the last save, the summary), so a run that finished its steps is recorded.
     with StopSignals() as signals:
@@ -436,18 +439,17 @@ class StepLoop:
         """Steps from ``step`` to the last, or to the step after which ``signals`` asks to stop;
         a fault of the machine (a write that fails) ends them with the status ``io_error``."""
         self.step, self.checked, self.first_step, fault = step, step, step, None
-        several = jax.process_count() > 1
-        self.writer.faults.active = self.ckpt.faults.active = several
+        self.writer.faults.active = self.ckpt.faults.active = jax.process_count() > 1
         try:
             outcome = self._steps(state, signals)
-        except IOFault as e:
-            outcome, fault = Outcome("io_error", self.checked, None), e
+            # A fault process 0 held ends every process with its line (every process is here:
+            # the steps ended at the same step in each).
+            fault = share_from_first(self._held())
+        except IOFault as e:  # not held: maybe in this process alone, which ends (the others then
+            outcome, fault = Outcome("io_error", self.checked, None), e  # lose a peer)
         finally:
             self.writer.faults.active = self.ckpt.faults.active = False
             self.writer.end_progress()
-        if several:  # a fault the first process held ends every process with its line
-            first = share_from_first(fault or self._held())
-            fault = fault or first
         try:
             self.writer.close()  # sinks flush their files
         except IOFault as e:
@@ -476,7 +478,7 @@ class StepLoop:
                 break
             if evaluating:
                 self.evaluate(step, state.params)
-            if saving and self._fault_anywhere():
+            if saving and not self._may_save():
                 return Outcome("io_error", self.checked, None)
             if saving and (stop := self.save(step, state, drawn_ahead=batch is not None)):
                 break
@@ -490,7 +492,7 @@ class StepLoop:
                 if pending is not None:
                     stop, pending = self.read_metrics(*pending), None
                 if stop is None and not saving:  # the steps done so far are saved, then it stops
-                    if self._fault_anywhere():
+                    if not self._may_save():
                         return Outcome("io_error", self.checked, None)
                     stop = self.save(step, state, drawn_ahead=batch is not None)
                 if stop is None:
@@ -506,10 +508,12 @@ class StepLoop:
         """The fault of the machine this process holds (``HeldFaults``: several processes)."""
         return self.writer.faults.fault or self.ckpt.faults.fault
 
-    def _fault_anywhere(self) -> bool:
-        """Whether any process holds a fault, before a save (every process asks at the same
-        step): a checkpoint saved after it would leave its steps' metrics unwritten for good."""
-        return any_process(self._held() is not None)
+    def _may_save(self) -> bool:
+        """Before a save (every process at the same step): the previous save's checksums are
+        written, and a save goes ahead unless a process holds a fault: a checkpoint saved after
+        one would leave the steps before it without their metrics (or checksums) for good."""
+        self.ckpt.record_finished()
+        return not any_process(self._held() is not None)
 
     def host_lr(self, count: int) -> float:
         """The schedule's value, computed on the host's CPU: on an accelerator it would queue

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from train.errors import UserError, io_operation
+from train.errors import IOFault, UserError, io_operation
 from train.plots import pyplot
 
 CONFIG = "config.yaml"
@@ -263,16 +263,16 @@ class RunDir:
         completed = self.summary()
         kept = self.path / f"summary.completed-{completed['steps']}.json"
         write_atomically(kept, self.summary_file.read_text())
-        self.write_summary(
-            completed
-            | {
-                "status": "interrupted",
-                "stop_reason": f"resumed from step {step} to go on from the completed run ({kept.name})",
-                "first_bad_step": None,
-                "steps": step,
-                "last_checkpoint": step,
-            }
-        )
+        interrupted = completed | {
+            "status": "interrupted",
+            "stop_reason": f"resumed from step {step} to go on from the completed run ({kept.name})",
+            "first_bad_step": None,
+            "steps": step,
+            "last_checkpoint": step,
+        }
+        if step != completed["steps"]:  # from an earlier checkpoint: the end's results are not its
+            interrupted |= {"final_eval_loss": None, "final_eval_ppl": None, "profile": None}
+        self.write_summary(interrupted)
         return kept
 
 
@@ -319,11 +319,16 @@ class RunLock:
                 f"run dir {self.path.parent} is in use by {holder}; wait for it to end or choose "
                 "another --run-dir"
             ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on host {socket.gethostname()}")
-        f.flush()
-        self.file = f
+        self.file = f  # held, then named: a fault writing the name releases it
+        try:
+            with io_operation("writing the run dir's lock file", self.path):
+                f.seek(0)
+                f.truncate()
+                f.write(f"pid {os.getpid()} on host {socket.gethostname()}")
+                f.flush()
+        except IOFault:
+            self.release()
+            raise
         return self
 
     def release(self) -> None:
