@@ -343,13 +343,18 @@ pathlib.Path.open = open_
 """
 
 
-def full_disk(tmp_path: pathlib.Path, name: str, after: int) -> dict:
-    """The environment of processes whose writes of ``name`` fail for no space after ``after``."""
+def with_sitecustomize(tmp_path: pathlib.Path, code: str, **env: str) -> dict:
+    """The environment (``env`` added) of processes that run ``code`` at start-up (their
+    ``sitecustomize``)."""
     faults = tmp_path / "faults"
     faults.mkdir(exist_ok=True)
-    (faults / "sitecustomize.py").write_text(FULL_DISK)
-    path = f"{faults}{os.pathsep}{ROOT}"
-    return {"PYTHONPATH": path, "TEST_FULL_FILE": name, "TEST_FULL_AFTER": str(after)}
+    (faults / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": f"{faults}{os.pathsep}{ROOT}", **env}
+
+
+def full_disk(tmp_path: pathlib.Path, name: str, after: int) -> dict:
+    """The environment of processes whose writes of ``name`` fail for no space after ``after``."""
+    return with_sitecustomize(tmp_path, FULL_DISK, TEST_FULL_FILE=name, TEST_FULL_AFTER=str(after))
 
 
 def assert_same_io_error(pair: Pair, starts: str) -> None:
@@ -437,12 +442,9 @@ def test_a_save_one_process_cannot_make_ends_every_process(tmp_path):
     """Process 1 cannot tell its free space before the save of step 12: both processes refuse
     the save at once and exit 74, each with its line (process 0 waited for process 1 in the save
     before, for the shutdown timeout, then ended with the lost-peer line: 131 s)."""
-    faults = tmp_path / "faults"
-    faults.mkdir()
-    (faults / "sitecustomize.py").write_text(FREE_SPACE_UNREADABLE)
     run = tmp_path / "run"
     started = time.time()
-    pair = Pair(run, "unreadable", more={"PYTHONPATH": f"{faults}{os.pathsep}{ROOT}"})
+    pair = Pair(run, "unreadable", more=with_sitecustomize(tmp_path, FREE_SPACE_UNREADABLE))
     codes = [pair.wait(i, timeout=300) for i in range(2)]
     assert codes == [EXIT_IO_ERROR, EXIT_IO_ERROR] and time.time() - started < LOST_BOUND_S, pair.report()
     save = f"error: saving checkpoint 12 to {run / CHECKPOINTS} failed: "

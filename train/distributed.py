@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from train.errors import EXIT_PEER_LOST, UserError
+from train.errors import EXIT_PEER_LOST, IOFault, UserError
 
 HEARTBEAT_ENV = "MOARA_JAX_HEARTBEAT_TIMEOUT"
 HEARTBEAT_TIMEOUT_S = 30
@@ -251,12 +251,18 @@ def any_process(flag: bool) -> bool:
     return flag if jax.process_count() == 1 else bool(_shared_vote()(flag))
 
 
-def raise_everywhere(error: Exception | None) -> None:
-    """Raises ``error``, process 0's (``None``: it had none; ignored in the other processes), in
-    every process (every process must call it at the same point): e.g. process 0's refusal of a
-    run dir another run holds, which the others would not see until they waited for it in a
-    barrier."""
-    error = share_from_first(error)
+@contextlib.contextmanager
+def errors_shared():
+    """A block every process runs at the same point, whose ``UserError`` or ``IOFault`` (e.g.
+    process 0's refusal of a run dir another run holds, or its full disk) ends every process:
+    each raises process 0's, else its own, after the block. The others would otherwise go on to
+    the next collective and wait there for process 0 until it is reported lost."""
+    error = None
+    try:
+        yield
+    except (UserError, IOFault) as e:
+        error = e
+    error = share_from_first(error) or error
     if error is not None:
         raise error
 

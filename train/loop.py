@@ -30,7 +30,7 @@ from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
 from train.data import Data, build_data
 from train.data import describe as describe_data
-from train.distributed import StopSignals, any_process, raise_everywhere, share_from_first
+from train.distributed import StopSignals, any_process, errors_shared, share_from_first
 from train.errors import IOFault, UserError, io_operation
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
 from train.metrics import perplexity as ppl
@@ -62,14 +62,11 @@ def train_and_evaluate(cfg: RunConfig, run_dir, resume: bool = False, quiet: boo
     the run dir is locked (by process 0) against a second writer for the whole run, and a run
     dir in use ends every process of a multi-process run with process 0's line."""
     main = _is_main_process()
-    lock, refused = RunLock(run_dir), None
-    if main:
-        try:
-            lock.acquire()
-        except (UserError, IOFault) as e:
-            refused = e
+    lock = RunLock(run_dir)
     try:
-        raise_everywhere(refused)  # before any process reads the run dir
+        with errors_shared():  # before any process reads the run dir
+            if main:
+                lock.acquire()
         return _run(cfg, RunDir(run_dir), resume, quiet, main)
     finally:
         lock.release()
@@ -99,16 +96,11 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             print(f"{run} is already complete at step {start.step}; nothing to do")
         return run.summary()
     # Process 0's writes before the steps (the run files, metrics.jsonl rewritten on a resume,
-    # the metric writers): a fault or refusal of one ends every process, not process 0 alone
-    # while the others wait for it in the first collective.
-    error = None
-    try:
+    # the metric writers): a fault or refusal of one ends every process.
+    with errors_shared():
         if main:
             open_run_dir(run, setup, start.step)
         loop = StepLoop(setup, run, ckpt, start, quiet=quiet, main=main, clock=clock)
-    except (UserError, IOFault) as e:
-        error = e
-    raise_everywhere(error)
     for line in banner_lines(setup, run):
         say(line)
     # SIGTERM/SIGINT stop the steps after a checkpoint; once the steps are done they wait for
