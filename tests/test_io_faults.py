@@ -241,7 +241,7 @@ def test_a_failed_write_of_the_runs_files_stops_cleanly(where, tmp_path, capsys,
         "metrics": f"writing metrics to {run / 'metrics.jsonl'} failed: no space left on device",
         "metrics and summary": f"writing metrics to {run / 'metrics.jsonl'} failed: no space left on device",
         "tensorboard": f"writing TensorBoard events to {run / 'tensorboard'} failed: input/output error",
-        "summary": f"writing the summary {run / 'summary.json'} failed: read-only file system",
+        "summary": f"writing the summary to {run / 'summary.json'} failed: read-only file system",
         "plot": f"writing the plot {run / 'curves.png'} failed: no space left on device",
         "run files": f"writing the run's config to {run} failed: read-only file system",
     }[where]

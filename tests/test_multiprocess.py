@@ -419,6 +419,33 @@ def test_a_full_disk_during_the_steps_stops_every_process_at_one_step(fails, tmp
     assert logged_steps(run) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fails", ["summary", "checksums"])
+def test_a_write_after_the_steps_process_0_cannot_make_ends_every_process(fails, tmp_path):
+    """Process 0 alone writes the last checkpoint's checksums and summary.json once the steps are
+    done: when it cannot write either, every process exits 74 with its line (process 1 exited 0
+    before, as if the run had been recorded), and ``--resume`` then records the run."""
+    run = tmp_path / "run"
+    if fails == "summary":
+        pair = Pair(run, "full", more=full_disk(tmp_path, f"{SUMMARY}.tmp", 0))
+        line = f"error: writing the summary to {run / SUMMARY} failed: no space left on device; "
+    else:
+        pair = Pair(run, "full", more=full_disk(tmp_path, f"{STEPS}.json.tmp", 0))
+        line = f"error: writing checkpoint checksums to {run / 'checksums'} failed: no space left on device; "
+    assert_same_io_error(pair, line)
+    assert logged_steps(run) == list(range(1, STEPS + 1))
+    if fails == "summary":
+        assert "the last complete checkpoint, step 24, is in" in pair.err(1) and not (run / SUMMARY).exists()
+    else:
+        summary = json.loads((run / SUMMARY).read_text())
+        assert summary["status"] == "io_error" and line[len("error: ") :] in summary["stop_reason"] + "; "
+    resumed = Pair(run, "resumed", "--resume")
+    assert [resumed.wait(i) for i in range(2)] == [0, 0], resumed.report()
+    summary = json.loads((run / SUMMARY).read_text())
+    assert (summary["status"], summary["steps"]) == ("completed", STEPS), summary
+    assert logged_steps(run) == list(range(1, STEPS + 1))
+
+
 # The processes' sitecustomize: process 1's trainer cannot read its filesystem's free space
 # (an I/O error) from its second look on, the check before the save of step 12.
 FREE_SPACE_UNREADABLE = """

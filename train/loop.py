@@ -430,22 +430,25 @@ class StepLoop:
     def run(self, state: TrainState, step: int, signals: StopSignals) -> Outcome:
         """Steps from ``step`` to the last, or to the step after which ``signals`` asks to stop;
         a fault of the machine (a write that fails) ends them with the status ``io_error``."""
-        self.step, self.checked, self.first_step, fault = step, step, step, None
+        self.step, self.checked, self.first_step = step, step, step
         self.writer.faults.active = self.ckpt.faults.active = jax.process_count() > 1
         try:
             outcome = self._steps(state, signals)
-            # A fault process 0 held ends every process with its line (every process is here:
-            # the steps ended at the same step in each).
-            fault = share_from_first(self._held())
         except IOFault as e:  # not held: maybe in this process alone, which ends (the others then
-            outcome, fault = Outcome("io_error", self.checked, None), e  # lose a peer)
+            outcome = Outcome("io_error", self.checked, None, e)  # lose a peer)
         finally:
             self.writer.faults.active = self.ckpt.faults.active = False
             self.writer.end_progress()
+        closing = None
         try:
-            self.writer.close()  # sinks flush their files
+            self.writer.close()  # sinks flush their files (process 0's)
         except IOFault as e:
-            fault = fault or e
+            closing = e
+        if outcome.fault is not None:
+            return outcome
+        # A fault process 0 held, or its sinks' that could not close, ends every process with its
+        # line (every process is here: the steps ended at the same step in each).
+        fault = share_from_first(self._held() or closing)
         return Outcome("io_error", outcome.steps, None, fault) if fault else outcome
 
     def _steps(self, state: TrainState, signals: StopSignals) -> Outcome:
@@ -587,9 +590,13 @@ def finish(
     """What a stop leaves (diverged checkpoints rejected, one error line), then the summary,
     the profile's outputs (a completed profile) and the plots. After a fault of the machine
     the partial checkpoint is removed, the summary written if it can be, and the fault raised
-    with what was kept."""
+    with what was kept: in a multi-process run, process 0's fault after the steps (the last
+    save's checksums, the summary, the profile's outputs, the plot) in every process."""
     if outcome.stop is not None:
         _report_stop(outcome, ckpt)
+    # No fault yet: every process is here with this outcome (a fault one held was shared by all;
+    # one that ended this process alone was not, and the others are not here).
+    together = outcome.fault is None
     if outcome.fault is None:
         try:
             ckpt.close()  # waits for the last save
@@ -609,21 +616,27 @@ def finish(
             unwritten, summary["profile"] = e, None
     if main:  # one writer per run dir in a multi-host run
         try:
-            with io_operation("writing the summary", run.summary_file):
+            with io_operation("writing the summary to", run.summary_file):
                 run.write_summary(summary)
             summary_written = True
             plot_curves(run)
         except IOFault as e:
             unwritten = unwritten or e
-    if outcome.fault is None and unwritten is None:
-        return summary
-    notes = [
-        f"the last complete checkpoint, step {kept[-1]}, is in {ckpt.directory}"
-        if kept
-        else "no checkpoint was saved",
-        f"{run.summary_file.name} was not written" if main and not summary_written and outcome.fault else "",
-    ]
-    raise (outcome.fault or unwritten).with_note("; ".join(filter(None, notes)))
+    error = None
+    if outcome.fault is not None or unwritten is not None:
+        lost = main and not summary_written and outcome.fault
+        notes = [
+            f"the last complete checkpoint, step {kept[-1]}, is in {ckpt.directory}"
+            if kept
+            else "no checkpoint was saved",
+            f"{run.summary_file.name} was not written" if lost else "",
+        ]
+        error = (outcome.fault or unwritten).with_note("; ".join(filter(None, notes)))
+    if together:
+        error = share_from_first(error) or error
+    if error is not None:
+        raise error
+    return summary
 
 
 def _report_stop(outcome: Outcome, ckpt: Checkpointer) -> None:
