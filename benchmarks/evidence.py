@@ -669,9 +669,15 @@ def cmd_run(args) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     say(f"plan {args.plan}; budget {runner.budget:.0f}s; {args.concurrent} run(s) at a time; root {root}")
-    runner.setup()
-    runs = runner.loop()
+    try:
+        runner.setup()
+    except UserError as e:  # in the archived log too, beside the session's record
+        say(f"error: {e}")
+        runner.pack()
+        raise
+    runner.loop()
     runner.table()
+    runs = runner.pack()  # again: the archived log ends with the table
     say(f"archive: {out / ARCHIVE} ({runs} finished run(s) of this machine)")
     return 0
 

@@ -112,6 +112,12 @@ class ModelConfig:
                     raise ValueError(f"deepseek_v2 needs {f}")
             if self.rope_scaling:  # HF's yarn scaling also changes MLA's softmax scale
                 raise ValueError("deepseek_v2: rope_scaling is not supported (plain RoPE only)")
+            if self.kv_heads != self.num_attention_heads:  # HF would repeat MLA's keys again
+                raise ValueError(
+                    f"deepseek_v2: num_key_value_heads must be null or num_attention_heads "
+                    f"({self.num_attention_heads}): MLA gives every head its own key and value, got "
+                    f"{self.num_key_value_heads}"
+                )
         elif self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError("hidden_size must be divisible by num_attention_heads (or set head_dim)")
         kind = rope_scaling_type(self.rope_scaling)

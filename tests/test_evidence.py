@@ -350,6 +350,22 @@ def test_prepare_gets_what_is_left_of_the_budget(tmp_path):
         runner.setup()
 
 
+def test_a_failed_setup_ends_in_one_line_and_the_archived_log_keeps_it(tmp_path):
+    """A ``train.prepare`` that fails on the GPU machine (e.g. an import there): exit 2 with its
+    line, which the archive's session log holds too (it was on stderr alone, and nothing came
+    back)."""
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    (root / "train").mkdir(parents=True)
+    (root / "train" / "__init__.py").write_text("")
+    (root / "train" / "prepare.py").write_text("import sys\n\nsys.exit('no protobuf here')\n")
+    proc, _ = run_runner(plan_path, root, tmp_path / "out")
+    assert proc.returncode == 2 and "error: train.prepare failed: no protobuf here" in proc.stderr
+    with tarfile.open(tmp_path / "out" / evidence.ARCHIVE) as tar:
+        (log,) = [m for m in tar.getmembers() if m.name.endswith(".log")]
+        text = tar.extractfile(log).read().decode()
+    assert "error: train.prepare failed: no protobuf here" in text
+
+
 def run_runner(plan, root, out, budget=60):
     args = [sys.executable, str(ROOT / "benchmarks" / "evidence.py"), "run", "--plan", str(plan)]
     args += ["--root", str(root), "--out", str(out), "--budget-s", str(budget)]
@@ -400,7 +416,13 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
     assert not [n for n in names if "checkpoint" in n]
     for name in evidence.PACKED:
         assert f"results/tiny/profile-seed0/{name}" in names
-    assert any(n.startswith("results/sessions/session-") and n.endswith(".log") for n in names)
+    with tarfile.open(archive) as tar:  # the session's log, its closing table included
+        (log,) = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith("results/sessions/session-") and m.name.endswith(".log")
+        ]
+        assert f"{len(done)} run(s) finished in" in tar.extractfile(log).read().decode()
 
     # The repository (no .evidence, no ../shared): the archive's runs go in, the reports come out.
     repo = tmp_path / "repo"

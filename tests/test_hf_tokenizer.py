@@ -43,9 +43,10 @@ def documents(n: int, seed: int = 0) -> list[str]:
     ]
 
 
-def build_tokenizer(folder: pathlib.Path, bos: bool, **config) -> pathlib.Path:
+def build_tokenizer(folder: pathlib.Path, bos: bool, after: tuple | None = None, **config) -> pathlib.Path:
     """A byte-level BPE ``tokenizer.json`` like Llama 3's (``bos``: its post-processor puts
-    ``<|begin_of_text|>`` first) or Qwen's (no BOS), and its ``tokenizer_config.json``."""
+    ``<|begin_of_text|>`` first) or Qwen's (no BOS), and its ``tokenizer_config.json``;
+    ``after``: a token and its id that the post-processor puts after every text instead (T5's EOS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -60,7 +61,11 @@ def build_tokenizer(folder: pathlib.Path, bos: bool, **config) -> pathlib.Path:
         show_progress=False,
     )
     tok.train_from_iterator(documents(200, seed=1), trainer)
-    if bos:
+    if after:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A {after[0]}", pair=f"$A {after[0]} $B:1", special_tokens=[after]
+        )
+    elif bos:
         begin = ("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))
         tok.post_processor = processors.TemplateProcessing(
             single="<|begin_of_text|> $A",
@@ -222,6 +227,48 @@ def test_token_store_of_a_tokenizer_json_and_its_refusals(llama_like, tmp_path):
     # and so is a files section naming this store with the other tokenizer
     with pytest.raises(UserError, match="made with tokenizer hf llama/tokenizer.json"):
         open_store(DataSection(source="files", paths=[str(data)], tokenizer=str(changed), store=store))
+
+
+def test_a_post_processor_eos_ends_each_document_once(tmp_path):
+    """A ``tokenizer.json`` whose post-processor ends every text with EOS (T5's ``$A </s>``): a
+    document in the token store and in ``train.evaluate``'s stream is its encoding, EOS last,
+    and no second EOS after it (there were two)."""
+    from train.evaluate import token_stream
+
+    folder = build_tokenizer(tmp_path / "t5", bos=False, after=("<|end_of_text|>", 1))
+    tok = make_tokenizer(str(folder))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert tok.encode(TEXTS[0]) == hf.encode(TEXTS[0]) and hf.encode(TEXTS[0])[-1] == tok.eos_id == 1
+    assert tok.identity()["settings"]["ends_with_eos"] is True
+    data = tmp_path / "d.jsonl"
+    docs = documents(40)
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    section = DataSection(source="files", paths=[str(data)], tokenizer=str(folder), store=str(tmp_path / "s"))
+    opened = open_store(section, quiet=True)
+    for split in ("train", "validation"):
+        want = [
+            t
+            for d in docs
+            if is_validation(d, section.validation_fraction) == (split == "validation")
+            for t in hf.encode(d)
+        ]
+        stream = opened.splits[split]
+        np.testing.assert_array_equal(stream.read(0, stream.tokens), want)
+    stream, count = token_stream([str(data)], tok)
+    assert count == len(docs) and list(stream) == [t for d in docs for t in hf.encode(d)]
+    assert np.count_nonzero(stream == tok.eos_id) == len(docs)
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_at_the_build(tmp_path):
+    """A post-processor's token whose id the vocabulary lacks would wrap in the store's uint16."""
+    folder = build_tokenizer(tmp_path / "odd", bos=False, after=("<|odd|>", 70000))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "the quick brown fox"}) + "\n")
+    section = DataSection(source="files", paths=[str(data)], tokenizer=str(folder), store=str(tmp_path / "s"))
+    with pytest.raises(
+        UserError, match=rf"^data.tokenizer gave token id 70000 for a document of {data}, outside"
+    ):
+        open_store(section, quiet=True)
 
 
 def test_init_from_takes_a_tokenizer_with_fewer_ids_not_more(llama_like, tmp_path):

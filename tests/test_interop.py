@@ -292,14 +292,20 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
     (legacy / "model.json").unlink()
     assert RunDir(legacy).model_config() == RunDir(run["dir"]).model_config()
     capsys.readouterr()
+    afile = run["root"] / "afile"
+    afile.write_text("")
     for argv, message in [
         (["--out", str(exported)], "exists and is not empty"),
         (["--out", str(run["root"] / "x"), "--step", "3"], "no checkpoint of step 3"),
         (["--out", str(run["root"] / "y"), "--tokenizer", "bytes"], "trained with sentencepiece sp.model"),
         (
             ["--out", str(run["root"] / "z"), "--max-shard-gb", "0"],
-            "--max-shard-gb must be positive, got 0.0",
+            "--max-shard-gb must be a positive number, got 0.0",
         ),
+        (["--out", str(run["root"] / "z"), "--max-shard-gb", "inf"], "must be a positive number, got inf"),
+        # a file where the directory would be, or above it: one line (it was a traceback)
+        (["--out", str(afile), "--overwrite"], f"--out {afile}: {afile} is a file, not a directory"),
+        (["--out", str(afile / "x")], f"--out {afile / 'x'}: {afile} is a file, not a directory"),
         (
             ["--out", str(run["root"] / "t"), "--tokenizer", str(run["dir"] / "config.yaml")],
             "is not a sentencepiece",
@@ -646,7 +652,11 @@ def test_evaluate_errors_name_the_problem(tmp_path, capsys):
     )
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"context": "caf\u00e9"}'.encode("latin-1"))
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(t) + "\n" for t in TASK))
     for argv, message in [
+        # before the model loads (a traceback at the end before)
+        (["--hf", str(tmp_path), "--tasks", f"g={good}", "--out", str(bad)], f"--out {bad}: {bad} is a file"),
         (["--hf", str(tmp_path), "--tasks", f"bad={bad}"], f"{bad}:2: 'label' must be the index"),
         (["--hf", str(tmp_path)], "nothing to evaluate"),
         (["--tasks", f"bad={bad}"], "give one of --run-dir and --hf"),

@@ -172,6 +172,13 @@ def test_unsupported_hf_features_are_refused():
         models.config_from_hf(hf)
     with pytest.raises(ValueError, match="rope_scaling"):
         models.get_config("deepseek-v2-tiny", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    # MLA's per-head keys: grouped heads were accepted, ignored, and the export failed in HF.
+    heads = models.get_config("deepseek-v2-tiny").num_attention_heads
+    assert models.get_config("deepseek-v2-tiny", num_key_value_heads=heads).kv_heads == heads
+    with pytest.raises(
+        ValueError, match=r"deepseek_v2: num_key_value_heads must be null or num_attention_heads"
+    ):
+        models.get_config("deepseek-v2-tiny", num_key_value_heads=heads // 2)
     # Refused with the config, before any parameter exists (HF's linear/dynamic/yarn scalings).
     for kind in ("linear", "dynamic", "yarn"):
         scaled = models.to_hf_config(CASES["llama2-mha-untied"])

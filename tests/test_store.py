@@ -177,6 +177,34 @@ def test_full_disk_leaves_no_complete_looking_piece_and_a_rerun_finishes(tmp_pat
     assert tree_hashes(tmp_path / "full") == tree_hashes(tmp_path / "whole")
 
 
+@pytest.mark.parametrize("change", ["tokenizer", "fraction"])
+def test_a_build_continued_with_another_tokenizer_or_fraction_redoes_its_pieces(
+    change, tmp_path, monkeypatch, sp_model
+):
+    """A build cut short (a full disk at piece 2), then run again in the same directory with
+    another tokenizer or validation fraction, gives the store an uninterrupted build with the new
+    settings gives: the pieces made with the old ones are not kept (they were, and the manifest
+    named the new tokenizer over the old one's ids)."""
+    paths = write_corpus(tmp_path / "corpus", files=4)
+    before = files_section(paths, validation_fraction=0.5)
+    after = files_section(paths, **({"tokenizer": sp_model} if change == "tokenizer" else {}))
+    token_store.build(tmp_path / "whole", token_store.plan(after), workers=1, quiet=True)
+    original = building._ShardWriter.write
+
+    def fill_up(self, ids):
+        if "00002" in self.path.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(self, ids)
+
+    monkeypatch.setattr(building._ShardWriter, "write", fill_up)
+    with pytest.raises(IOFault):
+        token_store.build(tmp_path / "cut", token_store.plan(before), workers=1, quiet=True)
+    assert {"00000.json", "00001.json"} <= {p.name for p in (tmp_path / "cut" / "shards").iterdir()}
+    monkeypatch.setattr(building._ShardWriter, "write", original)
+    token_store.build(tmp_path / "cut", token_store.plan(after), workers=1, quiet=True)
+    assert tree_hashes(tmp_path / "cut") == tree_hashes(tmp_path / "whole")
+
+
 def test_a_worker_killed_mid_build_is_one_line_and_a_rerun_finishes(tmp_path, monkeypatch, capsys):
     """A tokenizing worker the system kills (out of memory) ends the build with one line and exit
     69 (``ProcessLost``), not a wait that never ends; the pieces completed are
@@ -381,6 +409,25 @@ def test_corrupt_records_are_skipped_and_counted_in_the_manifest(tmp_path):
         "lone_surrogate": 1,
     }
     assert sum(m["splits"][s]["documents"] for s in ("train", "validation")) == 8
+
+
+def test_inputs_whose_every_record_is_skipped_are_refused_with_the_counts(tmp_path, capsys):
+    """Records without a "text" field: ``train.prepare`` refuses the store it built (it exited 0
+    with no document), and the trainer's refusal names the skipped records."""
+    from train import prepare
+
+    data = tmp_path / "content.jsonl"
+    data.write_text("".join(json.dumps({"content": f"document {i}"}) + "\n" for i in range(30)))
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    sets = ["data.source=files", f"data.paths=[{data}]", f"data.store={tmp_path / 's'}"]
+    assert prepare.main(["--config", tiny, "--quiet", *[x for s in sets for x in ("--set", s)]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: token store {tmp_path / 's'} holds no train document: its inputs gave none (30 input "
+        "records skipped: {'missing_text': 30})"
+    ]
+    with pytest.raises(UserError, match=r"the train split has 0 tokens.*\(30 input records skipped: "):
+        build_data(files_section([str(data)], store=str(tmp_path / "s")), seq_len=8)
 
 
 def test_unreadable_inputs_and_tokenizer_files_are_one_line_errors(tmp_path, sp_model, monkeypatch):
@@ -593,11 +640,35 @@ def test_damaged_store_is_a_clear_error(tmp_path):
     named = tmp_path / "s"
     open_store(files_section(paths, store=str(named)), quiet=True)
     shard = named / "shards" / "train-00001.bin"
+    size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(
         UserError, match=r"is damaged: shards/train-00001.bin is \d+ bytes, the manifest says"
     ):
         open_store(files_section(paths, store=str(named)), quiet=True)
+    # Overwritten at its size: the ids read are no tokenizer's, in the loader's threads too.
+    shard.write_bytes(b"\xff" * size)
+    data = Data(open_store(files_section(paths, store=str(named)), quiet=True), 33)
+    damaged = rf"^token store {named} is damaged: it holds token id 65535, not one of its tokenizer's 257; "
+    batches = data.train_iterator(4, seed=0)
+    with pytest.raises(UserError, match=damaged):
+        for _ in range(data.n_windows("train") // 4 + 1):  # an epoch
+            next(batches)
+    manifest = json.loads((named / token_store.MANIFEST).read_text())
+    # A manifest of the right format but the wrong shape: one line, not a KeyError.
+    for key, value, problem in [
+        ("splits", {}, r"has no list of train shards \(each a file and its tokens\)"),
+        ("dtype", "foo", "has dtype 'foo', not uint16 or uint32"),
+        ("tokenizer", None, "has no tokenizer with a vocab_size"),
+    ]:
+        (named / token_store.MANIFEST).write_text(json.dumps({**manifest, key: value}))
+        with pytest.raises(
+            UserError, match=rf"^token store {named} is damaged: its manifest.json {problem}; "
+        ):
+            open_store(DataSection(source="store", store=str(named)), quiet=True)
+    (named / token_store.MANIFEST).write_text("[]")
+    with pytest.raises(UserError, match=r"has format None version None; this moara-jax reads"):
+        open_store(DataSection(source="store", store=str(named)), quiet=True)
 
 
 def test_a_split_shorter_than_one_window_names_the_numbers(tmp_path):

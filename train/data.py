@@ -116,6 +116,7 @@ def build_data(cfg: DataSection, seq_len: int, quiet: bool = False) -> Data:
     """The data of a data section: its token store, found or built, in windows of ``seq_len + 1``
     tokens; a split shorter than one window is refused."""
     data = Data(token_store.open_store(cfg, quiet), seq_len + 1)
+    skipped = token_store.skipped_records(data.store.manifest)
     for split, hint in (
         ("train", "add documents (data.paths, data.max_documents) or lower train.seq_len"),
         (
@@ -127,7 +128,7 @@ def build_data(cfg: DataSection, seq_len: int, quiet: bool = False) -> Data:
         if data.n_windows(split) == 0:
             raise UserError(
                 f"the {split} split has {data.store.splits[split].tokens} tokens, fewer than one "
-                f"window of {data.window} (train.seq_len + 1): {hint}"
+                f"window of {data.window} (train.seq_len + 1): {hint}{skipped}"
             )
     return data
 
@@ -135,9 +136,7 @@ def build_data(cfg: DataSection, seq_len: int, quiet: bool = False) -> Data:
 def describe(data: Data) -> str:
     """One line for the start-up banner."""
     s = data.summary()
-    skipped = sum(s["skipped"].values())
-    text = (
+    return (
         f"data: {s['tokens']['train']:,} train / {s['tokens']['validation']:,} validation tokens "
-        f"from {s['store']}"
+        f"from {s['store']}{token_store.skipped_records(data.store.manifest)}"
     )
-    return text + (f" ({skipped:,} records skipped: {s['skipped']})" if skipped else "")

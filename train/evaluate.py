@@ -37,9 +37,9 @@ import numpy as np
 import models
 from train.config import MeshSection
 from train.errors import UserError, cli, io_operation
-from train.rundir import EVAL, RunDir
+from train.rundir import EVAL, RunDir, check_directory_path
 from train.sharding import make_mesh, param_shardings
-from train.sources import Counts, check_file, file_documents, make_tokenizer
+from train.sources import Counts, check_file, document_tokens, file_documents, make_tokenizer
 
 MIN_BUCKET = 16
 # Batches dispatched before the oldest is read back (Scorer.score).
@@ -125,8 +125,7 @@ def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, int]:
     parts, documents, batch = [], 0, []
 
     def flush():
-        for ids in tokenizer.encode_batch(batch):
-            parts.extend([np.asarray(ids, np.int64), np.asarray([tokenizer.eos_id])])
+        parts.extend(document_tokens(tokenizer, batch))
         batch.clear()
 
     for text in file_documents(paths, counts):
@@ -379,6 +378,8 @@ def evaluate(args) -> dict:
         if len(paths) != 1:
             raise UserError(f"--tasks {name}: one JSONL file per task")
         read_task(paths[0])  # a bad task file fails before the model loads
+    out = pathlib.Path(args.out or (pathlib.Path(args.run_dir) / EVAL if args.run_dir else EVAL))
+    check_directory_path(out, "--out")
     mesh = make_mesh(MeshSection(data=-1, fsdp=args.fsdp, tensor=args.tensor))
     model_cfg, params, tokenizer, seq_len, source = load_model(args, mesh)
     seq_len = args.seq_len or seq_len
@@ -387,7 +388,6 @@ def evaluate(args) -> dict:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids, the model {model_cfg.vocab_size}")
     scorer = Scorer(model_cfg, params, mesh, args.batch_size, seq_len + 1)
-    out = pathlib.Path(args.out or (pathlib.Path(args.run_dir) / EVAL if args.run_dir else EVAL))
     with io_operation("writing the evaluation to", out):
         out.mkdir(parents=True, exist_ok=True)
     report = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import shutil
 import sys
@@ -16,7 +17,7 @@ import sys
 import models
 from train.checkpoint import read_params
 from train.errors import IOFault, UserError, cli, io_operation
-from train.rundir import RunDir
+from train.rundir import RunDir, check_directory_path
 from train.sources import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer, SentencePieceTokenizer
 
 # transformers' generic tokenizer class: it encodes as tokenizer.json says (a model's own class may
@@ -218,7 +219,8 @@ def export(
     run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
     if dtype not in (None, "float32", "bfloat16"):
         raise UserError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    check_directory_path(out, "--out")
+    if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{out} exists and is not empty; choose another --out or pass --overwrite")
     run = RunDir(run_dir)
     model_cfg = run.model_config()
@@ -297,8 +299,8 @@ def main(argv=None) -> int:
 
 
 def _export_and_report(args) -> int:
-    if not args.max_shard_gb > 0:
-        raise UserError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
+    if not 0 < args.max_shard_gb < math.inf:
+        raise UserError(f"--max-shard-gb must be a positive number, got {args.max_shard_gb}")
     done = export(
         args.run_dir,
         args.out,

@@ -276,6 +276,16 @@ class RunDir:
         return kept
 
 
+def check_directory_path(path: pathlib.Path, flag: str) -> None:
+    """Refuses ``path`` (given as ``flag``) as a directory to write into when it, or the nearest
+    of its parents that exists, is a file: one line, before any work (mkdir would fail late)."""
+    for where in [path, *path.parents]:
+        if where.exists():
+            if not where.is_dir():
+                raise UserError(f"{flag} {path}: {where} is a file, not a directory")
+            return
+
+
 def write_atomically(path: pathlib.Path, text: str, if_changed: bool = True) -> None:
     """``path`` holds ``text``, or (a write cut short: a full disk, a kill) what it held before:
     never a torn file. Unchanged text is not written again (a resume on a full disk keeps going)

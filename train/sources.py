@@ -30,6 +30,7 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
     bos_id = None
+    ends_with_eos = False
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -66,6 +67,7 @@ class SentencePieceTokenizer:
         self.vocab_size = self._sp.get_piece_size()
         self.eos_id = self._sp.eos_id()
         self.bos_id = None  # a document's ids are its pieces: no BOS (the model's own BOS is unused)
+        self.ends_with_eos = False
         if self.eos_id < 0:
             raise UserError(f"data.tokenizer: {path} defines no EOS piece")
 
@@ -184,14 +186,21 @@ class HFTokenizer:
         self.eos_id = self._tok.token_to_id(named["eos_token"])
         self.bos_id = self._tok.token_to_id(named["bos_token"]) if named["bos_token"] else None
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        # A post-processor that ends every text with EOS (T5's "$A </s>"): that EOS is the
+        # document's separator, not followed by another (``document_tokens``).
+        probe = [self._tok.encode("a", add_special_tokens=special).ids[-1:] for special in (True, False)]
+        self.ends_with_eos = probe[0] == [self.eos_id] != probe[1]
         self.settings = {
             "special_tokens": {k: v for k, v in named.items() if v},
             "extra_special_tokens": extra,
             "added_special_tokens": new,
             "split_special_tokens": self._tok.encode_special_tokens,
         }
-        if model_specific:  # (absent otherwise, so that stores built before it still match)
+        # (each absent otherwise, so that stores built before it still match)
+        if model_specific:
             self.settings["model_specific_special_tokens"] = model_specific
+        if self.ends_with_eos:
+            self.settings["ends_with_eos"] = True
 
     def _read_config(self) -> dict:
         if not self.config_path.is_file():
@@ -227,6 +236,14 @@ class HFTokenizer:
             "bos_id": self.bos_id,
             "settings": self.settings,
         }
+
+
+def document_tokens(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Each text's ids and the EOS after it, int64: a document as the token store and
+    ``train.evaluate``'s streams hold it. A tokenizer whose encoding already ends with EOS (a
+    ``tokenizer.json`` post-processor's, T5's) gets no second one."""
+    eos = np.asarray([] if tokenizer.ends_with_eos else [tokenizer.eos_id], np.int64)
+    return [np.concatenate([np.asarray(ids, np.int64), eos]) for ids in tokenizer.encode_batch(texts)]
 
 
 def make_tokenizer(spec: str):

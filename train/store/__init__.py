@@ -23,7 +23,7 @@ from train.sources import make_tokenizer
 from train.store.building import Interrupted, build, default_workers, tokenize_piece
 from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
 from train.store.planning import Piece, Plan, expand_paths, plan
-from train.store.reading import TokenStore, TokenStream, read_manifest
+from train.store.reading import TokenStore, TokenStream, read_manifest, skipped_records
 
 if TYPE_CHECKING:
     from train.config import DataSection
@@ -46,6 +46,7 @@ __all__ = [
     "open_store",
     "plan",
     "read_manifest",
+    "skipped_records",
     "store_dir",
     "tokenize_piece",
 ]

@@ -44,10 +44,11 @@ class Interrupted(Exception):
 _worker: dict = {}
 
 
-def _setup(tokenizer: str, dtype: str, fraction: float, counters) -> None:
+def _setup(tokenizer: str, made_with: dict, counters) -> None:
     """What ``tokenize_piece`` reads, set once per process."""
-    _worker.update(tok=sources.make_tokenizer(tokenizer), dtype=np.dtype(dtype), fraction=fraction)
-    _worker["counters"] = counters
+    tok = sources.make_tokenizer(tokenizer)
+    _worker.update(tok=tok, dtype=np.dtype(made_with["dtype"]), fraction=made_with["fraction"])
+    _worker.update(made_with=made_with, counters=counters)
 
 
 def _init_worker(*args) -> None:
@@ -106,23 +107,23 @@ def tokenize_piece(job: tuple) -> dict:
     writers = {s: _ShardWriter(shards / f"{s}-{piece.index:05d}.bin", dtype) for s in splits}
     documents = dict.fromkeys(splits, 0)
     counts = sources.Counts()
-    eos = np.asarray([tok.eos_id])
     batch: list[str] = []
     read = 0
     exhausted = True
 
     def flush():
         parts: dict[str, list] = {s: [] for s in splits}  # one write per split and batch
-        for text, ids in zip(batch, tok.encode_batch(batch), strict=True):
+        for text, ids in zip(batch, sources.document_tokens(tok, batch), strict=True):
             split = piece.role
             if split == "mixed":
                 split = "validation" if sources.is_validation(text, _worker["fraction"]) else "train"
-            parts[split] += [ids, eos]
+            parts[split].append(ids)
             documents[split] += 1
         tokens = 0
         for split, arrays in parts.items():
             if arrays:
                 joined = np.concatenate(arrays)
+                _check_ids(joined, tok, piece)
                 writers[split].write(joined)
                 tokens += len(joined)
         counters.add(len(batch), tokens)
@@ -146,6 +147,7 @@ def tokenize_piece(job: tuple) -> dict:
                 w.tmp.unlink(missing_ok=True)
     record = {
         "piece": dataclasses.asdict(piece),
+        "made_with": _worker["made_with"],
         "limit": limit,
         "exhausted": exhausted,
         "documents": documents,
@@ -159,6 +161,19 @@ def tokenize_piece(job: tuple) -> dict:
     atomic_write(_meta_path(shards, piece), json.dumps(record, sort_keys=True, indent=1) + "\n")
     counters.work(piece.work)
     return record
+
+
+def _check_ids(ids: np.ndarray, tok, piece: Piece) -> None:
+    """Refuses ids outside the tokenizer's vocabulary (a ``tokenizer.json`` whose post-processor
+    names an id its vocabulary lacks): the store's dtype would wrap them silently."""
+    if ids.min() < 0 or ids.max() >= tok.vocab_size:
+        bad = ids.min() if ids.min() < 0 else ids.max()
+        where = piece.path or piece.kind
+        raise UserError(
+            f"data.tokenizer gave token id {bad} for a document of {where}, outside its vocabulary "
+            f"of {tok.vocab_size} ids: the tokenizer's files disagree (e.g. a post-processor's token "
+            "that the vocabulary lacks)"
+        )
 
 
 class _Counters:
@@ -240,9 +255,11 @@ def _interrupts_raise():
             signal.signal(s, h)
 
 
-def _reusable(record: dict | None, piece: Piece, limit: int | None, shards: pathlib.Path) -> bool:
+def _reusable(record: dict | None, p: Plan, piece: Piece, limit: int | None, shards: pathlib.Path) -> bool:
     if record is None or record["piece"] != json.loads(json.dumps(dataclasses.asdict(piece))):
         return False
+    if record.get("made_with") != json.loads(json.dumps(p.made_with)):
+        return False  # made with another tokenizer or validation fraction (or before it was kept)
     if piece.kind == "file" and record.get("input_mtime_ns") not in (None, _mtime(piece)):
         return False  # the input changed (its size the same) since the piece was made
     read = sum(record["documents"].values())
@@ -271,7 +288,7 @@ def _run(p: Plan, shards: pathlib.Path, workers: int, quiet: bool) -> list[dict]
     todo = []
     for piece in p.pieces:
         record = _load_record(shards, piece)
-        if _reusable(record, piece, limit, shards):
+        if _reusable(record, p, piece, limit, shards):
             records[piece.index] = record
         else:
             todo.append(piece)
@@ -279,7 +296,7 @@ def _run(p: Plan, shards: pathlib.Path, workers: int, quiet: bool) -> list[dict]
     todo.sort(key=lambda q: (q.role != "validation", q.index))
     ctx = mp.get_context("spawn")
     counters = _Counters(ctx)
-    initargs = (p.tokenizer, p.dtype, p.fraction, counters)
+    initargs = (p.tokenizer, p.made_with, counters)
     progress = _Progress(p, counters, records, quiet)
     jobs = [(q, shards, limit) for q in todo]
     pool = None

@@ -53,6 +53,12 @@ class Plan:
     def dtype(self) -> str:
         return "uint16" if self.tokenizer_identity["vocab_size"] <= 1 << 16 else "uint32"
 
+    @property
+    def made_with(self) -> dict:
+        """What a piece's tokens depend on besides the piece: kept in its record, so that a build
+        continued with another tokenizer or validation fraction redoes the pieces made before."""
+        return {"tokenizer": self.tokenizer_identity, "dtype": self.dtype, "fraction": self.fraction}
+
 
 def plan(cfg) -> Plan:
     """The pieces and identity of the store for a ``DataSection`` (``source`` builtin, files or

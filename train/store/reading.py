@@ -28,12 +28,45 @@ def read_manifest(directory: pathlib.Path) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError as e:
         raise UserError(f"token store {directory}: {MANIFEST} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        manifest = {}
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise UserError(
             f"token store {directory} has format {manifest.get('format')!r} version "
             f"{manifest.get('version')!r}; this moara-jax reads {FORMAT!r} version {VERSION}: rebuild it"
         )
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise UserError(
+            f"token store {directory} is damaged: its {MANIFEST} {problem}; delete the store and build "
+            "it again"
+        )
     return manifest
+
+
+def _manifest_problem(manifest: dict) -> str | None:
+    """What a manifest of this format lacks for reading, or None."""
+    tokenizer, splits = manifest.get("tokenizer"), manifest.get("splits")
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("vocab_size"), int):
+        return "has no tokenizer with a vocab_size"
+    if manifest.get("dtype") not in ("uint16", "uint32"):
+        return f"has dtype {manifest.get('dtype')!r}, not uint16 or uint32"
+    if not isinstance(splits, dict):
+        return "has no splits"
+    for name in SPLITS:
+        shards = splits.get(name, {}).get("shards") if isinstance(splits.get(name), dict) else None
+        if not isinstance(shards, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int)
+            for s in shards
+        ):
+            return f"has no list of {name} shards (each a file and its tokens)"
+    return None
+
+
+def skipped_records(manifest: dict) -> str:
+    """``" (N input records skipped: {why: n})"``, or ``""`` when none were."""
+    skipped = manifest["skipped"]
+    return f" ({sum(skipped.values()):,} input records skipped: {skipped})" if skipped else ""
 
 
 def write_manifest(directory: pathlib.Path, manifest: dict) -> None:
@@ -64,8 +97,8 @@ class TokenStream:
     are then page cache, not this process's resident memory (a map kept open would count every
     page read so far, up to the whole store, in the process's RSS)."""
 
-    def __init__(self, directory: pathlib.Path, split: dict, dtype: str):
-        self.dtype = np.dtype(dtype)
+    def __init__(self, directory: pathlib.Path, split: dict, dtype: str, vocab_size: int):
+        self.directory, self.dtype, self.vocab_size = directory, np.dtype(dtype), vocab_size
         self.paths = [pathlib.Path(directory) / s["file"] for s in split["shards"]]
         for path, s in zip(self.paths, split["shards"], strict=True):
             size = path.stat().st_size if path.is_file() else None
@@ -92,7 +125,7 @@ class TokenStream:
             out[pos - start : pos - start + n] = self._map(i)[lo : lo + n]
             pos += n
             i += 1
-        return out
+        return self._checked(out)
 
     def windows(self, indices: np.ndarray, window: int) -> np.ndarray:
         """Rows ``indices`` of the window view, ``(len(indices), window)`` int32. Windows inside
@@ -109,7 +142,18 @@ class TokenStream:
             out[rows] = self._map(s)[offsets[rows, None] + span]
         for row in np.flatnonzero(~inside):
             out[row] = self.read(int(starts[row]), int(starts[row]) + window)
-        return out
+        return self._checked(out)
+
+    def _checked(self, tokens: np.ndarray) -> np.ndarray:
+        """``tokens``, unless one is no id of the store's tokenizer (a shard overwritten since it
+        was built): a model would embed it as garbage, or read past its table."""
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            bad = tokens.min() if tokens.min() < 0 else tokens.max()
+            raise UserError(
+                f"token store {self.directory} is damaged: it holds token id {bad}, not one of its "
+                f"tokenizer's {self.vocab_size}; delete the store and build it again"
+            )
+        return tokens
 
 
 # What a store's tokens depend on (a tokenizer.json's "settings": the special tokens its config names).
@@ -124,8 +168,9 @@ class TokenStore:
         self.directory = pathlib.Path(directory)
         self.manifest = read_manifest(self.directory)
         self.tokenizer = self.manifest["tokenizer"]
+        dtype, vocab_size = self.manifest["dtype"], self.tokenizer["vocab_size"]
         self.splits = {
-            s: TokenStream(self.directory, self.manifest["splits"][s], self.manifest["dtype"]) for s in SPLITS
+            s: TokenStream(self.directory, self.manifest["splits"][s], dtype, vocab_size) for s in SPLITS
         }
 
     def check(self, p: Plan | None, tokenizer_identity: dict) -> None:
