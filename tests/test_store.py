@@ -430,6 +430,27 @@ def test_inputs_whose_every_record_is_skipped_are_refused_with_the_counts(tmp_pa
         build_data(files_section([str(data)], store=str(tmp_path / "s")), seq_len=8)
 
 
+def test_a_byte_order_mark_is_not_text_and_a_json_array_is_refused(tmp_path):
+    """A UTF-8 byte-order mark first in a file (its first record was skipped as broken JSON, and a
+    text file's first character was U+FEFF); a file holding a JSON array (it gave no document, or
+    its last record alone, and exit 0)."""
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second"}\n')
+    text = tmp_path / "marked.txt"
+    text.write_bytes("\ufeffone document".encode())
+    counts = Counts()
+    assert list(file_documents([str(marked), str(text)], counts)) == ["first", "second", "one document"]
+    assert counts.skipped == {}
+    for name, body in [
+        ("array.json", '[{"text": "a"}, {"text": "b"}]'),
+        ("lines.jsonl", '[\n{"text": "a"},\n]'),
+    ]:
+        array = tmp_path / name
+        array.write_text(body)
+        with pytest.raises(UserError, match=rf"^data file {array} holds a JSON array; give JSON lines: "):
+            list(file_documents([str(array)], Counts()))
+
+
 def test_unreadable_inputs_and_tokenizer_files_are_one_line_errors(tmp_path, sp_model, monkeypatch):
     """A damaged gzip stream, a tokenizer file that is no sentencepiece model (Llama 3's tiktoken
     ``tokenizer.model``), and a ``~`` path are named in one line, not a traceback."""

@@ -390,7 +390,7 @@ def path_documents(
     check_file(path)
     if path.name.endswith(TEXT_SUFFIXES):
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8-sig")  # without a byte-order mark
         except UnicodeDecodeError:
             counts.skip("non_utf8")
             return
@@ -399,9 +399,19 @@ def path_documents(
         else:
             counts.skip("empty_text")
         return
-    for raw in _lines(path, start, stop):
+    for i, raw in enumerate(_lines(path, start, stop)):
+        if i == 0 and start == 0:
+            raw = raw.removeprefix(UTF8_BOM)
+            if raw.lstrip().startswith(b"["):
+                raise UserError(
+                    f"data file {path} holds a JSON array; give JSON lines: one object with a "
+                    '"text" field per line'
+                )
         if raw.strip() and (text := _json_text(raw, counts)) is not None:
             yield text
+
+
+UTF8_BOM = b"\xef\xbb\xbf"  # a byte-order mark some editors put first (no JSON, no text)
 
 
 def file_documents(paths: Iterable[str], counts: Counts) -> Iterator[str]:
