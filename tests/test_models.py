@@ -63,6 +63,10 @@ CASES = {
 CASES["deepseek-v2-mla-eps"] = dataclasses.replace(CASES["deepseek-v2-mla"], rms_norm_eps=1e-2)
 # A value head wider than the query/key head (16 + 8).
 CASES["deepseek-v2-mla-wide-v"] = dataclasses.replace(CASES["deepseek-v2-mla"], v_head_dim=40)
+# Queries without the low-rank path (DeepSeek-V2-Lite's), biases, tied embeddings.
+CASES["deepseek-v2-no-q-lora-bias-tied"] = dataclasses.replace(
+    CASES["deepseek-v2-mla"], q_lora_rank=None, attention_bias=True, tie_word_embeddings=True
+)
 
 
 def _hf_model(cfg, seed=0):
@@ -85,7 +89,8 @@ def _state_dict(model):
 def test_logits_match_transformers(case):
     cfg = CASES[case]
     model = _hf_model(cfg)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 17))
+    # past llama3 scaling's original_max_position_embeddings (32)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40))
     with torch.no_grad():
         want = model(torch.from_numpy(tokens)).logits.numpy()
     for scan in (False, True):
