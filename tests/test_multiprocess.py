@@ -446,6 +446,58 @@ def test_a_write_after_the_steps_process_0_cannot_make_ends_every_process(fails,
     assert logged_steps(run) == list(range(1, STEPS + 1))
 
 
+# The processes' sitecustomize: process 1's trainer finds no file named corpus.jsonl (its host
+# lacks it).
+FILE_MISSING_IN_1 = """
+import os, pathlib
+
+if os.environ.get("JAX_PROCESS_ID") == "1" and os.environ.get("MOARA_JAX_WORKER_STDERR"):
+    _is_file = pathlib.Path.is_file
+    pathlib.Path.is_file = lambda self: self.name != "corpus.jsonl" and _is_file(self)
+"""
+
+
+def test_a_data_file_one_process_lacks_ends_every_process_with_its_line(tmp_path):
+    """Process 1 cannot find its data file: every process exits 2 with process 1's line, at once
+    (process 0 went on to the first collective and waited there for the lost-peer verdict)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(200)))
+    run, started = tmp_path / "run", time.time()
+    files = ["--set", "data.source=files", "--set", f"data.paths=[{corpus}]"]
+    pair = Pair(run, "missing", *files, more=with_sitecustomize(tmp_path, FILE_MISSING_IN_1))
+    codes = [pair.wait(i, timeout=300) for i in range(2)]
+    assert codes == [2, 2] and time.time() - started < LOST_BOUND_S, pair.report()
+    for i in range(2):
+        errors = [x for x in pair.err(i).splitlines() if x.startswith("error:")]
+        assert errors == [f"error: process 1 of 2: data file not found: {corpus}"], pair.report()
+
+
+# The processes' sitecustomize: process 1's trainer reads a token store of other content (a
+# node-local cache built from other inputs).
+OTHER_STORE_IN_1 = """
+import os
+
+if os.environ.get("JAX_PROCESS_ID") == "1" and os.environ.get("MOARA_JAX_WORKER_STDERR"):
+    import train.data
+
+    train.data.Data.identity = lambda self: "0" * 64
+"""
+
+
+def test_token_stores_of_other_content_end_every_process_before_the_steps(tmp_path):
+    run = tmp_path / "run"
+    pair = Pair(run, "other", more=with_sitecustomize(tmp_path, OTHER_STORE_IN_1))
+    codes = [pair.wait(i, timeout=300) for i in range(2)]
+    assert codes == [2, 2], pair.report()
+    for i in range(2):
+        errors = [x for x in pair.err(i).splitlines() if x.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith("error: process 1 of 2: the token store "), (
+            pair.report()
+        )
+        assert "holds other tokens than process 0's" in errors[0], pair.report()
+    assert not logged_steps(run)
+
+
 # The processes' sitecustomize: process 1's trainer cannot read its filesystem's free space
 # (an I/O error) from its second look on, the check before the save of step 12.
 FREE_SPACE_UNREADABLE = """

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-from train.errors import EXIT_PEER_LOST, IOFault, UserError
+from train.errors import EXIT_PEER_LOST, IOFault, ProcessLost, UserError
 
 HEARTBEAT_ENV = "MOARA_JAX_HEARTBEAT_TIMEOUT"
 HEARTBEAT_TIMEOUT_S = 30
@@ -253,41 +253,66 @@ def any_process(flag: bool) -> bool:
 
 @contextlib.contextmanager
 def errors_shared():
-    """A block every process runs at the same point, whose ``UserError`` or ``IOFault`` (e.g.
-    process 0's refusal of a run dir another run holds, or its full disk) ends every process:
-    each raises process 0's, else its own, after the block. The others would otherwise go on to
-    the next collective and wait there for process 0 until it is reported lost."""
+    """A block every process runs at the same point, whose ``UserError``, ``IOFault`` or
+    ``ProcessLost`` (e.g. process 0's refusal of a run dir another run holds, its full disk, or
+    one process's missing data file) ends every process: each raises the first process's error
+    after the block (``first_error``). The others would otherwise go on to the next collective and
+    wait there for the failed process until it is reported lost. The block itself must hold no
+    collective that a process may fail before (it would meet another's exchange of errors)."""
     error = None
     try:
         yield
-    except (UserError, IOFault) as e:
+    except (UserError, IOFault, ProcessLost) as e:
         error = e
-    error = share_from_first(error) or error
+    error = first_error(error)
     if error is not None:
         raise error
 
 
-def share_from_first(error: Exception | None) -> Exception | None:
-    """Process 0's ``error`` (or ``None``), in every process (every process must call it at the
-    same point); one process: ``error``. Sent pickled (at most ``_ERROR_BYTES``: a longer one as
-    a ``UserError`` of its text)."""
+def first_error(error: Exception | None) -> Exception | None:
+    """The error of the first process (in process order) that has one, in every process (every
+    process must call it at the same point); one process: ``error``. Another process's than
+    process 0's names it (``process 1 of 2: ...``) in every process, so that each prints the same
+    line. Sent pickled (at most ``_ERROR_BYTES``: a longer one as a ``UserError`` of its text)."""
     import jax
 
     if jax.process_count() == 1:
         return error
+    data = b"" if error is None else pickle.dumps(error)
+    if len(data) > _ERROR_BYTES:
+        data = pickle.dumps(UserError(str(error)[: _ERROR_BYTES // 8]))
+    for index, sent in enumerate(_gather(data)):
+        if sent:
+            found = pickle.loads(sent)
+            return found if index == 0 else _naming(found, index, jax.process_count())
+    return None
+
+
+def _naming(error: Exception, index: int, count: int) -> Exception:
+    where = f"process {index} of {count}:"
+    if isinstance(error, IOFault):
+        return IOFault(f"{where} {error.operation}", error.path, error.cause, error.note)
+    return type(error)(f"{where} {error}")
+
+
+def differs_from_first(value: str) -> bool:
+    """Whether this process's ``value`` (a digest) differs from process 0's (every process must
+    call it at the same point); one process: False."""
+    import jax
+
+    return jax.process_count() > 1 and _gather(value.encode())[0] != value.encode()
+
+
+def _gather(data: bytes) -> list[bytes]:
+    """Every process's ``data`` (at most ``_ERROR_BYTES``), in process order."""
     import numpy as np
     from jax.experimental import multihost_utils
 
     sent = np.zeros(_ERROR_BYTES + 4, np.uint8)
-    if jax.process_index() == 0 and error is not None:
-        data = pickle.dumps(error)
-        if len(data) > _ERROR_BYTES:
-            data = pickle.dumps(UserError(str(error)[: _ERROR_BYTES // 8]))
-        sent[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
-        sent[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
-    got = np.asarray(multihost_utils.broadcast_one_to_all(sent))
-    size = int.from_bytes(got[:4].tobytes(), "little")
-    return pickle.loads(got[4 : 4 + size].tobytes()) if size else None
+    sent[:4] = np.frombuffer(len(data).to_bytes(4, "little"), np.uint8)
+    sent[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
+    got = np.asarray(multihost_utils.process_allgather(sent))
+    return [row[4 : 4 + int.from_bytes(row[:4].tobytes(), "little")].tobytes() for row in got]
 
 
 _ERROR_BYTES = 4096

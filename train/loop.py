@@ -30,7 +30,7 @@ from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
 from train.data import Data, build_data
 from train.data import describe as describe_data
-from train.distributed import StopSignals, any_process, errors_shared, share_from_first
+from train.distributed import StopSignals, any_process, differs_from_first, errors_shared, first_error
 from train.errors import IOFault, UserError, io_operation
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
 from train.metrics import perplexity as ppl
@@ -87,7 +87,15 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             f"{run} holds a completed run ({run.summary_file.name}) and no checkpoint to continue "
             "it from; choose another run dir"
         )
-    setup = make_setup(cfg, quiet, clock)
+    with errors_shared():  # e.g. one process's data file missing
+        setup = make_setup(cfg, quiet, clock)
+    with errors_shared():  # (a collective: after the block above, which every process passed)
+        if differs_from_first(setup.data.identity()):
+            raise UserError(
+                f"the token store {setup.data.store.directory} holds other tokens than process 0's "
+                "(built from other inputs?): give every process the same data, e.g. a data.store "
+                "on shared storage"
+            )
     ckpt = Checkpointer(run, cfg.checkpoint.keep, cfg.checkpoint.every, enabled=main)
     start = restore_or_init(setup, ckpt, resume, main, say)
     if start.step >= setup.total_steps and run.status() == "completed":
@@ -448,7 +456,7 @@ class StepLoop:
             return outcome
         # A fault process 0 held, or its sinks' that could not close, ends every process with its
         # line (every process is here: the steps ended at the same step in each).
-        fault = share_from_first(self._held() or closing)
+        fault = first_error(self._held() or closing)
         return Outcome("io_error", outcome.steps, None, fault) if fault else outcome
 
     def _steps(self, state: TrainState, signals: StopSignals) -> Outcome:
@@ -633,7 +641,7 @@ def finish(
         ]
         error = (outcome.fault or unwritten).with_note("; ".join(filter(None, notes)))
     if together:
-        error = share_from_first(error) or error
+        error = first_error(error)
     if error is not None:
         raise error
     return summary
