@@ -149,15 +149,7 @@ def test_full_disk_leaves_no_complete_looking_piece_and_a_rerun_finishes(tmp_pat
     paths = write_corpus(tmp_path / "corpus", files=4)
     plan = token_store.plan(files_section(paths))
     token_store.build(tmp_path / "whole", plan, workers=1, quiet=True)
-
-    original = building._ShardWriter.write
-
-    def fill_up(self, ids):
-        if "00002" in self.path.name:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        original(self, ids)
-
-    monkeypatch.setattr(building._ShardWriter, "write", fill_up)
+    full_from_piece_2(monkeypatch)
     with pytest.raises(IOFault) as fault:  # the trainer and train.prepare exit 74 on it
         token_store.build(tmp_path / "full", plan, workers=1, quiet=True)
     assert str(fault.value) == (
@@ -172,9 +164,21 @@ def test_full_disk_leaves_no_complete_looking_piece_and_a_rerun_finishes(tmp_pat
         "train-00001.bin",
     }
     assert not (tmp_path / "full" / token_store.MANIFEST).exists()
-    monkeypatch.setattr(building._ShardWriter, "write", original)
+    monkeypatch.undo()
     token_store.build(tmp_path / "full", plan, workers=1, quiet=True)
     assert tree_hashes(tmp_path / "full") == tree_hashes(tmp_path / "whole")
+
+
+def full_from_piece_2(monkeypatch) -> None:
+    """The token store's shard writes fail for no space from piece 2 on (until ``undo``)."""
+    original = building._ShardWriter.write
+
+    def fill_up(self, ids):
+        if "00002" in self.path.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(self, ids)
+
+    monkeypatch.setattr(building._ShardWriter, "write", fill_up)
 
 
 @pytest.mark.parametrize("change", ["tokenizer", "fraction"])
@@ -189,18 +193,11 @@ def test_a_build_continued_with_another_tokenizer_or_fraction_redoes_its_pieces(
     before = files_section(paths, validation_fraction=0.5)
     after = files_section(paths, **({"tokenizer": sp_model} if change == "tokenizer" else {}))
     token_store.build(tmp_path / "whole", token_store.plan(after), workers=1, quiet=True)
-    original = building._ShardWriter.write
-
-    def fill_up(self, ids):
-        if "00002" in self.path.name:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        original(self, ids)
-
-    monkeypatch.setattr(building._ShardWriter, "write", fill_up)
+    full_from_piece_2(monkeypatch)
     with pytest.raises(IOFault):
         token_store.build(tmp_path / "cut", token_store.plan(before), workers=1, quiet=True)
     assert {"00000.json", "00001.json"} <= {p.name for p in (tmp_path / "cut" / "shards").iterdir()}
-    monkeypatch.setattr(building._ShardWriter, "write", original)
+    monkeypatch.undo()
     token_store.build(tmp_path / "cut", token_store.plan(after), workers=1, quiet=True)
     assert tree_hashes(tmp_path / "cut") == tree_hashes(tmp_path / "whole")
 
