@@ -605,11 +605,17 @@ def finish(
     # No fault yet: every process is here with this outcome (a fault one held was shared by all;
     # one that ended this process alone was not, and the others are not here).
     together = outcome.fault is None
-    if outcome.fault is None:
+    if together:
+        closing = None
         try:
             ckpt.close()  # waits for the last save
         except IOFault as e:
-            outcome = Outcome("io_error", outcome.steps, None, e)
+            closing = e
+        # A process's failed last save (process 0's checksums) is every process's, before the
+        # summary says how the run ended.
+        closing = first_error(closing)
+        if closing is not None:
+            outcome = Outcome("io_error", outcome.steps, None, closing)
     if outcome.fault is not None:
         ckpt.abandon()
     kept = ckpt.complete_steps()  # after the last save, or after abandon removed a partial one
