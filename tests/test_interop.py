@@ -292,8 +292,9 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
     (legacy / "model.json").unlink()
     assert RunDir(legacy).model_config() == RunDir(run["dir"]).model_config()
     capsys.readouterr()
-    afile = run["root"] / "afile"
+    afile, dangling = run["root"] / "afile", run["root"] / "dangling"
     afile.write_text("")
+    dangling.symlink_to(run["root"] / "nowhere")
     for argv, message in [
         (["--out", str(exported)], "exists and is not empty"),
         (["--out", str(run["root"] / "x"), "--step", "3"], "no checkpoint of step 3"),
@@ -304,8 +305,9 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
         ),
         (["--out", str(run["root"] / "z"), "--max-shard-gb", "inf"], "must be a positive number, got inf"),
         # a file where the directory would be, or above it: one line (it was a traceback)
-        (["--out", str(afile), "--overwrite"], f"--out {afile}: {afile} is a file, not a directory"),
-        (["--out", str(afile / "x")], f"--out {afile / 'x'}: {afile} is a file, not a directory"),
+        (["--out", str(afile), "--overwrite"], f"--out {afile}: {afile} is not a directory"),
+        (["--out", str(afile / "x")], f"--out {afile / 'x'}: {afile} is not a directory"),
+        (["--out", str(dangling)], f"--out {dangling}: {dangling} is not a directory"),
         (
             ["--out", str(run["root"] / "t"), "--tokenizer", str(run["dir"] / "config.yaml")],
             "is not a sentencepiece",
@@ -656,7 +658,10 @@ def test_evaluate_errors_name_the_problem(tmp_path, capsys):
     good.write_text("".join(json.dumps(t) + "\n" for t in TASK))
     for argv, message in [
         # before the model loads (a traceback at the end before)
-        (["--hf", str(tmp_path), "--tasks", f"g={good}", "--out", str(bad)], f"--out {bad}: {bad} is a file"),
+        (
+            ["--hf", str(tmp_path), "--tasks", f"g={good}", "--out", str(bad)],
+            f"--out {bad}: {bad} is not a directory",
+        ),
         (["--hf", str(tmp_path), "--tasks", f"bad={bad}"], f"{bad}:2: 'label' must be the index"),
         (["--hf", str(tmp_path)], "nothing to evaluate"),
         (["--tasks", f"bad={bad}"], "give one of --run-dir and --hf"),

@@ -498,6 +498,33 @@ def test_token_stores_of_other_content_end_every_process_before_the_steps(tmp_pa
     assert not logged_steps(run)
 
 
+# The processes' sitecustomize: process 0's trainer may not move anything (permission denied).
+MOVE_DENIED_IN_0 = """
+import errno, os, shutil
+
+if os.environ.get("JAX_PROCESS_ID") == "0" and os.environ.get("MOARA_JAX_WORKER_STDERR"):
+    def move(src, dst, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    shutil.move = move
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpoint_process_0_cannot_move_aside_ends_every_process(tmp_path):
+    """``--resume`` finds the newest checkpoint damaged, and process 0 may not move it aside:
+    every process exits 74 with its line (process 1 waited in the next vote before)."""
+    run = tmp_path / "run"
+    first = Pair(run, "first")
+    assert [first.wait(i) for i in range(2)] == [0, 0], first.report()
+    files = [p for p in (run / CHECKPOINTS / str(STEPS)).rglob("*") if p.is_file()]
+    max(files, key=lambda p: p.stat().st_size).unlink()
+    pair = Pair(run, "denied", "--resume", more=with_sitecustomize(tmp_path, MOVE_DENIED_IN_0))
+    rejected = run / "rejected_checkpoints"
+    assert_same_io_error(pair, f"error: moving checkpoint {STEPS} to {rejected} failed: permission denied")
+    assert (run / CHECKPOINTS / str(STEPS)).is_dir()
+
+
 # The processes' sitecustomize: process 1's trainer cannot read its filesystem's free space
 # (an I/O error) from its second look on, the check before the save of step 12.
 FREE_SPACE_UNREADABLE = """

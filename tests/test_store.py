@@ -675,7 +675,13 @@ def test_damaged_store_is_a_clear_error(tmp_path):
     manifest = json.loads((named / token_store.MANIFEST).read_text())
     # A manifest of the right format but the wrong shape: one line, not a KeyError.
     for key, value, problem in [
-        ("splits", {}, r"has no list of train shards \(each a file and its tokens\)"),
+        ("splits", {}, "has no train split with its documents"),
+        ("skipped", None, "has no source or skipped records"),
+        (
+            "splits",
+            {**manifest["splits"], "validation": {"documents": 1, "shards": [{"file": "x", "tokens": 1}]}},
+            r"has no list of validation shards \(each a file, its tokens and sha256\)",
+        ),
         ("dtype", "foo", "has dtype 'foo', not uint16 or uint32"),
         ("tokenizer", None, "has no tokenizer with a vocab_size"),
     ]:

@@ -600,14 +600,14 @@ def finish(
     the partial checkpoint is removed, the summary written if it can be, and the fault raised
     with what was kept: in a multi-process run, process 0's fault after the steps (the last
     save's checksums, the summary, the profile's outputs, the plot) in every process."""
-    if outcome.stop is not None:
-        _report_stop(outcome, ckpt)
     # No fault yet: every process is here with this outcome (a fault one held was shared by all;
     # one that ended this process alone was not, and the others are not here).
     together = outcome.fault is None
     if together:
         closing = None
         try:
+            if outcome.stop is not None:  # (a stop comes with no fault)
+                _report_stop(outcome, ckpt)  # its faults are every process's (reject_from)
             ckpt.close()  # waits for the last save
         except IOFault as e:
             closing = e

@@ -278,11 +278,12 @@ class RunDir:
 
 def check_directory_path(path: pathlib.Path, flag: str) -> None:
     """Refuses ``path`` (given as ``flag``) as a directory to write into when it, or the nearest
-    of its parents that exists, is a file: one line, before any work (mkdir would fail late)."""
+    of its parents that exists, is no directory (a file, a dangling link): one line, before any
+    work (mkdir would fail late)."""
     for where in [path, *path.parents]:
-        if where.exists():
+        if where.exists() or where.is_symlink():  # (a dangling link: mkdir would fail on it)
             if not where.is_dir():
-                raise UserError(f"{flag} {path}: {where} is a file, not a directory")
+                raise UserError(f"{flag} {path}: {where} is not a directory")
             return
 
 

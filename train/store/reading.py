@@ -51,16 +51,24 @@ def _manifest_problem(manifest: dict) -> str | None:
         return "has no tokenizer with a vocab_size"
     if manifest.get("dtype") not in ("uint16", "uint32"):
         return f"has dtype {manifest.get('dtype')!r}, not uint16 or uint32"
+    if not isinstance(manifest.get("source"), dict) or not isinstance(manifest.get("skipped"), dict):
+        return "has no source or skipped records"
     if not isinstance(splits, dict):
         return "has no splits"
     for name in SPLITS:
-        shards = splits.get(name, {}).get("shards") if isinstance(splits.get(name), dict) else None
+        split = splits.get(name)
+        if not isinstance(split, dict) or not isinstance(split.get("documents"), int):
+            return f"has no {name} split with its documents"
+        shards = split.get("shards")
         if not isinstance(shards, list) or not all(
-            isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int)
+            isinstance(s, dict) and all(isinstance(s.get(k), t) for k, t in SHARD_KEYS.items())
             for s in shards
         ):
-            return f"has no list of {name} shards (each a file and its tokens)"
+            return f"has no list of {name} shards (each a file, its tokens and sha256)"
     return None
+
+
+SHARD_KEYS = {"file": str, "tokens": int, "sha256": str}  # what reading a shard's entry needs
 
 
 def skipped_records(manifest: dict) -> str:
