@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 import orbax.checkpoint as ocp
 
-from train.distributed import any_process, first_error, multi_process
+from train.distributed import any_process, errors_shared, multi_process
 from train.errors import HeldFaults, IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
 from train.rundir import CHECKPOINTS, RunDir, write_atomically
 
@@ -296,16 +296,10 @@ class Checkpointer:
         skipped)."""
         self.manager.wait_until_finished()
         any_process(False)  # every process is here
-        moved = None
-        if self.enabled:
-            try:
+        with errors_shared():  # it is moved, or the first process's fault is every process's
+            if self.enabled:
                 with io_operation(f"moving checkpoint {step} to", self.rejected_dir):
                     self._move_aside(step)
-            except IOFault as e:
-                moved = e
-        moved = first_error(moved)  # it is moved, or the first process's fault is every process's
-        if moved is not None:
-            raise moved
         self.manager.reload()
 
     def _move_aside(self, step: int) -> None:
@@ -321,14 +315,8 @@ class Checkpointer:
     def reject_from(self, step: int) -> None:
         """Rejects every checkpoint at ``step`` or later (saved while a run was diverging). A
         fault on the way (the last save's checksums, a move) is every process's."""
-        recorded = None
-        try:
+        with errors_shared():
             self.record_finished()
-        except IOFault as e:
-            recorded = e
-        recorded = first_error(recorded)
-        if recorded is not None:
-            raise recorded
         for s in self.steps():
             if s >= step:
                 self.reject(s)

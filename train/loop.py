@@ -604,18 +604,15 @@ def finish(
     # one that ended this process alone was not, and the others are not here).
     together = outcome.fault is None
     if together:
-        closing = None
         try:
-            if outcome.stop is not None:  # (a stop comes with no fault)
-                _report_stop(outcome, ckpt)  # its faults are every process's (reject_from)
-            ckpt.close()  # waits for the last save
+            # A process's failed last save (process 0's checksums) is every process's, before the
+            # summary says how the run ended.
+            with errors_shared():
+                if outcome.stop is not None:  # (a stop comes with no fault)
+                    _report_stop(outcome, ckpt)  # its faults are every process's (reject_from)
+                ckpt.close()  # waits for the last save
         except IOFault as e:
-            closing = e
-        # A process's failed last save (process 0's checksums) is every process's, before the
-        # summary says how the run ended.
-        closing = first_error(closing)
-        if closing is not None:
-            outcome = Outcome("io_error", outcome.steps, None, closing)
+            outcome = Outcome("io_error", outcome.steps, None, e)
     if outcome.fault is not None:
         ckpt.abandon()
     kept = ckpt.complete_steps()  # after the last save, or after abandon removed a partial one

@@ -32,7 +32,7 @@ from train import sources
 from train.errors import IOFault, ProcessLost, UserError, io_operation
 from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
 from train.store.planning import Piece, Plan
-from train.store.reading import atomic_write, read_manifest, write_manifest
+from train.store.reading import atomic_write, outside_vocabulary, read_manifest, write_manifest
 
 
 class Interrupted(Exception):
@@ -46,9 +46,13 @@ _worker: dict = {}
 
 def _setup(tokenizer: str, made_with: dict, counters) -> None:
     """What ``tokenize_piece`` reads, set once per process."""
-    tok = sources.make_tokenizer(tokenizer)
-    _worker.update(tok=tok, dtype=np.dtype(made_with["dtype"]), fraction=made_with["fraction"])
-    _worker.update(made_with=made_with, counters=counters)
+    _worker.update(
+        tok=sources.make_tokenizer(tokenizer),
+        dtype=np.dtype(made_with["dtype"]),
+        fraction=made_with["fraction"],
+        made_with=made_with,
+        counters=counters,
+    )
 
 
 def _init_worker(*args) -> None:
@@ -166,8 +170,8 @@ def tokenize_piece(job: tuple) -> dict:
 def _check_ids(ids: np.ndarray, tok, piece: Piece) -> None:
     """Refuses ids outside the tokenizer's vocabulary (a ``tokenizer.json`` whose post-processor
     names an id its vocabulary lacks): the store's dtype would wrap them silently."""
-    if ids.min() < 0 or ids.max() >= tok.vocab_size:
-        bad = ids.min() if ids.min() < 0 else ids.max()
+    bad = outside_vocabulary(ids, tok.vocab_size)
+    if bad is not None:
         where = piece.path or piece.kind
         raise UserError(
             f"data.tokenizer gave token id {bad} for a document of {where}, outside its vocabulary "

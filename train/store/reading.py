@@ -71,6 +71,15 @@ def _manifest_problem(manifest: dict) -> str | None:
 SHARD_KEYS = {"file": str, "tokens": int, "sha256": str}  # what reading a shard's entry needs
 
 
+def outside_vocabulary(ids: np.ndarray, vocab_size: int) -> int | None:
+    """An id of ``ids`` that a vocabulary of ``vocab_size`` lacks (negative, or too large), else
+    None."""
+    if not ids.size:
+        return None
+    low, high = int(ids.min()), int(ids.max())
+    return low if low < 0 else high if high >= vocab_size else None
+
+
 def skipped_records(manifest: dict) -> str:
     """``" (N input records skipped: {why: n})"``, or ``""`` when none were."""
     skipped = manifest["skipped"]
@@ -124,6 +133,9 @@ class TokenStream:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the split, as int32."""
+        return self._checked(self._read(start, stop))
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
         out = np.empty(stop - start, np.int32)
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
         pos = start
@@ -133,7 +145,7 @@ class TokenStream:
             out[pos - start : pos - start + n] = self._map(i)[lo : lo + n]
             pos += n
             i += 1
-        return self._checked(out)
+        return out
 
     def windows(self, indices: np.ndarray, window: int) -> np.ndarray:
         """Rows ``indices`` of the window view, ``(len(indices), window)`` int32. Windows inside
@@ -149,14 +161,14 @@ class TokenStream:
             rows = np.flatnonzero(inside & (shard_of == s))
             out[rows] = self._map(s)[offsets[rows, None] + span]
         for row in np.flatnonzero(~inside):
-            out[row] = self.read(int(starts[row]), int(starts[row]) + window)
+            out[row] = self._read(int(starts[row]), int(starts[row]) + window)
         return self._checked(out)
 
     def _checked(self, tokens: np.ndarray) -> np.ndarray:
         """``tokens``, unless one is no id of the store's tokenizer (a shard overwritten since it
         was built): a model would embed it as garbage, or read past its table."""
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            bad = tokens.min() if tokens.min() < 0 else tokens.max()
+        bad = outside_vocabulary(tokens, self.vocab_size)
+        if bad is not None:
             raise UserError(
                 f"token store {self.directory} is damaged: it holds token id {bad}, not one of its "
                 f"tokenizer's {self.vocab_size}; delete the store and build it again"
