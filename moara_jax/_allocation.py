@@ -24,6 +24,12 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _check_known(name: str, group: tuple[str, ...], types: tuple[str, ...]) -> None:
+    unknown = [t for t in group if t not in types]
+    if unknown:
+        raise ValueError(f"{name}: unknown module types {unknown}; known: {list(types)}")
+
+
 def allocate_ranks(
     r_base: int,
     module_types: Iterable[str],
@@ -42,7 +48,7 @@ def allocate_ranks(
       delta: rank each donor gives; defaults to ``r_base // 2``.
 
     Raises:
-      ValueError: naming the argument, for a non-positive ``r_base``/``delta``, a donor or
+      ValueError: naming the argument, for a non-positive ``r_base``, a negative ``delta``, a donor or
         receiver not in ``module_types``, overlapping sets, ``delta >= r_base``, or
         ``delta * |D|`` not divisible by ``|R|``.
 
@@ -54,9 +60,7 @@ def allocate_ranks(
     types = tuple(dict.fromkeys(module_types))
     donors, receivers = tuple(donors), tuple(receivers)
     for name, group in (("donors", donors), ("receivers", receivers)):
-        unknown = [t for t in group if t not in types]
-        if unknown:
-            raise ValueError(f"{name}: unknown module types {unknown}; known: {list(types)}")
+        _check_known(name, group, types)
         if len(set(group)) != len(group):
             raise ValueError(f"{name}: repeated module types in {list(group)}")
     if set(donors) & set(receivers):
@@ -98,14 +102,16 @@ def resolve_module_ranks(
     rank_allocation: bool = True,
     ranks: Mapping[str, int] | None = None,
     donors: Iterable[str] | None = None,
-    receivers: Iterable[str] = DEFAULT_RECEIVERS,
+    receivers: Iterable[str] | None = None,
     delta: int | None = None,
     warn: bool = False,
 ) -> dict[str, int]:
     """The requested rank of each present module type (before per-matrix clipping).
 
+    ``donors``/``receivers`` ``None``: the defaults (:func:`default_donors`, ``('down',)``).
     With the default donors and receivers, a tree that lacks all the donors or all the receivers
-    moves no rank (every type keeps ``r_base``); ``warn=True`` says so with a warning.
+    moves no rank (every type keeps ``r_base``); ``warn=True`` says so with a warning. Donors or
+    receivers named by the caller must all be present (``ValueError`` otherwise).
     """
     types = tuple(t for t in dict.fromkeys(module_types) if t != OTHER)
     r_base = _positive_int("r_base", r_base)
@@ -116,10 +122,14 @@ def resolve_module_ranks(
         return out
     if not rank_allocation or not types:
         return {t: r_base for t in types}
+    if receivers is None:
+        # The default set applies to the types the model has (a partial tree moves no rank).
+        receivers = tuple(t for t in DEFAULT_RECEIVERS if t in types) if donors is None else DEFAULT_RECEIVERS
+    else:
+        receivers = tuple(receivers)
+        _check_known("receivers", receivers, types)
     if donors is None:
-        # The default sets apply to the types the model has (a partial tree moves no rank).
         donors = tuple(t for t in default_donors(types) if t in types)
-        receivers = tuple(t for t in receivers if t in types)
         if not donors or not receivers:
             if warn:
                 _warn_no_allocation(types, donors, receivers, r_base)
@@ -165,7 +175,7 @@ def rank_table(
     rank_allocation: bool = True,
     ranks: Mapping[str, int] | None = None,
     donors: Iterable[str] | None = None,
-    receivers: Iterable[str] = DEFAULT_RECEIVERS,
+    receivers: Iterable[str] | None = None,
     delta: int | None = None,
     label_fn=module_label,
     matrix_axes: MatrixAxesOrFn | None = None,

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 
-from moara_jax._allocation import DEFAULT_RECEIVERS, resolve_module_ranks, tree_ranks
+from moara_jax._allocation import resolve_module_ranks, tree_ranks
 from moara_jax._chain import direction_chain
 from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
 from moara_jax._matrices import MatrixAxesOrFn, as_matrices
@@ -34,6 +34,8 @@ MOARA_ADAMW_STATIC_ARGS = (
     "label_fn",
     "host",
     "matrix_axes",
+    "mu_dtype",
+    "mag_dtype",
 )
 
 
@@ -46,7 +48,7 @@ def moara_adamw(
     rank_allocation: bool = True,
     ranks: Mapping[str, int] | None = None,
     donors: Iterable[str] | None = None,
-    receivers: Iterable[str] = DEFAULT_RECEIVERS,
+    receivers: Iterable[str] | None = None,
     delta: int | None = None,
     update_proj_gap: int = StageOptions.update_proj_gap,
     scale: float = StageOptions.scale,
@@ -95,7 +97,9 @@ def moara_adamw(
       ranks: explicit per-module-type ranks (e.g. a profiled allocation); overrides the rule.
         Module types it does not name get ``r_base``.
       donors, receivers, delta: the allocation rule; donors default to ``('q', 'k')``, or
-        ``('q_b', 'kv_b')`` for MLA models.
+        ``('q_b', 'kv_b')`` for MLA models, receivers to ``('down',)``. Types named here must
+        be in the parameters (``ValueError`` at init otherwise; with the default labels, at once
+        for a name that is no module type).
       update_proj_gap, scale: GaLore's refresh interval ``T`` and scale.
       b1, b2, eps: Adam hyperparameters (paper: 0.9, 0.999, 1e-6).
       weight_decay: decoupled weight decay on every parameter, applied after the step as in
@@ -163,7 +167,7 @@ def moara_adamw(
             raise ValueError("block_size is required when decompose=True")
         check_block_size(block_size)
     donors = None if donors is None else tuple(donors)
-    receivers = tuple(receivers)
+    receivers = None if receivers is None else tuple(receivers)
     allocation = dict(
         r_base=r_base,
         rank_allocation=rank_allocation,
@@ -175,7 +179,7 @@ def moara_adamw(
     # Validate the rank arguments now, not at the first update, on a block with every module type
     # the labels can name (with a custom label_fn, also the types named here); whether the model
     # has the donors and receivers is checked at init.
-    known = MODULE_TYPES if label_fn is module_label else (*MODULE_TYPES, *(donors or ()), *receivers)
+    known = MODULE_TYPES if label_fn is module_label else (*MODULE_TYPES, *(donors or ()), *(receivers or ()))
     resolve_module_ranks(known, **allocation)
     if ranks is not None and label_fn is module_label:
         unknown = sorted(set(ranks) - set(MODULE_TYPES))

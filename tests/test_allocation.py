@@ -309,3 +309,24 @@ def test_default_allocation_that_moves_no_rank_warns():
         mj.moara_adamw(0.01, r_base=8, block_size=4).init(only_down)
     (message,) = _moara_warnings(caught)
     assert "none of the default donors ('q', 'k')" in message and "default receivers" not in message
+
+
+def test_receivers_named_by_the_caller_are_checked_like_donors():
+    """Named receivers are not filtered to the tree as the defaults are: a misspelt one raises
+    (at construction for a name no module type has, at init for a type the tree lacks) instead
+    of turning the allocation off, and a present one moves rank with the default donors."""
+    params = {
+        "q_proj": {"kernel": jnp.ones((16, 16))},
+        "k_proj": {"kernel": jnp.ones((16, 16))},
+        "up_proj": {"kernel": jnp.ones((16, 32))},
+        "down_proj": {"kernel": jnp.ones((32, 16))},
+    }
+    for receivers in [("dwn",), ("down", "dwn")]:
+        with pytest.raises(ValueError, match=r"receivers: unknown module types \['dwn'\]"):
+            mj.moara_adamw(0.01, r_base=8, block_size=4, receivers=receivers)
+    with pytest.raises(ValueError, match=r"receivers: unknown module types \['gate'\]"):
+        mj.moara_adamw(0.01, r_base=8, block_size=4, receivers=("gate",)).init(params)
+    with pytest.raises(ValueError, match=r"receivers: unknown module types \['gate'\]"):
+        mj.rank_table(params, r_base=8, receivers=("gate",))
+    ranks = {row["module"]: row["requested"] for row in mj.rank_table(params, r_base=8, receivers=("up",))}
+    assert ranks == {"q": 4, "k": 4, "up": 16, "down": 8}

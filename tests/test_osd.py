@@ -145,6 +145,24 @@ def test_osd_needs_a_peak_with_a_schedule_and_accounts_its_basis_moments():
     assert got["total"] == got["moments"] + got["projection_bases"] + got["basis_moments"] + got["other"]
 
 
+def test_a_float16_basis_keeps_float32_moments_and_stays_finite():
+    """float16's range flushes the basis's second moment ``(1 - b2) g^2`` to zero, and a step
+    that divides by eps alone blows the basis up (NaN by the third update when the moments were
+    float16); bf16 bases keep bf16 moments, as the reference's (accounting test above)."""
+    rng = np.random.default_rng(0)
+    params = {"q_proj": {"kernel": jnp.asarray(rng.standard_normal((32, 64)), jnp.float16)}}
+    tx = mj.moara_adamw(0.01, r_base=8, block_size=8, rank_allocation=False, host=mj.OSD(peak_lr=0.01))
+    state, update = tx.init(params), jax.jit(tx.update)
+    for _ in range(10):
+        grads = {"q_proj": {"kernel": jnp.asarray(rng.standard_normal((32, 64)), jnp.float16)}}
+        updates, state = update(grads, state, params)
+        assert bool(jnp.all(jnp.isfinite(updates["q_proj"]["kernel"])))
+    osd = find_state(state, mj.OSDProjectState)
+    assert osd.basis["q_proj"]["kernel"].dtype == jnp.float16
+    assert osd.basis_mu["q_proj"]["kernel"].dtype == osd.basis_nu["q_proj"]["kernel"].dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(osd.basis["q_proj"]["kernel"]))) <= 1.0  # still near orthonormal
+
+
 def test_moara_on_osd_runs_decomposition_on_the_moving_basis():
     """Full MoARa on OSD: finite, and the basis moves after step 0 (the magnitudes' Adam and
     the direction's projection are the chain's, checked for GaLore)."""

@@ -183,6 +183,16 @@ def test_multisteps_and_inject_hyperparams():
     s_inj.hyperparams["learning_rate"] = jnp.asarray(0.02)
     u_inj2, _ = jax.jit(injected.update)(grads, s_inj, params)
     assert jax.tree.leaves(u_inj2)[0].shape == jax.tree.leaves(u_plain)[0].shape
+    # The dtypes are static: injected, a dtype (a callable) would be taken for a schedule.
+    with_dtype = optax.inject_hyperparams(mj.moara_adamw, static_args=mj.MOARA_ADAMW_STATIC_ARGS)(
+        learning_rate=0.01, r_base=4, block_size=8, mu_dtype=jnp.bfloat16
+    )
+    state = with_dtype.init(params)
+    assert not {"mu_dtype", "mag_dtype"} & set(state.hyperparams), sorted(state.hyperparams)
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, mj.InnerAdamState))
+    adams = [x for x in nodes if isinstance(x, mj.InnerAdamState)]
+    moments = [m for x in adams for m in jax.tree.leaves((x.mu, x.dir_mu))]
+    assert moments and {m.dtype for m in moments} == {jnp.dtype(jnp.bfloat16)}
 
 
 @pytest.mark.parametrize("name", variants(["full", "fira_full", "q_galore_full", "osd_full"]))

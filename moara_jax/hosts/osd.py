@@ -15,7 +15,8 @@ its pending step.
 
 Two deliberate differences: a zero gradient contributes a zero loss (the reference divides by
 its zero norm and turns the basis into NaN), and the AdamW math runs in float32 with the basis
-and its moments stored in the leaf's dtype (the reference computes in bf16 for bf16 weights).
+and its moments stored in the leaf's dtype (the reference computes in bf16 for bf16 weights),
+but a float16 basis's moments in float32 (float16's range flushes the second moment to zero).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class OSDProjectState(NamedTuple):
 
     count: jax.Array  # shape=(), dtype=jnp.int32: steps taken.
     basis: Any  # per leaf (..., d, r) in the leaf's dtype: the one the last update used.
-    basis_mu: Any  # AdamW first moments of the basis (its dtype), with the last update's loss.
+    # AdamW first moments of the basis (its dtype; float32 for float16), with the last update's loss.
+    basis_mu: Any
     basis_nu: Any  # AdamW second moments of the basis.
 
 
@@ -63,6 +65,13 @@ def pca_loss(basis: jax.Array, g: jax.Array, side: str) -> jax.Array:
     else:
         recon = (x @ b) @ jnp.swapaxes(b, -1, -2)
     return jnp.sum(jnp.square(recon - x))
+
+
+def _moment_dtype(dtype) -> jnp.dtype:
+    """The dtype of a basis's AdamW moments: the basis's, but float32 for float16, whose range
+    would flush the second moment ``(1 - b2) g^2`` of small PCA gradients to zero (the step
+    then divides by ``eps`` alone and the basis blows up)."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
 
 
 def _adamw_step(p, mu, nu, step, lr, b1, b2, eps, weight_decay):
@@ -104,7 +113,7 @@ def osd_project(
     def init_fn(params):
         basis = zero_bases("osd_project", params, rank_fn, name_fn)
         # Two trees of their own: a state whose leaves share a buffer cannot be donated.
-        mu, nu = (jax.tree.map(jnp.zeros_like, basis) for _ in range(2))
+        mu, nu = (jax.tree.map(lambda b: jnp.zeros_like(b, _moment_dtype(b.dtype)), basis) for _ in range(2))
         return OSDProjectState(jnp.zeros([], jnp.int32), basis, mu, nu)
 
     def update_fn(updates, state, params=None):

@@ -123,8 +123,9 @@ def q_galore_project(
     """Projects every leaf (or a ``Decomposed`` direction) like :func:`project`, with Q-GaLore's
     quantized basis and layer-adaptive refresh (see the module docstring).
 
-    One ``lax.cond`` per step computes new bases when any matrix is due; only the due matrices
-    take theirs. ``bits=None`` keeps float bases. ``group_size`` must divide each basis's size.
+    One ``lax.cond`` per matrix shape a step computes new bases when any matrix of that shape is
+    due; only the due matrices take theirs. ``bits=None`` keeps float bases. ``group_size`` must
+    divide each basis's size.
     """
     _check_args(rank if not callable(rank) else 1, update_proj_gap, "std", svd)
     if bits is not None and not (is_int(bits) and bits <= 8):
@@ -148,7 +149,8 @@ def q_galore_project(
             if bits is not None and (d * r) % group_size:
                 raise ValueError(
                     f"q_galore_project: the basis of {_path_str(path)} has {d} x {r} = {d * r} "
-                    f"entries, not a multiple of group_size={group_size}"
+                    f"entries, not a multiple of group_size={group_size} "
+                    "(the host's QGaLore(basis_group_size=...))"
                 )
             batch = m.shape[:-2]
             return (
@@ -266,7 +268,7 @@ def quantize_weights(
             if n % group_size:
                 raise ValueError(
                     f"quantize_weights: {_path_str(path)} has {n} entries per matrix, not a "
-                    f"multiple of group_size={group_size}"
+                    f"multiple of group_size={group_size} (the host's QGaLore(weight_group_size=...))"
                 )
 
         jax.tree_util.tree_map_with_path(check, params)

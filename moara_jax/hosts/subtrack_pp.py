@@ -96,7 +96,7 @@ def subtrack_project(
     basis: an SVD at step 0, then a geodesic step (:func:`geodesic_step`) every
     ``update_proj_gap`` steps on the matrix it projects.
 
-    Emits :class:`LowRank` nodes carrying the projected matrix (``source``, for
+    Emits :class:`LowRank` nodes carrying the projected matrix (``projected``, for
     :func:`fira_adam`) and the initial basis (``prev_basis``, for :func:`transport_moments`).
 
     Args:
