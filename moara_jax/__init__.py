@@ -29,6 +29,8 @@ the stages' hyperparameters (one definition, defaults)       ``hosts._base.Stage
 state memory (the paper's "Opt. state")                      ``_accounting.state_bytes``
 a kernel whose matrix spans several axes (head-split         ``_matrices.as_matrices``
 attention ``(embed, heads, head_dim)``)                       (``MatrixAxes``)
+the state placed as the parameters; Explicit mesh axes        ``_sharding.follow_params``
+                                                              (``state_shardings``)
 ==========================================================  ==========================================
 """
 
@@ -80,6 +82,7 @@ from moara_jax._nodes import Decomposed, LowRank
 from moara_jax._optimizer import MOARA_ADAMW_STATIC_ARGS, moara_adamw
 from moara_jax._projection import ProjectState, project, projection_side
 from moara_jax._quant import Blockwise8bit, adam8bit, dynamic_map
+from moara_jax._sharding import state_shardings
 from moara_jax.hosts import (
     HOSTS,
     OSD,
@@ -184,6 +187,7 @@ __all__ = [
     "scale_by_galore",
     "scale_by_moara",
     "stage_chain",
+    "state_shardings",
     "state_bytes",
     "subtrack_project",
     "torch_adam_direction",

@@ -32,6 +32,7 @@ from moara_jax._decomposition import (
 )
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import project_back
+from moara_jax._sharding import follow_params
 from moara_jax._validate import check_block_size
 from moara_jax.hosts import Fira, Host, StageOptions, resolve_host
 from moara_jax.hosts.fira import DEFAULT_GROWTH_LIMIT
@@ -86,7 +87,7 @@ def scale_by_moara(
         canonical_signs=canonical_signs,
         name=name,
     )
-    return direction_chain(resolve_host(host), options, block_size, decompose_eps)
+    return follow_params(direction_chain(resolve_host(host), options, block_size, decompose_eps))
 
 
 def scale_by_galore(
@@ -122,7 +123,7 @@ def scale_by_galore(
         canonical_signs=canonical_signs,
         name=name,
     )
-    return direction_chain(resolve_host(host), options)
+    return follow_params(direction_chain(resolve_host(host), options))
 
 
 def scale_by_fira(
@@ -239,7 +240,7 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
+def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
     """Like ``optax.chain``, but each transform is initialised on what the previous one emits.
 
     The chain's stages change the shape of what flows between them (``project`` emits low-rank
@@ -248,8 +249,15 @@ def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTran
     on ``jax.eval_shape`` of transform ``i``'s update applied to the parameters (as a stand-in
     gradient); nothing is computed or allocated for that. Where a stage preserves the parameters'
     tree, shapes and dtypes, the next is initialised on the parameters themselves, so for
-    shape-preserving transforms this is ``optax.chain``.
+    shape-preserving transforms this is ``optax.chain``. The state is placed as the parameters
+    are, and the stages run on Explicit mesh axes (:func:`moara_jax.state_shardings`).
     """
+    return follow_params(chain_stages(*transforms))
+
+
+def chain_stages(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
+    """:func:`stage_chain` without its placement of the state (the stages inside a transform
+    that places its own)."""
 
     def init_fn(params):
         states = []
@@ -347,8 +355,8 @@ def direction_chain(
     (:func:`scale_by_moara`, else :func:`scale_by_galore`)."""
     stages = stages_of(host, options)
     if block_size is None:
-        return stage_chain(*stages, recompose(options.scale))
-    return stage_chain(
+        return chain_stages(*stages, recompose(options.scale))
+    return chain_stages(
         decompose(block_size, decompose_eps, keep_gradient=True),
         *stages,
         recompose(options.scale, block_size),

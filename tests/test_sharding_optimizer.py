@@ -237,3 +237,88 @@ def test_refresh_is_spread_over_the_mesh():
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
     assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-4000:]
+
+
+PLACEMENT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    import moara_jax as mj
+    jax.config.update("jax_default_matmul_precision", "highest")
+    rng = np.random.default_rng(0)
+    normal = lambda *s: np.asarray(rng.standard_normal(s), np.float32)
+    leaves = lambda t: jax.tree_util.tree_leaves_with_path(t)
+
+    # 1. Eager init on concrete sharded parameters, Auto axes, no context mesh: the state is
+    # placed as the parameters are, as optax.adamw's is, not on one device.
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+    params = {"embed": {"embedding": put(normal(64, 16), P("fsdp", None))},
+              "q_proj": {"kernel": put(normal(64, 32), P("fsdp", None))}}
+    tx = mj.moara_adamw(0.01, r_base=8, block_size=8, rank_allocation=False, canonical_signs=True)
+    state = tx.init(params)
+    adamw = optax.adamw(0.01).init(params)
+    mu = state[0].inner_states["other"].inner_state.mu
+    assert mu["embed"]["embedding"].sharding == adamw[0].mu["embed"]["embedding"].sharding
+    want = mj.state_shardings(state, params)
+    got = {jax.tree_util.keystr(p): x.sharding for p, x in leaves(state)}
+    for p, s in leaves(want):
+        assert got[jax.tree_util.keystr(p)] == s, (jax.tree_util.keystr(p), got[jax.tree_util.keystr(p)], s)
+    specs = {jax.tree_util.keystr(p)[-40:]: tuple(s.spec) for p, s in leaves(want)}
+    # q_proj projects its fan_out side: the low-rank moments (64 x r) keep the sharded fan_in
+    moments = [v for k, v in specs.items() if k.endswith(".dir_mu['q_proj']['kernel']")]
+    assert moments == [("fsdp", None)], specs
+    assert all(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(state))
+    # jit's out_shardings from the same rule, for an init traced where no placement is known
+    abstract = jax.eval_shape(tx.init, params)
+    jitted = jax.jit(tx.init, out_shardings=mj.state_shardings(abstract, params))(params)
+    assert [x.sharding for x in jax.tree.leaves(jitted)] == [x.sharding for x in jax.tree.leaves(state)]
+
+    # 2. Explicit axes (jax.make_mesh's default) under jax.set_mesh, with the layouts that had no
+    # sharding rule there (a block reshape of a sharded fan_in, a sharded stacked-layer axis, QR
+    # and SVD of a sharded basis): init and jitted updates run, keep the state's shardings, give
+    # the updates the gradients' and match one device.
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+    cases = [
+        ("q_proj", (32, 64), P("fsdp", None), {}),
+        ("down_proj", (8, 64, 32), P("fsdp", None, None), {}),
+        ("down_proj", (64, 32), P(None, "fsdp"), {"host": "ldadam"}),
+        ("down_proj", (64, 32), P(None, "fsdp"), {"svd": "randomized"}),
+    ]
+    for name, shape, spec, kw in cases:
+        tx = mj.moara_adamw(0.01, r_base=4, block_size=8, rank_allocation=False, canonical_signs=True, **kw)
+        values = {name: {"kernel": normal(*shape)}}
+        grads = [{name: {"kernel": normal(*shape)}} for _ in range(2)]
+        put = lambda t: jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec)), t)
+        with jax.set_mesh(mesh):
+            params = put(values)
+            state = tx.init(params)
+            assert any(x.sharding.spec != P() for x in jax.tree.leaves(state)), (name, kw)
+            update = jax.jit(tx.update)
+            sharded = []
+            for g in grads:
+                u, new = update(put(g), state, params)
+                kept = [x.sharding for x in jax.tree.leaves(state)]
+                assert [x.sharding for x in jax.tree.leaves(new)] == kept
+                assert jax.tree.leaves(u)[0].sharding.spec == spec, (jax.tree.leaves(u)[0].sharding, spec)
+                sharded.append(u)
+                state = new
+        local = jax.tree.map(jnp.asarray, values)
+        one = tx.init(local)
+        for g, u in zip(grads, sharded):
+            ref, one = tx.update(jax.tree.map(jnp.asarray, g), one, local)
+            # updates ~1e-3; a layer's close singular values move its basis by float32 rounding
+            np.testing.assert_allclose(np.asarray(jax.tree.leaves(u)[0]), np.asarray(jax.tree.leaves(ref)[0]),
+                                       rtol=2e-4, atol=1e-5, err_msg=f"{name} {shape} {spec} {kw}")
+    print("OK")
+""")
+
+
+def test_the_state_is_placed_as_the_parameters_and_explicit_axes_step():
+    """``tx.init`` places the state as the parameters (``mj.state_shardings``), where it put it
+    on one device; on Explicit mesh axes sharded parameters step (they raised sharding errors
+    in init: a reshape, a matmul of mismatched shardings, QR and SVD of a sharded basis)."""
+    env = cpu_devices(8)
+    proc = subprocess.run(
+        [sys.executable, "-c", PLACEMENT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]

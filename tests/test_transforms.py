@@ -476,3 +476,20 @@ def test_cholesky_qr2_orthonormalises_like_householder():
     assert cosines.min() > 0.999, cosines.min()
     z = _bases._cholesky_qr(_bases._cholesky_qr(jnp.zeros((2, 50, 8))))
     assert np.isfinite(np.asarray(z)).all()
+
+
+def test_stages_under_optax_chain_are_told_to_use_stage_chain():
+    """optax.chain initialises every stage on the parameters, so the Adam stage has no moments
+    for the projected values: a ValueError naming stage_chain, where an AttributeError on None
+    came from inside the Adam step."""
+    params = {"q_proj": {"kernel": jnp.ones((16, 8))}}
+    for stages in [
+        (mj.project(4), mj.inner_adam(), mj.recompose()),
+        (mj.decompose(4), mj.project(4), mj.inner_adam(), mj.recompose(block_size=4)),
+    ]:
+        tx = optax.chain(*stages)
+        with pytest.raises(ValueError, match="moara_jax.stage_chain"):
+            tx.update(params, tx.init(params), params)
+        chained = mj.stage_chain(*stages)
+        updates, _ = chained.update(params, chained.init(params), params)
+        assert jax.tree.leaves(updates)[0].shape == (16, 8)

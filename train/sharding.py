@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moara_jax._sharding import derived_spec, find_param, path_key
 from train.config import MeshSection
 from train.errors import UserError
 
@@ -97,7 +98,7 @@ def state_shardings(abstract_state, mesh: Mesh, abstract_params=None, param_shar
     if abstract_params is None:
         return jax.tree.map(largest_fsdp_axis, abstract_state)
     params = {
-        _path_key(path): (x, tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec)))
+        path_key(path): (x, tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec)))
         for (path, x), sh in zip(
             jax.tree_util.tree_leaves_with_path(abstract_params),
             jax.tree.leaves(param_shardings_tree),
@@ -108,13 +109,13 @@ def state_shardings(abstract_state, mesh: Mesh, abstract_params=None, param_shar
     def one(path, x):
         if x.ndim == 0:
             return NamedSharding(mesh, P())
-        match = _find_param(_path_key(path), params)
+        match = find_param(path_key(path), params)
         if match is None:
             return largest_fsdp_axis(x)
         param, spec = match
         if x.shape == param.shape:
             return NamedSharding(mesh, P(*spec))
-        derived = _fit(_derived_spec(x.shape, param.shape, spec), x.shape, mesh)
+        derived = _fit(derived_spec(x.shape, param.shape, spec), x.shape, mesh)
         return NamedSharding(mesh, _spread(tuple(derived), x.shape, spec, mesh))
 
     return jax.tree_util.tree_map_with_path(one, abstract_state)
@@ -133,43 +134,6 @@ def _spread(spec: tuple, shape: tuple, param_spec: tuple, mesh: Mesh) -> P:
         if free:
             spec[max(free, key=lambda k: shape[k])] = "fsdp"
     return P(*spec)
-
-
-def _path_key(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
-def _find_param(key: tuple[str, ...], params: dict):
-    """The parameter whose path occurs in ``key`` (the longest such), or None."""
-    best = None
-    for i in range(len(key)):
-        for j in range(len(key), i, -1):
-            if key[i:j] in params and (best is None or j - i > len(best)):
-                best = key[i:j]
-                break
-    return params[best] if best is not None else None
-
-
-def _derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
-    """Mesh axes for a low-rank leaf of a parameter: leading (stacked) dimensions as the
-    parameter's, then each of the last two dimensions as the parameter's matrix dimension of the
-    same size (the same place first), a mesh axis used once."""
-    lead = len(param_shape) - 2
-    if len(shape) < len(param_shape) - 2 or lead < 0:
-        return (None,) * len(shape)
-    spec = list(param_spec[: min(lead, len(shape))]) + [None] * max(len(shape) - lead, 0)
-    used = {a for a in spec if a is not None}
-    for k in range(lead, len(shape)):  # the leaf's matrix dimensions
-        place = k - lead
-        for candidate in (place, 1 - place) if place in (0, 1) else ():
-            axis = param_spec[lead + candidate]
-            if shape[k] == param_shape[lead + candidate] and axis is not None and axis not in used:
-                spec[k] = axis
-                used.add(axis)
-                break
-            if shape[k] == param_shape[lead + candidate]:
-                break
-    return tuple(spec)
 
 
 # The model's activation axes (``models.model.ACTIVATION_AXES``, ``LOOKUP_AXES``): the residual

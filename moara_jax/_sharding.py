@@ -1,0 +1,192 @@
+"""The optimizer state placed as the parameters are, and the update under Explicit mesh axes.
+
+``init`` of the public transforms (:func:`follow_params`) places its state as the parameters
+are placed, as ``optax.adamw``'s ``zeros_like`` moments are: an optimizer of an FSDP-sharded
+model must not hold its state on one device (:func:`state_shardings` says where each leaf goes).
+Under a mesh of Explicit axes (``jax.make_mesh``'s default, with ``jax.set_mesh``), ``init`` and
+``update`` run with those axes Auto (``jax.sharding.auto_axes``): a block reshape, the SVD or QR
+of a basis and a projection of a sharded matrix have no sharding rule of their own there, so XLA
+places them as under Auto axes; the state leaves as it came in, the updates as the gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def path_key(path) -> tuple[str, ...]:
+    """A key path as names (dict keys, attribute names, sequence indices)."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def find_param(key: tuple[str, ...], params: dict):
+    """The value of ``params`` (keyed by :func:`path_key`) whose key occurs in ``key``, the
+    longest such, or None: optax states hold per-parameter trees whose paths end with the
+    parameter's."""
+    best = None
+    for i in range(len(key)):
+        for j in range(len(key), i, -1):
+            if key[i:j] in params and (best is None or j - i > len(best)):
+                best = key[i:j]
+                break
+    return params[best] if best is not None else None
+
+
+def derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
+    """Mesh axes for a low-rank leaf of a parameter: leading (stacked) dimensions as the
+    parameter's, then each of the last two dimensions as the parameter's matrix dimension of the
+    same size (the same place first: bases are stored in the paper's orientation), a mesh axis
+    used once."""
+    lead = len(param_shape) - 2
+    if len(shape) < len(param_shape) - 2 or lead < 0:
+        return (None,) * len(shape)
+    spec = list(param_spec[: min(lead, len(shape))]) + [None] * max(len(shape) - lead, 0)
+    used = {a for a in spec if a is not None}
+    for k in range(lead, len(shape)):  # the leaf's matrix dimensions
+        place = k - lead
+        for candidate in (place, 1 - place) if place in (0, 1) else ():
+            axis = param_spec[lead + candidate]
+            if shape[k] == param_shape[lead + candidate] and axis is not None and axis not in used:
+                spec[k] = axis
+                used.add(axis)
+                break
+            if shape[k] == param_shape[lead + candidate]:
+                break
+    return tuple(spec)
+
+
+def _axis_size(mesh_shape, axis) -> int:
+    names = axis if isinstance(axis, tuple) else (axis,)
+    size = 1
+    for name in names:
+        size *= mesh_shape[name]
+    return size
+
+
+def _leaf_spec(path, x, params: dict, mesh_shape) -> P:
+    """The spec of state leaf ``x``: its parameter's for the parameter's shape, the dimensions it
+    keeps from the parameter sharded as the parameter's for a low-rank leaf, else replicated."""
+    match = find_param(path_key(path), params) if getattr(x, "ndim", 0) else None
+    if match is None:
+        return P()
+    param_shape, spec = match
+    if tuple(x.shape) == param_shape:
+        return P(*spec)
+    derived = derived_spec(tuple(x.shape), param_shape, spec)
+    # A dimension of the same size as the parameter's is divisible as the parameter's; a view of
+    # a multi-axis kernel (``as_matrices``) may not be: such a dimension stays whole.
+    return P(
+        *(
+            a if a is None or d % _axis_size(mesh_shape, a) == 0 else None
+            for a, d in zip(derived, x.shape, strict=True)
+        )
+    )
+
+
+def _params_by_path(params, specs) -> dict:
+    return {
+        path_key(path): (tuple(x.shape), tuple(spec) + (None,) * (len(x.shape) - len(spec)))
+        for (path, x), spec in zip(
+            jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(specs), strict=True
+        )
+    }
+
+
+def _specs(state, params, param_specs, mesh_shape):
+    by_path = _params_by_path(params, param_specs)
+    return jax.tree_util.tree_map_with_path(lambda path, x: _leaf_spec(path, x, by_path, mesh_shape), state)
+
+
+def state_shardings(state: Any, params: Any, param_shardings: Any = None) -> Any:
+    """Where each leaf of an optimizer state goes when it follows the parameters.
+
+    A leaf is matched to its parameter by key path. A leaf of the parameter's shape (Adam
+    moments of non-target parameters, error buffers) takes the parameter's sharding; a low-rank
+    leaf (moments ``r x n``, bases ``m x r``, block magnitudes, stacked or not) shards each
+    dimension it keeps from the parameter as the parameter shards it; scalars and leaves matched
+    to no parameter are replicated. ``tx.init`` of :func:`moara_jax.moara_adamw` places its state
+    this way; under ``jax.jit(tx.init)`` on Auto axes, where no placement is known while tracing,
+    pass ``out_shardings=state_shardings(jax.eval_shape(tx.init, params), params)``.
+
+    Args:
+      state: the state, or ``jax.eval_shape(tx.init, params)``.
+      params: the parameters (arrays, or ``jax.ShapeDtypeStruct`` with ``sharding``).
+      param_shardings: a ``NamedSharding`` per parameter (default: each parameter's
+        ``.sharding``); all on one mesh.
+
+    Returns:
+      A ``NamedSharding`` per leaf of ``state``.
+    """
+    shardings = jax.tree.map(lambda x: x.sharding, params) if param_shardings is None else param_shardings
+    named = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+    if not named or not all(isinstance(s, NamedSharding) for s in named):
+        raise ValueError(
+            "state_shardings: every parameter needs a NamedSharding (arrays placed with one, or "
+            "param_shardings=)"
+        )
+    mesh = named[0].mesh
+    if any(s.mesh != mesh for s in named):
+        raise ValueError("state_shardings: the parameters' NamedShardings are on different meshes")
+    specs = jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(state, params, specs, mesh.shape))
+
+
+def _explicit_axes() -> tuple[str, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(
+        a for a, kind in zip(mesh.axis_names, mesh.axis_types, strict=True) if kind == AxisType.Explicit
+    )
+
+
+def _on_one_mesh(params) -> bool:
+    """Whether the parameters are concrete arrays, all with a NamedSharding on one mesh."""
+    leaves = jax.tree.leaves(params)
+    if not leaves or any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):
+        return False
+    shardings = [x.sharding for x in leaves]
+    return all(isinstance(s, NamedSharding) and s.mesh == shardings[0].mesh for s in shardings)
+
+
+def _spec_of(x) -> P:
+    return jax.typeof(x).sharding.spec
+
+
+def follow_params(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``tx`` whose ``init`` places the state as the parameters are (:func:`state_shardings`; on
+    concrete arrays on a mesh, and under Explicit mesh axes in or outside ``jit``) and whose
+    ``init`` and ``update`` run with a context mesh's Explicit axes Auto (see the module)."""
+    tx = optax.with_extra_args_support(tx)
+
+    def init_fn(params):
+        axes = _explicit_axes()
+        if axes:
+            plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+            abstract = jax.eval_shape(tx.init, plain)
+            specs = _specs(
+                abstract, params, jax.tree.map(_spec_of, params), jax.sharding.get_abstract_mesh().shape
+            )
+            return jax.sharding.auto_axes(tx.init, axes=axes, out_sharding=specs)(params)
+        state = tx.init(params)
+        if _on_one_mesh(params):
+            state = jax.device_put(state, state_shardings(state, params))
+        return state
+
+    def update_fn(updates, state, params=None, **extra):
+        axes = _explicit_axes()
+        if not axes:
+            return tx.update(updates, state, params, **extra)
+        out = (jax.tree.map(_spec_of, updates), jax.tree.map(_spec_of, state))
+
+        def run(updates, state, params, extra):
+            return tx.update(updates, state, params, **extra)
+
+        return jax.sharding.auto_axes(run, axes=axes, out_sharding=out)(updates, state, params, extra)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
