@@ -253,7 +253,11 @@ def decay_after_step(
 
     def update_fn(updates, state, params=None):
         if params is None:
-            raise ValueError("decay_after_step needs the parameters: update(updates, state, params)")
+            raise ValueError(
+                "decay_after_step needs the parameters: update(updates, state, params) (under "
+                "optax.inject_hyperparams weight_decay is an array even at 0: name it in "
+                "static_args for an update without them)"
+            )
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
         factor = jnp.asarray(lr, jnp.float32) * weight_decay
 

@@ -122,6 +122,11 @@ def label_tree(params: Any, label_fn=module_label) -> Any:
 
     def f(path, x):
         label = label_fn(unboxed(path))
+        if not isinstance(label, str):
+            raise ValueError(
+                f"label_fn returned {label!r} for {jax.tree_util.keystr(path)}: a module type "
+                f"(a string), or {OTHER!r} for a parameter left to AdamW"
+            )
         return label if label != OTHER and getattr(x, "ndim", 0) >= 2 else OTHER
 
     return jax.tree_util.tree_map_with_path(f, params)

@@ -330,3 +330,10 @@ def test_receivers_named_by_the_caller_are_checked_like_donors():
         mj.rank_table(params, r_base=8, receivers=("gate",))
     ranks = {row["module"]: row["requested"] for row in mj.rank_table(params, r_base=8, receivers=("up",))}
     assert ranks == {"q": 4, "k": 4, "up": 16, "down": 8}
+
+
+def test_a_label_fn_that_returns_no_string_is_named():
+    params = {"w": jnp.ones((8, 8)), "b": jnp.ones(8)}
+    tx = mj.moara_adamw(0.01, r_base=4, block_size=4, label_fn=lambda path: None)
+    with pytest.raises(ValueError, match=r"label_fn returned None for \['b'\]: a module type"):
+        tx.init(params)

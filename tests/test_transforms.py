@@ -493,3 +493,17 @@ def test_stages_under_optax_chain_are_told_to_use_stage_chain():
         chained = mj.stage_chain(*stages)
         updates, _ = chained.update(params, chained.init(params), params)
         assert jax.tree.leaves(updates)[0].shape == (16, 8)
+
+
+def test_an_update_without_params_under_inject_hyperparams_says_how():
+    """weight_decay injected is an array even at 0, so the decay needs the parameters; the
+    error says so, and naming it static makes an update without them work."""
+    params = {"q_proj": {"kernel": jnp.ones((16, 8))}}
+    kwargs = dict(learning_rate=0.01, r_base=4, block_size=4)
+    injected = optax.inject_hyperparams(mj.moara_adamw, static_args=mj.MOARA_ADAMW_STATIC_ARGS)(**kwargs)
+    with pytest.raises(ValueError, match="name it in static_args"):
+        injected.update(params, injected.init(params))
+    static = (*mj.MOARA_ADAMW_STATIC_ARGS, "weight_decay")
+    injected = optax.inject_hyperparams(mj.moara_adamw, static_args=static)(**kwargs)
+    updates, _ = injected.update(params, injected.init(params))
+    assert updates["q_proj"]["kernel"].shape == (16, 8)
