@@ -46,11 +46,13 @@ def spread(fn, *batches: jax.Array) -> jax.Array:
     """
     mesh = jax.sharding.get_abstract_mesh()
     kinds = () if mesh.empty else tuple(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    axes = tuple(a for a, kind in kinds if kind != AxisType.Manual)
+    explicit = any(kind == AxisType.Explicit for _, kind in kinds)
+    # On a mesh of both kinds, over its Explicit axes (reshard names no Auto axis).
+    wanted = AxisType.Explicit if explicit else AxisType.Auto
+    axes = tuple(a for a, kind in kinds if kind == wanted)
     n = math.prod(mesh.shape[a] for a in axes)
     if n == 1:
         return fn(*batches)
-    explicit = any(kind == AxisType.Explicit for _, kind in kinds)
     # On Explicit axes a layout is changed by reshard (there a sharding constraint only asserts).
     place = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
     b = batches[0].shape[0]

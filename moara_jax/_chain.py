@@ -32,12 +32,13 @@ from moara_jax._decomposition import (
 )
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import project_back
-from moara_jax._sharding import follow_params
+from moara_jax._sharding import follow_params, placing
 from moara_jax._validate import check_block_size
 from moara_jax.hosts import Fira, Host, StageOptions, resolve_host
 from moara_jax.hosts.fira import DEFAULT_GROWTH_LIMIT
 
 
+@placing
 def scale_by_moara(
     rank: int | Callable[[Any], int],
     block_size: int,
@@ -87,9 +88,10 @@ def scale_by_moara(
         canonical_signs=canonical_signs,
         name=name,
     )
-    return follow_params(direction_chain(resolve_host(host), options, block_size, decompose_eps))
+    return direction_chain(resolve_host(host), options, block_size, decompose_eps)
 
 
+@placing
 def scale_by_galore(
     rank: int | Callable[[Any], int],
     *,
@@ -123,7 +125,7 @@ def scale_by_galore(
         canonical_signs=canonical_signs,
         name=name,
     )
-    return follow_params(direction_chain(resolve_host(host), options))
+    return direction_chain(resolve_host(host), options)
 
 
 def scale_by_fira(

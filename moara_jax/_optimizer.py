@@ -13,7 +13,7 @@ from moara_jax._allocation import resolve_module_ranks, tree_ranks
 from moara_jax._chain import direction_chain
 from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
 from moara_jax._matrices import MatrixAxesOrFn, as_matrices
-from moara_jax._sharding import follow_params
+from moara_jax._sharding import placing
 from moara_jax._validate import check_block_size
 from moara_jax.hosts import Host, StageOptions, resolve_host
 
@@ -40,6 +40,7 @@ MOARA_ADAMW_STATIC_ARGS = (
 )
 
 
+@placing  # the state placed as the parameters are; Explicit mesh axes (moara_jax._sharding)
 def moara_adamw(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -211,5 +212,4 @@ def moara_adamw(
 
     directions = optax.GradientTransformation(init_fn, update_fn)
     tx = optax.chain(directions, *host.finish(learning_rate, weight_decay, targets, seed))
-    # The state placed as the parameters are; Explicit mesh axes Auto inside (moara_jax._sharding).
-    return follow_params(tx if matrix_axes is None else as_matrices(tx, matrix_axes))
+    return tx if matrix_axes is None else as_matrices(tx, matrix_axes)

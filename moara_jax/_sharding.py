@@ -1,16 +1,19 @@
 """The optimizer state placed as the parameters are, and the update under Explicit mesh axes.
 
-``init`` of the public transforms (:func:`follow_params`) places its state as the parameters
-are placed, as ``optax.adamw``'s ``zeros_like`` moments are: an optimizer of an FSDP-sharded
-model must not hold its state on one device (:func:`state_shardings` says where each leaf goes).
-Under a mesh of Explicit axes (``jax.make_mesh``'s default, with ``jax.set_mesh``), ``init`` and
-``update`` run with those axes Auto (``jax.sharding.auto_axes``): a block reshape, the SVD or QR
-of a basis and a projection of a sharded matrix have no sharding rule of their own there, so XLA
-places them as under Auto axes; the state leaves as it came in, the updates as the gradients.
-"""
+``init`` of the public transforms (:func:`placing`, :func:`follow_params`) makes its state where
+the parameters are, as ``optax.adamw``'s ``zeros_like`` moments are: an optimizer of an
+FSDP-sharded model must not hold its state on one device (:func:`state_shardings` says where
+each leaf goes). Under a mesh of Explicit axes (``jax.make_mesh``'s default, with
+``jax.set_mesh``), when an input is sharded over one of them, ``init`` and ``update`` run with
+those axes Auto (``jax.sharding.auto_axes``): a block reshape, the SVD or QR of a basis and a
+projection of a sharded matrix have no sharding rule of their own there, so XLA places them as
+under Auto axes; the state leaves as it came in, the updates as the gradients."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,16 +28,15 @@ def path_key(path) -> tuple[str, ...]:
 
 
 def find_param(key: tuple[str, ...], params: dict):
-    """The value of ``params`` (keyed by :func:`path_key`) whose key occurs in ``key``, the
-    longest such, or None: optax states hold per-parameter trees whose paths end with the
-    parameter's."""
-    best = None
-    for i in range(len(key)):
-        for j in range(len(key), i, -1):
-            if key[i:j] in params and (best is None or j - i > len(best)):
-                best = key[i:j]
-                break
-    return params[best] if best is not None else None
+    """The value of ``params`` (keyed by :func:`path_key`) whose key occurs in ``key`` ending
+    latest, the longest such, or None: optax states hold per-parameter trees whose paths end
+    with the parameter's, or with it and a field (a quantized basis's codes); a chain's index at
+    the front of every path is no parameter's (list parameters are keyed '0', '1', ...)."""
+    for j in range(len(key), 0, -1):
+        for i in range(j):
+            if key[i:j] in params:
+                return params[key[i:j]]
+    return None
 
 
 def derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
@@ -77,9 +79,12 @@ def _leaf_spec(path, x, params: dict, mesh_shape) -> P:
     param_shape, spec = match
     if tuple(x.shape) == param_shape:
         return P(*spec)
+    if x.ndim != len(param_shape):
+        # Not a low-rank leaf of the parameter's layout (a quantized basis's groups; the state
+        # of a multi-axis kernel's matrix view, ``as_matrices``): whole on every device.
+        return P()
     derived = derived_spec(tuple(x.shape), param_shape, spec)
-    # A dimension of the same size as the parameter's is divisible as the parameter's; a view of
-    # a multi-axis kernel (``as_matrices``) may not be: such a dimension stays whole.
+    # A leaf's dimension of the parameter's size divides as the parameter's (kept for safety).
     return P(
         *(
             a if a is None or d % _axis_size(mesh_shape, a) == 0 else None
@@ -122,9 +127,12 @@ def state_shardings(state: Any, params: Any, param_shardings: Any = None) -> Any
     Returns:
       A ``NamedSharding`` per leaf of ``state``.
     """
-    shardings = jax.tree.map(lambda x: x.sharding, params) if param_shardings is None else param_shardings
-    named = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
-    if not named or not all(isinstance(s, NamedSharding) for s in named):
+    if param_shardings is None:
+        shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), params)
+    else:
+        shardings = param_shardings
+    named = jax.tree.leaves(shardings, is_leaf=lambda s: s is None or isinstance(s, NamedSharding))
+    if len(named) != len(jax.tree.leaves(params)) or not all(isinstance(s, NamedSharding) for s in named):
         raise ValueError(
             "state_shardings: every parameter needs a NamedSharding (arrays placed with one, or "
             "param_shardings=)"
@@ -158,35 +166,91 @@ def _spec_of(x) -> P:
     return jax.typeof(x).sharding.spec
 
 
-def follow_params(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``tx`` whose ``init`` places the state as the parameters are (:func:`state_shardings`; on
-    concrete arrays on a mesh, and under Explicit mesh axes in or outside ``jit``) and whose
-    ``init`` and ``update`` run with a context mesh's Explicit axes Auto (see the module)."""
-    tx = optax.with_extra_args_support(tx)
+def _sharded_over(axes: tuple[str, ...], *trees) -> bool:
+    """Whether a leaf of ``trees`` is sharded over one of ``axes``."""
+    for x in jax.tree.leaves(trees):
+        if isinstance(x, jax.Array):
+            for entry in _spec_of(x):
+                if any(a in axes for a in (entry if isinstance(entry, tuple) else (entry,))):
+                    return True
+    return False
+
+
+def _split_arrays(tree) -> tuple[list, Callable[[list], Any]]:
+    """The arrays among ``tree``'s leaves, and how to put ``tree`` back from (new) arrays: what
+    enters ``auto_axes`` as an argument must be arrays (an extra argument may be a function)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    is_array = [isinstance(x, jax.Array) for x in leaves]
+
+    def rebuild(arrays: list) -> Any:
+        it = iter(arrays)
+        return treedef.unflatten([next(it) if a else x for x, a in zip(leaves, is_array, strict=True)])
+
+    return [x for x, a in zip(leaves, is_array, strict=True) if a], rebuild
+
+
+def follow_params(
+    tx: optax.GradientTransformation,
+    remake: Callable[[dict], optax.GradientTransformation] | None = None,
+    arrays: dict | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` whose ``init`` places the state as the parameters are (:func:`state_shardings`),
+    and whose ``init`` and ``update`` run a context mesh's Explicit axes Auto when an input is
+    sharded over one (see the module).
+
+    ``remake(arrays)`` makes ``tx`` again from its array-valued settings ``arrays`` (a learning
+    rate from ``optax.inject_hyperparams``), which then enter the Auto region as arguments: an
+    array ``tx`` captured keeps the Explicit mesh in its type, which no operation there accepts.
+    """
+    arrays = arrays or {}
+
+    def inner(hyper: dict) -> optax.GradientTransformationExtraArgs:
+        return optax.with_extra_args_support(tx if remake is None or not hyper else remake(hyper))
 
     def init_fn(params):
         axes = _explicit_axes()
-        if axes:
-            plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-            abstract = jax.eval_shape(tx.init, plain)
-            specs = _specs(
-                abstract, params, jax.tree.map(_spec_of, params), jax.sharding.get_abstract_mesh().shape
-            )
-            return jax.sharding.auto_axes(tx.init, axes=axes, out_sharding=specs)(params)
-        state = tx.init(params)
-        if _on_one_mesh(params):
-            state = jax.device_put(state, state_shardings(state, params))
-        return state
+        if axes and _sharded_over(axes, params):
+            plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, arrays))
+            mesh = jax.sharding.get_abstract_mesh()
+            run = lambda params, hyper: inner(hyper).init(params)  # noqa: E731
+            with jax.sharding.use_abstract_mesh(mesh.update_axis_types({a: AxisType.Auto for a in axes})):
+                abstract = jax.eval_shape(run, *plain)
+            specs = _specs(abstract, params, jax.tree.map(_spec_of, params), mesh.shape)
+            return jax.sharding.auto_axes(run, axes=axes, out_sharding=specs)(params, arrays)
+        if _on_one_mesh(params):  # made where it belongs, never whole on one device first
+            shardings = state_shardings(jax.eval_shape(inner(arrays).init, params), params)
+            return jax.jit(inner(arrays).init, out_shardings=shardings)(params)
+        return inner(arrays).init(params)
 
     def update_fn(updates, state, params=None, **extra):
         axes = _explicit_axes()
-        if not axes:
-            return tx.update(updates, state, params, **extra)
+        if not axes or not _sharded_over(axes, updates, state, params):
+            return inner(arrays).update(updates, state, params, **extra)
         out = (jax.tree.map(_spec_of, updates), jax.tree.map(_spec_of, state))
+        extra_arrays, extra_back = _split_arrays(extra)
 
-        def run(updates, state, params, extra):
-            return tx.update(updates, state, params, **extra)
+        def run(updates, state, params, extra_arrays, hyper):
+            return inner(hyper).update(updates, state, params, **extra_back(extra_arrays))
 
-        return jax.sharding.auto_axes(run, axes=axes, out_sharding=out)(updates, state, params, extra)
+        return jax.sharding.auto_axes(run, axes=axes, out_sharding=out)(
+            updates, state, params, extra_arrays, arrays
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def placing(constructor: Callable[..., optax.GradientTransformation]):
+    """``constructor`` whose transform is :func:`follow_params`'s, with its array-valued
+    arguments handed to the Auto region as arguments."""
+
+    @functools.wraps(constructor)
+    def wrapped(*args, **kwargs):
+        bound = inspect.signature(constructor).bind(*args, **kwargs)
+        arrays = {k: v for k, v in bound.arguments.items() if isinstance(v, jax.Array)}
+
+        def remake(values: dict) -> optax.GradientTransformation:
+            return constructor(**{**bound.arguments, **values})
+
+        return follow_params(constructor(*args, **kwargs), remake, arrays)
+
+    return wrapped

@@ -309,6 +309,34 @@ PLACEMENT = textwrap.dedent("""
             # updates ~1e-3; a layer's close singular values move its basis by float32 rounding
             np.testing.assert_allclose(np.asarray(jax.tree.leaves(u)[0]), np.asarray(jax.tree.leaves(ref)[0]),
                                        rtol=2e-4, atol=1e-5, err_msg=f"{name} {shape} {spec} {kw}")
+
+    # 3. Settings that are arrays (inject_hyperparams, an array learning rate) and an extra
+    # argument that is a function, with sharded parameters on Explicit axes; parameters in a
+    # list, whose state leaves each follow their own (not the first: every state path begins
+    # with a chain index); a mesh of Explicit and Auto axes.
+    kw = dict(r_base=4, block_size=8, rank_allocation=False)
+    with jax.set_mesh(mesh):
+        fsdp = NamedSharding(mesh, P("fsdp", None))
+        params = {"q_proj": {"kernel": jax.device_put(jnp.asarray(normal(64, 32)), fsdp)}}
+        injected = optax.inject_hyperparams(mj.moara_adamw, static_args=mj.MOARA_ADAMW_STATIC_ARGS)
+        for tx in [
+            injected(learning_rate=0.01, **kw),
+            optax.chain(mj.moara_adamw(jnp.asarray(0.01), **kw), optax.scale(1.0)),
+        ]:
+            state = tx.init(params)
+            u, state = jax.jit(tx.update)(params, state, params)
+            u, state = tx.update(params, state, params, value=jnp.asarray(1.0), value_fn=lambda p: 0.0)
+            assert u["q_proj"]["kernel"].sharding.spec == P("fsdp", None)
+    auto = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    listed = [jax.device_put(jnp.ones((32, 64)), NamedSharding(auto, P(None, "fsdp"))),
+              jax.device_put(jnp.ones((64, 16)), NamedSharding(auto, P("fsdp", None)))]
+    ours = mj.moara_adamw(0.01, **kw).init(listed)[0].inner_states["other"].inner_state.mu
+    assert [x.sharding.spec for x in ours] == [x.sharding.spec for x in optax.adamw(0.01).init(listed)[0].mu]
+    mixed = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    with jax.set_mesh(mixed):
+        params = {"q_proj": {"kernel": jnp.asarray(normal(64, 32), device=NamedSharding(mixed, P()))}}
+        tx = mj.moara_adamw(0.01, **kw)
+        jax.jit(tx.update)(params, tx.init(params), params)
     print("OK")
 """)
 
