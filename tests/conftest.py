@@ -59,8 +59,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu``-marked tests run only where JAX's default backend is a GPU (asked only when one was
-    collected: the question starts JAX's backend)."""
+    """The ``slow`` tests (end-to-end runs in processes of their own, up to a minute each) first,
+    in their order, so that pytest-xdist's workers end on short tests, not one on a long test
+    while the other idles. ``gpu``-marked tests run only where JAX's default backend is a GPU
+    (asked only when one was collected: the question starts JAX's backend)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     marked = [item for item in items if item.get_closest_marker("gpu")]
     if not marked or jax.default_backend() == "gpu":
         return
