@@ -152,6 +152,14 @@ def node_adam(
             """One leaf: its plain value, low-rank value and block magnitudes (whichever it
             has) each take an Adam step with their own moments."""
             core = u.direction if isinstance(u, Decomposed) else u
+            if (isinstance(core, LowRank) and moments.dir_mu is None) or (
+                isinstance(u, Decomposed) and moments.mag_mu is None
+            ):
+                raise ValueError(
+                    "an Adam stage got projected or decomposed values, but its state was made "
+                    "for the parameters: chain the stages with moara_jax.stage_chain (which "
+                    "initialises each on what the previous emits), not optax.chain"
+                )
             if isinstance(core, LowRank):
                 d, dir_mu, dir_nu = step(core.value, moments.dir_mu, moments.dir_nu, count_inc, DIRECTION)
                 core_out, moments = (
@@ -167,16 +175,6 @@ def node_adam(
             return u.replace(mag=dm, direction=core_out), moments._replace(mag_mu=mag_mu, mag_nu=mag_nu)
 
         per_leaf = [LeafMoments(*m) for m in zip(*(up(f) for f in state[1:]), strict=True)]
-        for u, m in zip(leaves, per_leaf, strict=True):
-            core = u.direction if isinstance(u, Decomposed) else u
-            if (isinstance(core, LowRank) and m.dir_mu is None) or (
-                isinstance(u, Decomposed) and m.mag_mu is None
-            ):
-                raise ValueError(
-                    "an Adam stage got projected or decomposed values, but its state was made "
-                    "for the parameters: chain the stages with moara_jax.stage_chain (which "
-                    "initialises each on what the previous emits), not optax.chain"
-                )
         stepped = [leaf_step(u, m) for u, m in zip(leaves, per_leaf, strict=True)]
         out = [o for o, _ in stepped]
         new = {f: treedef.unflatten([getattr(m, f) for _, m in stepped]) for f in LeafMoments._fields}

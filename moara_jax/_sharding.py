@@ -62,15 +62,7 @@ def derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
     return tuple(spec)
 
 
-def _axis_size(mesh_shape, axis) -> int:
-    names = axis if isinstance(axis, tuple) else (axis,)
-    size = 1
-    for name in names:
-        size *= mesh_shape[name]
-    return size
-
-
-def _leaf_spec(path, x, params: dict, mesh_shape) -> P:
+def _leaf_spec(path, x, params: dict) -> P:
     """The spec of state leaf ``x``: its parameter's for the parameter's shape, the dimensions it
     keeps from the parameter sharded as the parameter's for a low-rank leaf, else replicated."""
     match = find_param(path_key(path), params) if getattr(x, "ndim", 0) else None
@@ -83,17 +75,13 @@ def _leaf_spec(path, x, params: dict, mesh_shape) -> P:
         # Not a low-rank leaf of the parameter's layout (a quantized basis's groups; the state
         # of a multi-axis kernel's matrix view, ``as_matrices``): whole on every device.
         return P()
-    derived = derived_spec(tuple(x.shape), param_shape, spec)
-    # A leaf's dimension of the parameter's size divides as the parameter's (kept for safety).
-    return P(
-        *(
-            a if a is None or d % _axis_size(mesh_shape, a) == 0 else None
-            for a, d in zip(derived, x.shape, strict=True)
-        )
-    )
+    # Each sharded dimension has the size of the parameter's it takes the axis from: it divides.
+    return P(*derived_spec(tuple(x.shape), param_shape, spec))
 
 
-def _params_by_path(params, specs) -> dict:
+def params_by_path(params, specs) -> dict:
+    """``{path_key: (shape, spec)}`` of the parameters, each spec as long as its shape (the
+    table :func:`find_param` looks a state leaf's parameter up in)."""
     return {
         path_key(path): (tuple(x.shape), tuple(spec) + (None,) * (len(x.shape) - len(spec)))
         for (path, x), spec in zip(
@@ -102,9 +90,9 @@ def _params_by_path(params, specs) -> dict:
     }
 
 
-def _specs(state, params, param_specs, mesh_shape):
-    by_path = _params_by_path(params, param_specs)
-    return jax.tree_util.tree_map_with_path(lambda path, x: _leaf_spec(path, x, by_path, mesh_shape), state)
+def _specs(state, params, param_specs):
+    by_path = params_by_path(params, param_specs)
+    return jax.tree_util.tree_map_with_path(lambda path, x: _leaf_spec(path, x, by_path), state)
 
 
 def state_shardings(state: Any, params: Any, param_shardings: Any = None) -> Any:
@@ -141,7 +129,7 @@ def state_shardings(state: Any, params: Any, param_shardings: Any = None) -> Any
     if any(s.mesh != mesh for s in named):
         raise ValueError("state_shardings: the parameters' NamedShardings are on different meshes")
     specs = jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(state, params, specs, mesh.shape))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(state, params, specs))
 
 
 def _explicit_axes() -> tuple[str, ...]:
@@ -203,9 +191,11 @@ def follow_params(
     array ``tx`` captured keeps the Explicit mesh in its type, which no operation there accepts.
     """
     arrays = arrays or {}
+    base = optax.with_extra_args_support(tx)
 
     def inner(hyper: dict) -> optax.GradientTransformationExtraArgs:
-        return optax.with_extra_args_support(tx if remake is None or not hyper else remake(hyper))
+        """``tx`` inside the Auto region, made from the settings it was handed there."""
+        return base if remake is None or not hyper else optax.with_extra_args_support(remake(hyper))
 
     def init_fn(params):
         axes = _explicit_axes()
@@ -215,17 +205,17 @@ def follow_params(
             run = lambda params, hyper: inner(hyper).init(params)  # noqa: E731
             with jax.sharding.use_abstract_mesh(mesh.update_axis_types({a: AxisType.Auto for a in axes})):
                 abstract = jax.eval_shape(run, *plain)
-            specs = _specs(abstract, params, jax.tree.map(_spec_of, params), mesh.shape)
+            specs = _specs(abstract, params, jax.tree.map(_spec_of, params))
             return jax.sharding.auto_axes(run, axes=axes, out_sharding=specs)(params, arrays)
         if _on_one_mesh(params):  # made where it belongs, never whole on one device first
-            shardings = state_shardings(jax.eval_shape(inner(arrays).init, params), params)
-            return jax.jit(inner(arrays).init, out_shardings=shardings)(params)
-        return inner(arrays).init(params)
+            shardings = state_shardings(jax.eval_shape(base.init, params), params)
+            return jax.jit(base.init, out_shardings=shardings)(params)
+        return base.init(params)
 
     def update_fn(updates, state, params=None, **extra):
         axes = _explicit_axes()
         if not axes or not _sharded_over(axes, updates, state, params):
-            return inner(arrays).update(updates, state, params, **extra)
+            return base.update(updates, state, params, **extra)
         out = (jax.tree.map(_spec_of, updates), jax.tree.map(_spec_of, state))
         extra_arrays, extra_back = _split_arrays(extra)
 
@@ -243,9 +233,11 @@ def placing(constructor: Callable[..., optax.GradientTransformation]):
     """``constructor`` whose transform is :func:`follow_params`'s, with its array-valued
     arguments handed to the Auto region as arguments."""
 
+    signature = inspect.signature(constructor)
+
     @functools.wraps(constructor)
     def wrapped(*args, **kwargs):
-        bound = inspect.signature(constructor).bind(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
         arrays = {k: v for k, v in bound.arguments.items() if isinstance(v, jax.Array)}
 
         def remake(values: dict) -> optax.GradientTransformation:

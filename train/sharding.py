@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moara_jax._sharding import derived_spec, find_param, path_key
+from moara_jax._sharding import derived_spec, find_param, params_by_path, path_key
 from train.config import MeshSection
 from train.errors import UserError
 
@@ -97,14 +97,10 @@ def state_shardings(abstract_state, mesh: Mesh, abstract_params=None, param_shar
 
     if abstract_params is None:
         return jax.tree.map(largest_fsdp_axis, abstract_state)
-    params = {
-        path_key(path): (x, tuple(sh.spec) + (None,) * (x.ndim - len(sh.spec)))
-        for (path, x), sh in zip(
-            jax.tree_util.tree_leaves_with_path(abstract_params),
-            jax.tree.leaves(param_shardings_tree),
-            strict=True,
-        )
-    }
+    specs = jax.tree.map(
+        lambda s: s.spec, param_shardings_tree, is_leaf=lambda s: isinstance(s, NamedSharding)
+    )
+    params = params_by_path(abstract_params, specs)
 
     def one(path, x):
         if x.ndim == 0:
@@ -112,10 +108,10 @@ def state_shardings(abstract_state, mesh: Mesh, abstract_params=None, param_shar
         match = find_param(path_key(path), params)
         if match is None:
             return largest_fsdp_axis(x)
-        param, spec = match
-        if x.shape == param.shape:
+        param_shape, spec = match
+        if x.shape == param_shape:
             return NamedSharding(mesh, P(*spec))
-        derived = _fit(derived_spec(x.shape, param.shape, spec), x.shape, mesh)
+        derived = _fit(derived_spec(x.shape, param_shape, spec), x.shape, mesh)
         return NamedSharding(mesh, _spread(tuple(derived), x.shape, spec, mesh))
 
     return jax.tree_util.tree_map_with_path(one, abstract_state)
