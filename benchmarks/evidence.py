@@ -2,7 +2,7 @@
 results accumulate in the repository.
 
     python benchmarks/evidence.py stage [--shared ../shared/data]   # here: .data/ and .whl/
-    python benchmarks/evidence.py run --budget-s 540 --out $OUT [--concurrent N]   # the GPU machine
+    python benchmarks/evidence.py run --budget-s 540 --out $OUT [--concurrent auto|N]   # the GPU machine
     python benchmarks/evidence.py unpack evidence.tar.gz             # here: runs in, reports out
     python benchmarks/evidence.py report                            # reports from what is here
     python benchmarks/evidence.py status                            # each planned run's state
@@ -17,9 +17,11 @@ prints the size of what a GPU command would take along (at most 64 MiB).
 ``run`` is the one command on a bare GPU machine, from the repository root: it installs the
 carried wheels that are missing, builds the token store with all cores (``train.prepare``, given
 what is left of the budget), then runs the plan's next unfinished runs, ``--concurrent`` at a time
-sharing the GPU. A run is started only when its estimated duration fits in what is left of
-``--budget-s`` (estimated from finished runs' measured times, else from the plan's deliberately
-generous ``estimate_s``, both times ``--safety``); at the end of the budget the runs still going
+sharing the GPU: ``auto`` (the default) runs one at a time, then two, then four while the step up
+measurably paid, and keeps the fastest level measured (``choose_level``). A run is started only
+when its estimated duration fits in what is left of ``--budget-s`` (estimated from finished runs'
+measured times, else from the plan's deliberately generous ``estimate_s``, both times
+``--safety``); at the end of the budget the runs still going
 are stopped (SIGTERM: they save a checkpoint) and the runner exits. A stopped run is lost in
 practice: checkpoints never come back in the archive, and this workplace gives the GPU machine
 back 30 s after a call, so only a next call that finds the same machine still warm resumes it.
@@ -45,6 +47,7 @@ import datetime
 import glob
 import importlib.metadata
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -97,6 +100,13 @@ TAIL_BYTES = 200_000
 # host, decomposition, allocation), and seconds kept back at the end of the budget to stop and pack.
 OTHER_KIND = 1.3
 RESERVE_S = 15.0
+# ``--concurrent auto``: the numbers of runs sharing the device it measures, in this order (up to
+# ``--max-concurrent``); a level is taken over the one below it only where the training runs it
+# measured take ``PAYS`` times fewer device-seconds per step. ``MEMORY``: the share of the
+# device's memory the runs split between them (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
+LEVELS = (1, 2, 4)
+PAYS = 1.1
+MEMORY = 0.9
 # Table 9 of the paper (Llama 2 350M, 1k-step profile; `tab:profiling_length` in its source):
 # S_tau per module type, highest first.
 PAPER_S_TAU = {"v": 0.959, "o": 0.932, "up": 0.922, "gate": 0.921, "q": 0.899, "k": 0.885, "down": 0.819}
@@ -220,19 +230,70 @@ def estimate(
     (start-up, compilation, the last checkpoint) plus ``steps`` x its seconds per step, times
     ``OTHER_KIND`` for another kind of run and times ``concurrency / its concurrency`` when more
     runs share the device (no gain from sharing assumed); the largest over the runs of the same
-    kind (else over all), times ``safety``. Without any: ``default_s x concurrency x safety``."""
+    kind (else over all), of those measured at ``concurrency`` runs sharing the device where there
+    are any, times ``safety``. Without any: ``default_s x concurrency x safety``."""
     same = [m for m in measured if m.kind == kind]
     pool = same or measured
     if not pool:
         basis = f"the plan's estimate x {concurrency} x {safety} (no run finished yet)"
         return default_s * concurrency * safety, basis
+    level = [m for m in pool if level_of(m.concurrency) == concurrency]
+    pool = level or pool
     guesses = []
     for m in pool:
         factor = (1.0 if m.kind == kind else OTHER_KIND) * max(1.0, concurrency / m.concurrency)
         fixed = max(0.0, m.wall_s - m.steps * m.per_step_s)
         guesses.append((fixed + steps * m.per_step_s * factor) * safety)
     what = "the same kind" if same else "other kinds"
-    return max(guesses), f"{len(pool)} finished run(s) of {what}"
+    at = f", measured {concurrency} at a time" if level and concurrency > 1 else ""
+    return max(guesses), f"{len(pool)} finished run(s) of {what}{at}"
+
+
+def level_of(concurrency: float) -> int | None:
+    """The number of runs a run shared the device with (its recorded concurrency rounded), or None
+    for one that met different numbers for long (e.g. half its time alone)."""
+    n = round(concurrency)
+    return n if n >= 1 and abs(concurrency - n) <= 0.25 else None
+
+
+def sharing_costs(measured: list[Measured]) -> dict[int, float]:
+    """Device-seconds per training step at each number of runs sharing the device that finished
+    training runs measured: a run's seconds per step over its concurrency, averaged over a level's
+    runs. The lower, the more steps (runs) per minute."""
+    found: dict[int, list[float]] = {}
+    for m in measured:
+        n = level_of(m.concurrency)
+        if m.kind[0] == "train" and n is not None:
+            found.setdefault(n, []).append(m.per_step_s / m.concurrency)
+    return {n: sum(v) / len(v) for n, v in sorted(found.items())}
+
+
+def describe_costs(costs: dict[int, float]) -> str:
+    """``1 at a time 0.071 s, 2 at a time 0.045 s (1.58x)``: each level's device-seconds per step,
+    and its speed over one at a time."""
+    parts = []
+    for n, c in costs.items():
+        gain = f" ({costs[1] / c:.2f}x)" if n > 1 and 1 in costs else ""
+        parts.append(f"{n} at a time {c:.4g} s{gain}")
+    return ", ".join(parts) or "none"
+
+
+def choose_level(costs: dict[int, float], most: int) -> tuple[int, str]:
+    """``--concurrent auto``'s number of runs sharing the device, and why: the levels (``LEVELS``
+    up to ``most``) in order, each measured while the one before it paid (``PAYS``); then the
+    fastest measured, a higher one only where it pays over the lower."""
+    levels = [n for n in LEVELS if n < most] + [most]
+    best, last = None, None
+    for n in levels:
+        if n not in costs:
+            if best is None or best == last:
+                what = "no training run measured yet" if best is None else describe_costs(costs)
+                return n, f"{n} at a time, to measure it ({what})"
+            break
+        if best is None or costs[n] * PAYS <= costs[best]:
+            best = n
+        last = n
+    return best, f"{best} at a time, the fastest measured ({describe_costs(costs)})"
 
 
 def device_name() -> str:
@@ -304,8 +365,8 @@ def child_env(site: pathlib.Path | None, concurrency: int, xla_cache: str | None
     paths = [str(CODE)] + ([str(site)] if site else []) + [p for p in [env.get("PYTHONPATH")] if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONUNBUFFERED"] = "1"
-    if concurrency > 1:  # each run preallocates its share of the GPU's memory
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / concurrency:.2f}"
+    if concurrency > 1:  # each run preallocates its share of the GPU's memory (rounded down)
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{math.floor(1000 * MEMORY / concurrency) / 1000:.3f}"
     if xla_cache:  # seeds of one condition compile the same program: compile it once
         env["JAX_COMPILATION_CACHE_DIR"] = xla_cache
     return env
@@ -321,6 +382,7 @@ class Running:
     started_at: float  # epoch
     estimate_s: float
     resumed: bool
+    fraction: float  # of the device's memory it may take
     stopped: bool = False
     share_s: float = 0.0  # its share of the device: the integral over its life of 1 / runs alive
 
@@ -340,6 +402,7 @@ class Runner:
             "host": socket.gethostname(),
             "budget_s": self.budget,
             "concurrency": args.concurrent,
+            "levels": [],  # --concurrent auto's choices: when, how many at a time, why
             "runs": [],
         }
         self.stop_requested = False
@@ -458,7 +521,7 @@ class Runner:
             r.share_s += (now - self.shared_at) / len(running)
         self.shared_at = now
 
-    def start(self, planned: Planned, estimate_s: float, basis: str) -> Running:
+    def start(self, planned: Planned, estimate_s: float, basis: str, level: int) -> Running:
         run_dir = self.where(planned, True)
         resumed = RunDir(run_dir).state() == "resumable"
         if not resumed and run_dir.exists():
@@ -466,14 +529,15 @@ class Runner:
         run_dir.mkdir(parents=True, exist_ok=True)
         args = sweep.train_args(self.plan.base, planned.run, run_dir, [], resumed) + ["--quiet"]
         log = (run_dir / TRAIN_LOG).open("ab")
-        env = child_env(self.site, self.args.concurrent, self.xla_cache)
+        env = child_env(self.site, level, self.xla_cache)
         proc = subprocess.Popen(
             [sys.executable, "-m", "train", *args], cwd=self.root, env=env, stdout=log, stderr=log
         )
         verb = "resuming" if resumed else "starting"
         left = self.left() - RESERVE_S
         self.say(f"{planned.name}: {verb} (estimate {estimate_s:.0f}s from {basis}; {left:.0f}s left)")
-        return Running(planned, run_dir, proc, log, time.monotonic(), time.time(), estimate_s, resumed)
+        started = time.monotonic(), time.time()
+        return Running(planned, run_dir, proc, log, *started, estimate_s, resumed, MEMORY / level)
 
     def finish(self, r: Running) -> dict:
         r.log.close()
@@ -517,15 +581,14 @@ class Runner:
                 self.say(f"  | {line}")
         return record
 
-    def estimate(self, planned: Planned, measured: list[Measured]) -> tuple[float, str]:
+    def estimate(self, planned: Planned, measured: list[Measured], level: int) -> tuple[float, str]:
         if planned.name not in self.configs:
             self.configs[planned.name] = run_config(self.plan, planned)
         config = self.configs[planned.name]
         default = self.plan.estimate_s["profile" if config["mode"] == "profile" else "train"]
         if self.args.estimate_s is not None:
             default = self.args.estimate_s
-        concurrency = self.args.concurrent
-        return estimate(kind_of(config), steps_of(config), concurrency, measured, default, self.args.safety)
+        return estimate(kind_of(config), steps_of(config), level, measured, default, self.args.safety)
 
     def loop(self) -> int:
         """Runs the plan's next runs (``schedule``); on an error too, stops and records what still
@@ -563,11 +626,40 @@ class Runner:
         while running:
             self.finish(running.pop(0))
 
+    def level(self, measured: list[Measured]) -> int:
+        """How many runs share the device now: ``--concurrent N``, or ``auto``'s choice from the
+        finished runs of this device (``choose_level``), logged when it changes."""
+        if self.args.concurrent != "auto":
+            return self.args.concurrent
+        level, why = choose_level(sharing_costs(measured), self.args.max_concurrent)
+        levels = self.session["levels"]
+        if not levels or levels[-1]["level"] != level:
+            levels.append({"at_s": round(time.monotonic() - self.t0, 1), "level": level, "why": why})
+            self.say(f"sharing the device: {why}")
+        return level
+
+    def next_start(self, planned: Planned, running: list[Running], measured: list[Measured]):
+        """``(level, estimate, basis)`` for starting ``planned`` now, or ``None`` with the level's
+        estimate and basis when it must wait or does not fit. The level's memory share must be free
+        (runs started at a lower level hold a larger one); under ``auto``, a run that does not fit
+        at the chosen level may start at a lower one (alone, no gain from sharing is assumed)."""
+        chosen = self.level(measured)
+        lower = [n for n in (*LEVELS, chosen) if n < chosen] if self.args.concurrent == "auto" else []
+        held = sum(r.fraction for r in running)
+        first = None
+        for level in sorted({chosen, *lower}, reverse=True):
+            if len(running) >= level or held + MEMORY / level > MEMORY + 1e-9:
+                continue
+            est, basis = self.estimate(planned, measured, level)
+            first = first or (est, basis)
+            if est <= self.left() - RESERVE_S:
+                return level, est, basis
+        return None, *(first or (None, None))
+
     def schedule(self, running: list[Running]) -> None:
         """Starts the next runs in the plan's order while they fit in the budget, packs after each
         run that ends, stops what still runs at the end of the budget. After two runs in a row
         ended without a result it starts no more; those running go on."""
-        concurrency = self.args.concurrent
         todo = self.pending()
         self.configs: dict = {}
         crashes, started, refused = 0, 0, None
@@ -575,23 +667,24 @@ class Runner:
         self.say(f"{len(todo)} run(s) of the plan to do: {names}")
         measured = self.measured()
         while True:
-            while todo and len(running) < concurrency and not self.stop_requested:
+            while todo and not self.stop_requested:
                 if self.args.max_runs is not None and started >= self.args.max_runs:
                     todo = []
                     break
                 planned = todo[0]
-                est, basis = self.estimate(planned, measured)
-                left = self.left() - RESERVE_S
-                if est > left:
-                    if refused != (planned.name, round(est)):
-                        refused = (planned.name, round(est))
-                        why = f"needs ~{est:.0f}s from {basis}; {left:.0f}s left"
-                        self.say(f"{planned.name}: not started: {why}")
-                    if not running:
-                        todo = []
+                level, est, basis = self.next_start(planned, running, measured)
+                if level is None:
+                    if est is not None:  # the device has room for it, the budget has not
+                        left = self.left() - RESERVE_S
+                        if refused != (planned.name, round(est)):
+                            refused = (planned.name, round(est))
+                            why = f"needs ~{est:.0f}s from {basis}; {left:.0f}s left"
+                            self.say(f"{planned.name}: not started: {why}")
+                        if not running:
+                            todo = []
                     break
                 self.share(running)
-                running.append(self.start(planned, est, basis))
+                running.append(self.start(planned, est, basis, level))
                 todo.pop(0)
                 started += 1
             if not running:
@@ -642,8 +735,10 @@ class Runner:
             span = max(r["ended_at"] for r in rows) - min(r["started_at"] for r in rows)
             lines.append(
                 f"{60 * len(done) / span:.2f} finished run(s) per minute of running time ({span:.0f}s), "
-                f"{self.args.concurrent} at a time"
+                f"runs at a time: {self.args.concurrent}"
             )
+        # What says whether sharing the device pays, from every finished run of this device.
+        lines.append(f"device-seconds per training step: {describe_costs(sharing_costs(self.measured()))}")
         for line in lines:
             self.say(line)
 
@@ -668,7 +763,8 @@ def cmd_run(args) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    say(f"plan {args.plan}; budget {runner.budget:.0f}s; {args.concurrent} run(s) at a time; root {root}")
+    sharing = f"auto, up to {args.max_concurrent}" if args.concurrent == "auto" else args.concurrent
+    say(f"plan {args.plan}; budget {runner.budget:.0f}s; runs at a time: {sharing}; root {root}")
     try:
         runner.setup()
     except UserError as e:  # in the archived log too, beside the session's record
@@ -889,6 +985,15 @@ def cmd_status(args) -> int:
     return 0
 
 
+def concurrency_arg(text: str):
+    """``--concurrent``: ``auto`` or a whole number >= 1."""
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"auto or a whole number >= 1, got {text!r}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/evidence.py", description=__doc__.split("\n\n")[0]
@@ -901,7 +1006,14 @@ def main(argv=None) -> int:
     p = sub.add_parser("run", parents=[common], help="on the GPU machine: the next runs within a budget")
     p.add_argument("--budget-s", type=float, required=True, help="seconds this command may take in all")
     p.add_argument("--out", required=True, help="where the archive and the log go ($OUT)")
-    p.add_argument("--concurrent", type=int, default=1, help="runs sharing the device at a time")
+    p.add_argument(
+        "--concurrent",
+        type=concurrency_arg,
+        default="auto",
+        help="runs sharing the device at a time, or auto (default): one at a time, then more while "
+        "sharing measurably pays (see choose_level)",
+    )
+    p.add_argument("--max-concurrent", type=int, default=4, help="the most runs auto lets share the device")
     p.add_argument("--wheels", default=None, help=f"wheels to install when missing (default ROOT/{WHEELS})")
     p.add_argument("--site", default="/tmp/moara-jax-site", help="where the wheels are installed")
     p.add_argument(
@@ -925,8 +1037,8 @@ def main(argv=None) -> int:
     ORIGINAL_ENV.update(os.environ)
     os.environ["JAX_PLATFORMS"] = "cpu"
     try:
-        if getattr(args, "concurrent", 1) < 1 or getattr(args, "budget_s", 1) <= 0:
-            raise UserError("--concurrent must be >= 1 and --budget-s > 0")
+        if getattr(args, "max_concurrent", 1) < 1 or getattr(args, "budget_s", 1) <= 0:
+            raise UserError("--max-concurrent must be >= 1 and --budget-s > 0")
         return {
             "run": cmd_run,
             "stage": cmd_stage,

@@ -185,10 +185,12 @@ def machine(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
 
 
 class FakeClock:
-    """``evidence.time`` for the runner's loop: seconds pass only as it sleeps."""
+    """``evidence.time`` for the runner's loop: seconds pass only as it sleeps. The runs alive
+    share a device that does ``rate(n)`` runs' worth of work per second with ``n`` of them alive
+    (by default ``n``: each goes as fast as alone)."""
 
-    def __init__(self):
-        self.now = 0.0
+    def __init__(self, rate=lambda n: n):
+        self.now, self.rate, self.runs = 0.0, rate, []
 
     def monotonic(self) -> float:
         return self.now
@@ -197,24 +199,34 @@ class FakeClock:
         return 1.8e9 + self.now
 
     def sleep(self, seconds: float) -> None:
+        alive = [r for r in self.runs if r.alive()]
+        for r in alive:
+            r.done += seconds * self.rate(len(alive)) / len(alive)
         self.now += seconds
 
 
 class FakeRun:
-    """A ``python -m train`` process that ends ``seconds`` after it started: completed (a summary,
-    a config and metrics, as ``measure`` reads them) or crashed (exit 1, nothing written). SIGTERM
-    ends it at once, unfinished."""
+    """A ``python -m train`` process that ends once it has done ``seconds`` of work alone (as the
+    clock's device gives it): completed (a summary, a config and metrics of its time per step, as
+    ``measure`` reads them) or crashed (exit 1, nothing written). SIGTERM ends it at once,
+    unfinished. ``fraction``: the device memory its environment lets it take (None: unset)."""
 
-    def __init__(self, clock: FakeClock, run_dir: pathlib.Path, seconds: float, completes: bool):
-        self.clock, self.run_dir, self.completes = clock, run_dir, completes
-        self.end = clock.now + seconds
+    def __init__(
+        self, clock: FakeClock, run_dir: pathlib.Path, seconds: float, completes: bool, fraction=None
+    ):
+        self.clock, self.run_dir, self.completes, self.fraction = clock, run_dir, completes, fraction
+        self.work, self.done, self.start = seconds, 0.0, clock.now
         self.returncode = None
         self.signals = []
+        clock.runs.append(self)
+
+    def alive(self) -> bool:
+        return self.returncode is None and not self.signals
 
     def poll(self):
         if self.returncode is None and self.signals:
             self.returncode = -signal.SIGTERM
-        elif self.returncode is None and self.clock.now >= self.end:
+        elif self.returncode is None and self.done >= self.work - 1e-9:
             self.returncode = 0 if self.completes else 1
             if self.completes:
                 optimizer = {
@@ -226,7 +238,8 @@ class FakeRun:
                 (self.run_dir / "config.yaml").write_text(
                     json.dumps({"mode": "train", "optimizer": optimizer})
                 )
-                rows = [{"step": 1, "loss": 1.0, "wall_s": 1.0}, {"step": 4, "loss": 0.5, "wall_s": 1.5}]
+                took = self.clock.now - self.start
+                rows = [{"step": 0, "loss": 1.0, "wall_s": 0.0}, {"step": 4, "loss": 0.5, "wall_s": took}]
                 (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
                 (self.run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps": 4}))
         return self.returncode
@@ -235,30 +248,32 @@ class FakeRun:
         self.signals.append(sig)
 
     def wait(self, timeout=None):
-        if self.poll() is None:
-            self.clock.now = max(self.clock.now, self.end)
-        return self.poll()
+        while self.poll() is None:
+            self.clock.sleep(0.5)
+        return self.returncode
 
     def kill(self) -> None:
         self.returncode = -signal.SIGKILL
 
 
-def fake_runner(monkeypatch, plan_path, root, script, **options):
+def fake_runner(monkeypatch, plan_path, root, script, rate=lambda n: n, **options):
     """A Runner of the tiny plan on a fake clock whose runs are ``FakeRun``s: ``script`` gives each
-    run's ``(seconds, completes)`` by name. Returns it, the processes it started by name, and its
-    log lines."""
-    clock, procs, lines = FakeClock(), {}, []
+    run's ``(seconds, completes)`` by name, ``rate`` the device's speed with n runs alive
+    (``FakeClock``). Returns it, the processes it started by name, and its log lines."""
+    clock, procs, lines = FakeClock(rate), {}, []
 
     def popen(cmd, **kwargs):
         run_dir = pathlib.Path(cmd[cmd.index("--run-dir") + 1])
-        procs[run_dir.name] = FakeRun(clock, run_dir, *script[run_dir.name])
+        fraction = kwargs["env"].get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+        fraction = None if fraction is None else float(fraction)
+        procs[run_dir.name] = FakeRun(clock, run_dir, *script[run_dir.name], fraction=fraction)
         return procs[run_dir.name]
 
     monkeypatch.setattr(evidence, "time", clock)
     fake = types.SimpleNamespace(Popen=popen, TimeoutExpired=subprocess.TimeoutExpired)
     monkeypatch.setattr(evidence, "subprocess", fake)
-    args = {"budget_s": 1000, "out": str(root / "out"), "concurrent": 1, "max_runs": None}
-    args = types.SimpleNamespace(**{**args, "estimate_s": None, "safety": 1.0, **options})
+    args = {"budget_s": 1000, "out": str(root / "out"), "concurrent": 1, "max_concurrent": 4}
+    args = types.SimpleNamespace(**{**args, "max_runs": None, "estimate_s": None, "safety": 1.0, **options})
     (root / "out").mkdir(parents=True, exist_ok=True)
     runner = evidence.Runner(args, evidence.load_plan(plan_path), root, lines.append)
     runner.site, runner.xla_cache, runner.device, runner.versions = None, None, "cpu", {}
@@ -288,6 +303,104 @@ def test_each_run_records_the_concurrency_it_met_not_the_setting(tmp_path, monke
     assert list(procs) == ["rank-seed0"] and runner_record(root, "rank-seed0")["concurrency"] == 1.0
 
 
+def test_auto_levels_go_up_while_sharing_pays_and_keep_the_fastest():
+    one, two, four = 0.25, 0.25 / 1.6, 0.25 / 1.7  # device-seconds per step
+    assert evidence.choose_level({}, 4)[0] == 1
+    assert evidence.choose_level({1: one}, 4)[0] == 2
+    assert evidence.choose_level({1: one, 2: two}, 4)[0] == 4  # 1.6x: the next level is measured
+    level, why = evidence.choose_level({1: one, 2: two, 4: four}, 4)  # 4 pays 1.06x over 2: not enough
+    assert level == 2 and "2 at a time 0.1562 s (1.60x), 4 at a time 0.1471 s (1.70x)" in why
+    assert evidence.choose_level({1: one, 2: one * 0.95}, 4)[0] == 1  # sharing did not pay
+    assert evidence.choose_level({2: two}, 4)[0] == 1  # one at a time measured first
+    assert evidence.choose_level({1: one, 2: two}, 2)[0] == 2  # --max-concurrent 2
+    assert evidence.choose_level({1: one, 2: two}, 3)[0] == 3
+    # What a run met: a level, or none for one that ran half its time alone.
+    assert [evidence.level_of(c) for c in (1.0, 1.9, 4 / 3, 3.8)] == [1, 2, None, 4]
+    kind = ("train", "galore", "galore", False, "uniform")
+    runs = [
+        evidence.Measured("a", kind, 100, 30.0, 0.25, 1.0, "gpu"),
+        evidence.Measured("b", kind, 100, 40.0, 0.3, 2.0, "gpu"),
+        evidence.Measured("c", kind, 100, 45.0, 0.34, 2.0, "gpu"),
+        evidence.Measured("d", kind, 100, 30.0, 0.3, 4 / 3, "gpu"),  # mixed: left out
+        evidence.Measured("p", ("profile", *kind[1:]), 100, 30.0, 0.1, 1.0, "gpu"),  # no training run
+    ]
+    assert evidence.sharing_costs(runs) == {1: 0.25, 2: pytest.approx(0.16)}
+    # An estimate at 2 at a time takes the runs measured 2 at a time (none: no gain assumed).
+    assert evidence.estimate(kind, 100, 2, runs[:3], 999, 1.0) == (
+        pytest.approx(11 + 34),  # c: its fixed part and 100 steps
+        "2 finished run(s) of the same kind, measured 2 at a time",
+    )
+    assert evidence.estimate(kind, 100, 2, runs[:1], 999, 1.0)[0] == pytest.approx(5 + 50)
+
+
+SEEDS_PLAN = """\
+base: base.yaml
+results: results
+estimate_s: {train: 30, profile: 30}
+runs:
+  - {experiment: tiny, axes: ["conditions/galore,rank,decomp,full"], seeds: [0, 1, 2]}
+"""
+
+
+def test_auto_measures_whether_sharing_the_device_pays_and_keeps_the_fastest(tmp_path, monkeypatch):
+    """A device that does 1.6 runs' work per second with two runs on it and 1.7 with four: the
+    runner measures one run alone, then two, then four, and goes back to two. A run never starts
+    into memory other runs hold."""
+    plan_path = tiny_setting(tmp_path)
+    plan_path.write_text(SEEDS_PLAN)
+    root = tmp_path / "gpu"
+    names = [f"{c}-seed{s}" for s in range(3) for c in ("galore", "rank", "decomp", "full")]
+    rates = {1: 1.0, 2: 1.6, 3: 1.65, 4: 1.7}
+    runner, procs, lines = fake_runner(
+        monkeypatch, plan_path, root, {n: (10, True) for n in names}, rates.get, concurrent="auto"
+    )
+    starts = []
+    start = runner.start
+
+    def checked(planned, estimate_s, basis, level):
+        alive = [p for p in procs.values() if p.alive()]
+        r = start(planned, estimate_s, basis, level)
+        fraction = procs[planned.run.name].fraction
+        if fraction is None:  # JAX's default share of the device: alone only
+            assert not alive
+        else:
+            assert sum(p.fraction for p in alive) + fraction <= evidence.MEMORY + 1e-9
+        starts.append((planned.run.name, level))
+        return r
+
+    runner.start = checked
+    runner.loop()
+    runner.table()
+    assert [level["level"] for level in runner.session["levels"]] == [1, 2, 4, 2]
+    assert [level for _, level in starts] == [1, 2, 2, 4, 4, 4, 4, 2, 2, 2, 2, 2]
+    met = [runner_record(root, name)["concurrency"] for name, _ in starts]
+    assert met[:7] == [1.0, 2.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+    assert "sharing the device: 2 at a time, to measure it (1 at a time 2.5 s)" in lines
+    assert any(line.startswith("sharing the device: 2 at a time, the fastest measured") for line in lines)
+    (table,) = [line for line in lines if line.startswith("device-seconds per training step: ")]
+    assert "2 at a time 1.562 s (1.60x), 4 at a time 1.5 s (1.67x)" in table  # the 0.5 s polls
+
+
+def test_auto_starts_a_run_alone_where_only_alone_it_fits_the_budget(tmp_path, monkeypatch):
+    """After one run alone the runner would measure two at a time, which assumes no gain (each
+    twice as long): with too little budget left for that, the next run starts alone."""
+    plan_path = tiny_setting(tmp_path)
+    plan_path.write_text(SEEDS_PLAN)
+    root = tmp_path / "gpu"
+    script = {f"{c}-seed{s}": (10, True) for s in range(3) for c in ("galore", "rank", "decomp", "full")}
+    # After the first run 15 s are left: one run alone (13 s: 10 s, times 1.3 for another kind of
+    # run than the fakes record), not two at a time (26 s).
+    budget = 10 + evidence.RESERVE_S + 15
+    runner, procs, lines = fake_runner(
+        monkeypatch, plan_path, root, script, concurrent="auto", budget_s=budget, estimate_s=10
+    )
+    runner.loop()
+    first, second, third = (p.run.name for p in runner.plan.runs[:3])
+    assert list(procs) == [first, second]
+    assert procs[second].fraction is None and runner_record(root, second)["concurrency"] == 1.0
+    assert any(line.startswith(f"tiny/{third}: not started: needs ~") for line in lines)
+
+
 def test_after_two_crashes_no_run_starts_and_the_running_ones_finish(tmp_path, monkeypatch):
     plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
     script = {"profile-seed0": (1, False), "full-seed0": (1, False), "galore-seed0": (5, True)}
@@ -306,11 +419,11 @@ def test_an_error_in_the_loop_stops_and_records_the_runs_and_packs_what_finished
     runner, procs, _ = fake_runner(monkeypatch, plan_path, root, script, concurrent=2)
     estimate, calls = runner.estimate, []
 
-    def failing(planned, measured):  # the third run's estimate fails, profile ended, full runs
+    def failing(planned, measured, level):  # the third run's estimate fails, profile ended, full runs
         calls.append(planned.name)
         if len(calls) == 3:
             raise evidence.UserError("a config that does not resolve")
-        return estimate(planned, measured)
+        return estimate(planned, measured, level)
 
     runner.estimate = failing
     with pytest.raises(evidence.UserError, match="does not resolve"):
