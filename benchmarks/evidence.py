@@ -982,6 +982,11 @@ def cmd_status(args) -> int:
             est, basis = estimate(kind_of(config), steps_of(config), 1, measured, default, args.safety)
             text += f"; estimate {est:.0f}s ({basis})"
         print(f"{planned.name}: {text}")
+    for device in sorted({m.device for m in measured}):  # what --concurrent auto starts from there
+        costs = sharing_costs([m for m in measured if m.device == device])
+        if costs:
+            level = choose_level(costs, LEVELS[-1])[0]
+            print(f"sharing {device}: {describe_costs(costs)} per training step; auto starts {level} at once")
     return 0
 
 

@@ -564,6 +564,11 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
     assert [k for k, v in states.items() if v == "completed"] == done
     first_todo = next(p.name for p in plan.runs if p.name not in done)
     assert "finished run(s) of" in states[first_todo]
+    committed = [evidence.measure(repo / "results" / name) for name in done]
+    costs = evidence.sharing_costs(committed)  # the training runs' device-seconds per step
+    assert ("sharing cpu" in states) == bool(costs)
+    if costs:
+        assert states["sharing cpu"].startswith(evidence.describe_costs(costs) + " per training step")
 
     # train.sweep's report from the committed runs, grid points without runs included.
     out = repo / "results" / "tiny"
