@@ -229,7 +229,7 @@ class DecayAfterStepState(NamedTuple):
 
 
 def decay_after_step(
-    learning_rate: optax.ScalarOrSchedule, weight_decay: float
+    learning_rate: optax.ScalarOrSchedule, weight_decay: float, mask: Any = None
 ) -> optax.GradientTransformation:
     """Decoupled weight decay on the parameters *after* the step, as galore-torch's ``GaLoreAdamW``
     (and HF's ``AdamW``): ``p <- (p + d) (1 - lr * wd)`` for a learning-rate-scaled step ``d``.
@@ -238,6 +238,10 @@ def decay_after_step(
     ``optax.add_decayed_weights`` before the learning rate decays the parameters before the step
     instead, which differs by ``lr**2 * wd * d``. A Python ``weight_decay`` of 0 gives
     ``optax.identity()``.
+
+    ``mask`` (as ``optax.adamw``'s): a tree of booleans with the parameters' structure (or a
+    prefix of it), or a function of the parameters returning one; only leaves marked ``True``
+    are decayed, the others pass unchanged (``optax.masked``). ``None`` decays every leaf.
     """
     if isinstance(weight_decay, (int, float)):
         if weight_decay < 0:
@@ -266,7 +270,8 @@ def decay_after_step(
         out = jax.tree.map(decay, updates, params)
         return out, DecayAfterStepState(count=optax.safe_increment(state.count))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    tx = optax.GradientTransformation(init_fn, update_fn)
+    return tx if mask is None else optax.masked(tx, mask)
 
 
 def adamw(
@@ -276,9 +281,10 @@ def adamw(
     eps: float = 1e-6,
     weight_decay: float = 0.0,
     mu_dtype: Any = None,
+    mask: Any = None,
 ) -> optax.GradientTransformation:
     """AdamW in galore-torch's formulation (weight decay on the parameters after the step, see
-    :func:`decay_after_step`).
+    :func:`decay_after_step`; ``mask``, as ``optax.adamw``'s, says which parameters it decays).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -289,5 +295,5 @@ def adamw(
     return optax.chain(
         inner_adam(b1, b2, eps, mu_dtype=mu_dtype),
         optax.scale_by_learning_rate(learning_rate),
-        decay_after_step(learning_rate, weight_decay),
+        decay_after_step(learning_rate, weight_decay, mask),
     )

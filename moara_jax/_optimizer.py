@@ -16,13 +16,14 @@ from moara_jax._matrices import MatrixAxesOrFn, as_matrices
 from moara_jax._sharding import placing
 from moara_jax._validate import check_block_size
 from moara_jax.hosts import Host, StageOptions, resolve_host
+from moara_jax.hosts._base import decay_mask_fn, with_decay_mask
 
 TARGET = "target"
 
 
-# moara_adamw's arguments that shape the optimizer (ranks, blocks, the refresh period, the labels):
-# ``static_args`` for ``optax.inject_hyperparams``, which would otherwise inject every numeric or
-# boolean default as an array and call ``label_fn`` as a schedule.
+# moara_adamw's arguments that shape the optimizer (ranks, blocks, the refresh period, the labels,
+# the weight-decay mask): ``static_args`` for ``optax.inject_hyperparams``, which would otherwise
+# inject every numeric or boolean default as an array and call ``label_fn`` as a schedule.
 MOARA_ADAMW_STATIC_ARGS = (
     "r_base",
     "block_size",
@@ -35,6 +36,7 @@ MOARA_ADAMW_STATIC_ARGS = (
     "label_fn",
     "host",
     "matrix_axes",
+    "weight_decay_mask",
     "mu_dtype",
     "mag_dtype",
 )
@@ -58,6 +60,7 @@ def moara_adamw(
     b2: float = StageOptions.b2,
     eps: float = StageOptions.eps,
     weight_decay: float = 0.0,
+    weight_decay_mask: Any = None,
     mu_dtype: Any = StageOptions.mu_dtype,
     mag_dtype: Any = StageOptions.mag_dtype,
     svd: str = StageOptions.svd,
@@ -104,9 +107,17 @@ def moara_adamw(
         for a name that is no module type).
       update_proj_gap, scale: GaLore's refresh interval ``T`` and scale.
       b1, b2, eps: Adam hyperparameters (paper: 0.9, 0.999, 1e-6).
-      weight_decay: decoupled weight decay on every parameter, applied after the step as in
-        galore-torch (``p <- (p + step) (1 - lr * wd)``, :func:`decay_after_step`); before it
-        under LDAdam (all parameters) and Q-GaLore (non-targets), as their references do.
+      weight_decay: decoupled weight decay on every parameter (those ``weight_decay_mask``
+        marks), applied after the step as in galore-torch (``p <- (p + step) (1 - lr * wd)``,
+        :func:`decay_after_step`); before it under LDAdam (all parameters) and Q-GaLore
+        (non-targets), as their references do.
+      weight_decay_mask: which parameters ``weight_decay`` applies to, as ``optax.adamw``'s
+        ``mask``: a tree of booleans with the parameters' structure (or a prefix of it), or a
+        function of the parameters returning one (under ``matrix_axes`` it is given the matrix
+        views); ``None`` decays every parameter. Pretraining usually decays only the matrices:
+        ``lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)`` leaves norms and biases undecayed
+        (a stacked layer axis, as of ``nn.scan``, makes a norm 2-D: count it out). Masked-out
+        parameters step as with ``weight_decay=0``, on every host.
       mu_dtype: moment dtype; ``None`` follows the parameter dtype. Magnitude moments use
         ``mag_dtype`` (float32).
       svd: ``'exact'`` (SVD), ``'eigh'`` (Gram eigendecomposition, fast on GPU) or
@@ -164,6 +175,7 @@ def moara_adamw(
         name=label_fn,
     )
     host = resolve_host(host).with_learning_rate(learning_rate, update_proj_gap)
+    decay_mask = decay_mask_fn(weight_decay_mask)
     if decompose:
         if block_size is None:
             raise ValueError("block_size is required when decompose=True")
@@ -188,6 +200,9 @@ def moara_adamw(
         if unknown:
             raise ValueError(f"ranks: unknown module types {unknown}; known: {list(MODULE_TYPES)}")
 
+    # A host whose methods predate weight-decay masks is called as before; given a mask, refused.
+    other = with_decay_mask(host, "other_adam", decay_mask, b1, b2, eps, mu_dtype, weight_decay)
+
     def build(tree, warn: bool = False) -> optax.GradientTransformation:
         labels, module_ranks = tree_ranks(tree, label_fn, warn=warn, **allocation)
         # One transform over all target matrices (ranks per leaf): one refresh cond per step and
@@ -196,7 +211,6 @@ def moara_adamw(
         target_options = dataclasses.replace(options, rank=rank_of)
         target = direction_chain(host, target_options, block_size if decompose else None)
         groups = jax.tree.map(lambda lab: OTHER if lab == OTHER else TARGET, labels)
-        other = host.other_adam(options.b1, options.b2, options.eps, options.mu_dtype, weight_decay)
         return optax.partition({TARGET: target, OTHER: other}, groups)
 
     def init_fn(params):
@@ -210,6 +224,7 @@ def moara_adamw(
     def targets(tree):
         return jax.tree.map(lambda lab: lab != OTHER, label_tree(tree, label_fn))
 
+    finish = with_decay_mask(host, "finish", decay_mask, learning_rate, weight_decay, targets, seed)
     directions = optax.GradientTransformation(init_fn, update_fn)
-    tx = optax.chain(directions, *host.finish(learning_rate, weight_decay, targets, seed))
+    tx = optax.chain(directions, *finish)
     return tx if matrix_axes is None else as_matrices(tx, matrix_axes)

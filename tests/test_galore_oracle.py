@@ -16,15 +16,18 @@ galore_torch = pytest.importorskip("galore_torch")
 LR = 0.01
 
 
-def _torch_run(shapes_groups, grads_seq, rank, gap, scale, weight_decay=0.0):
-    """Runs GaLoreAdamW on PyTorch-orientation weights; returns the weights after each step."""
+def _torch_run(shapes_groups, grads_seq, rank, gap, scale, weight_decay=0.0, undecayed=()):
+    """Runs GaLoreAdamW on PyTorch-orientation weights (those named in ``undecayed``, plain ones,
+    in a group of weight decay 0); returns the weights after each step."""
     weights, groups = {}, []
     for name, (shape, _) in shapes_groups.items():
         weights[name] = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64).float())
     targets = [weights[n] for n, (_, g) in shapes_groups.items() if g]
-    others = [weights[n] for n, (_, g) in shapes_groups.items() if not g]
+    others = [weights[n] for n, (_, g) in shapes_groups.items() if not g and n not in undecayed]
     if others:
         groups.append({"params": others})
+    if undecayed:
+        groups.append({"params": [weights[n] for n in undecayed], "weight_decay": 0.0})
     if targets:
         groups.append(
             {
@@ -183,6 +186,33 @@ def test_moara_adamw_vanilla_equals_galore_adamw_on_llama_tree(weight_decay, mon
         update_proj_gap=gap,
         canonical_signs=True,
         weight_decay=weight_decay,
+    )
+    assert_llama_tree_run_matches(tx, torch_shapes, seq, ref)
+
+
+@pytest.mark.parametrize("form", ["tree", "function"])
+def test_weight_decay_mask_equals_galore_adamw_with_undecayed_norms(form, monkeypatch):
+    """The usual pretraining groups: the norms (1-D) in a group of weight decay 0, every other
+    parameter decayed; ``weight_decay_mask`` marking the matrices gives GaLoreAdamW's weights
+    over steps that cross basis refreshes."""
+    _sign_fix(monkeypatch)
+    rng = np.random.default_rng(4)
+    torch_shapes = _llama_torch_shapes()
+    norms = [n for n, (s, _) in torch_shapes.items() if len(s) == 1]
+    steps, rank, gap, weight_decay = 5, 8, 2, 0.5  # refreshes at steps 0, 2, 4
+    seq = _grads(rng, {n: s for n, (s, _) in torch_shapes.items()}, steps)
+    ref = _torch_run(torch_shapes, seq, rank, gap, 0.25, weight_decay, undecayed=norms)
+    matrices = lambda tree: jax.tree.map(lambda x: x.ndim >= 2, tree)  # noqa: E731
+    shapes = _to_flax({n: np.zeros(s, np.float32) for n, (s, _) in torch_shapes.items()})
+    tx = mj.moara_adamw(
+        LR,
+        r_base=rank,
+        decompose=False,
+        rank_allocation=False,
+        update_proj_gap=gap,
+        canonical_signs=True,
+        weight_decay=weight_decay,
+        weight_decay_mask=matrices if form == "function" else matrices(shapes),
     )
     assert_llama_tree_run_matches(tx, torch_shapes, seq, ref)
 

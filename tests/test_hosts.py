@@ -253,3 +253,96 @@ def test_every_host_state_round_trips_through_flax_serialization(name):
         want, state = step(g, state, params)
         got, restored = step(g, restored, params)
         jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def _decay_run(host, steps=3, **kwargs):
+    """Updates of full MoARa on ``host`` over ``steps`` jitted steps (a refresh at step 2), for
+    ``_params()`` with an embedding."""
+    rng = np.random.default_rng(2)
+    normal = lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    params = {**_params(), "embed_tokens": {"embedding": normal((10, 16))}}
+    tx = mj.moara_adamw(0.1, r_base=4, block_size=8, update_proj_gap=2, host=host, **kwargs)
+    state, out = tx.init(params), []
+    for _ in range(steps):
+        grads = jax.tree.map(lambda p: normal(p.shape), params)
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        out.append(updates)
+    return out
+
+
+@pytest.mark.parametrize("name", ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
+def test_weight_decay_mask_decays_only_the_marked_parameters_on_every_host(name):
+    """Wherever the host decays (after the step; before it under LDAdam, and under Q-GaLore for
+    the non-targets), a masked-out parameter steps as with ``weight_decay=0`` and a masked-in one
+    as with no mask: targets and others, the mask a prefix tree or a function."""
+    host = mj.QGaLore(basis_group_size=8, weight_group_size=8) if name == "q_galore" else name
+    no_decay, decay = _decay_run(host, weight_decay=0.0), _decay_run(host, weight_decay=0.5)
+
+    def not_down_nor_norm(tree):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: x.ndim >= 2 and "down_proj" not in jax.tree_util.keystr(path), tree
+        )
+
+    prefix = {"self_attn": False, "mlp": True, "norm": True, "embed_tokens": {"embedding": False}}
+    cases = [
+        (prefix, {"embed": False, "down": True, "norm": True, "q": False}),
+        (not_down_nor_norm, {"embed": True, "down": False, "norm": False, "q": True}),
+    ]
+
+    def named(updates):  # jax.tree.leaves's order: the keys sorted
+        return dict(zip(("embed", "down", "norm", "q"), jax.tree.leaves(updates), strict=True))
+
+    for mask, marked in cases:
+        masked = _decay_run(host, weight_decay=0.5, weight_decay_mask=mask)
+        for t, steps in enumerate(zip(masked, decay, no_decay, strict=True)):
+            got, want, plain = map(named, steps)
+            for key, on in marked.items():
+                assert not np.allclose(want[key], plain[key]), key  # the decay shows
+                expected = want[key] if on else plain[key]
+                np.testing.assert_allclose(
+                    got[key], expected, rtol=1e-6, atol=1e-8, err_msg=f"{key} step {t}"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class OldSignatureHost(mj.Host):
+    """A host written before weight-decay masks: ``other_adam`` and ``finish`` without
+    ``decay_mask`` (GaLore's, as the defaults were then)."""
+
+    name: ClassVar[str] = "old_signature"
+
+    def stages(self, o):
+        return mj.HOSTS["galore"]().stages(o)
+
+    def other_adam(self, b1, b2, eps, mu_dtype, weight_decay):
+        return mj.inner_adam(b1, b2, eps, mu_dtype=mu_dtype)
+
+    def finish(self, learning_rate, weight_decay, targets, seed):
+        return [optax.scale_by_learning_rate(learning_rate), mj.decay_after_step(learning_rate, weight_decay)]
+
+
+@dataclasses.dataclass(frozen=True)
+class OldFinishHost(mj.Host):
+    name: ClassVar[str] = "old_finish"
+
+    stages = OldSignatureHost.stages
+    finish = OldSignatureHost.finish
+
+
+def test_a_host_written_before_decay_masks_runs_without_one_and_is_refused_one(frozen_galore):
+    old, new = _decay_run(OldSignatureHost(), weight_decay=0.5), _decay_run("galore", weight_decay=0.5)
+    for got, want in zip(old, new, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+    mask = {"self_attn": True, "mlp": True, "norm": False}
+    for host, method in (
+        (OldSignatureHost(), "OldSignatureHost.other_adam"),
+        (OldFinishHost(), "OldFinishHost.finish"),
+    ):
+        with pytest.raises(ValueError) as error:
+            mj.moara_adamw(0.1, r_base=4, block_size=8, host=host, weight_decay=0.5, weight_decay_mask=mask)
+        message = str(error.value)
+        assert "\n" not in message and f"host {host.name!r}" in message, message
+        assert f"add a decay_mask=None parameter to {method}" in message, message
+    # A host that overrides neither (the README's) takes a mask.
+    mj.moara_adamw(0.1, r_base=4, block_size=8, host="frozen_galore", weight_decay_mask=mask).init(_params())

@@ -310,23 +310,33 @@ PLACEMENT = textwrap.dedent("""
             np.testing.assert_allclose(np.asarray(jax.tree.leaves(u)[0]), np.asarray(jax.tree.leaves(ref)[0]),
                                        rtol=2e-4, atol=1e-5, err_msg=f"{name} {shape} {spec} {kw}")
 
-    # 3. Settings that are arrays (inject_hyperparams, an array learning rate) and an extra
-    # argument that is a function, with sharded parameters on Explicit axes; parameters in a
-    # list, whose state leaves each follow their own (not the first: every state path begins
-    # with a chain index); a mesh of Explicit and Auto axes.
+    # 3. Settings that are arrays (inject_hyperparams, an array learning rate), a weight-decay
+    # mask (a function, a tree) and an extra argument that is a function, with sharded parameters
+    # on Explicit axes; parameters in a list, whose state leaves each follow their own (not the
+    # first: every state path begins with a chain index); a mesh of Explicit and Auto axes.
     kw = dict(r_base=4, block_size=8, rank_allocation=False)
     with jax.set_mesh(mesh):
         fsdp = NamedSharding(mesh, P("fsdp", None))
         params = {"q_proj": {"kernel": jax.device_put(jnp.asarray(normal(64, 32)), fsdp)}}
         injected = optax.inject_hyperparams(mj.moara_adamw, static_args=mj.MOARA_ADAMW_STATIC_ARGS)
+        matrices = lambda t: jax.tree.map(lambda x: x.ndim >= 2, t)
         for tx in [
-            injected(learning_rate=0.01, **kw),
-            optax.chain(mj.moara_adamw(jnp.asarray(0.01), **kw), optax.scale(1.0)),
+            injected(learning_rate=0.01, weight_decay=0.1, weight_decay_mask=matrices, **kw),
+            optax.chain(
+                mj.moara_adamw(jnp.asarray(0.01), weight_decay=0.1, weight_decay_mask={"q_proj": True}, **kw),
+                optax.scale(1.0),
+            ),
         ]:
             state = tx.init(params)
             u, state = jax.jit(tx.update)(params, state, params)
             u, state = tx.update(params, state, params, value=jnp.asarray(1.0), value_fn=lambda p: 0.0)
             assert u["q_proj"]["kernel"].sharding.spec == P("fsdp", None)
+        # The mask reaches the transform remade in the Auto region: masked out, no decay.
+        lr = jnp.asarray(0.01)
+        masked = mj.moara_adamw(lr, weight_decay=0.1, weight_decay_mask={"q_proj": False}, **kw)
+        plain = mj.moara_adamw(lr, **kw)
+        steps = [jax.jit(t.update)(params, t.init(params), params)[0] for t in (masked, plain)]
+        np.testing.assert_array_equal(*(np.asarray(u["q_proj"]["kernel"]) for u in steps))
     auto = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
     listed = [jax.device_put(jnp.ones((32, 64)), NamedSharding(auto, P(None, "fsdp"))),
               jax.device_put(jnp.ones((64, 16)), NamedSharding(auto, P("fsdp", None)))]

@@ -301,6 +301,10 @@ def test_sweep_then_compare(tmp_path):
             "model.overrides.param_dtype: the run's dtypes are train.param_dtype and train.dtype",
         ),
         (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay must be >= 0"),
+        (
+            ["optimizer.weight_decay_mask=norms"],
+            "optimizer.weight_decay_mask must be all or matrices, got 'norms'",
+        ),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
         (["mode=profile", "profile.steps=6", "profile.every=10"], "profile.every (10) must be <="),
         (
@@ -527,8 +531,19 @@ def test_labels_command_prints_the_optimizer_view():
     down = next(line for line in lines if "down_proj" in line)
     q = next(line for line in lines if "q_proj" in line)
     embed = next(line for line in lines if "embed_tokens" in line)
-    assert down.split()[-2:] == ["down", "512"] and q.split()[-2:] == ["q", "128"]
-    assert embed.split()[-2:] == ["adamw", "-"] and "(32000, 1024)" in embed  # no tokenizer file: 32,000
+    assert down.split()[-3:] == ["down", "512", "-"] and q.split()[-3:] == ["q", "128", "-"]  # no decay
+    assert embed.split()[-3:] == ["adamw", "-", "-"] and "(32000, 1024)" in embed  # no tokenizer file
+    # Weight decay on the matrices only: each parameter says whether it decays (the paper config's
+    # layers are scanned: their norms are (layers, hidden) arrays and do not).
+    on = ["data.tokenizer=/no/such/spiece.model", "optimizer.weight_decay=0.1"]
+    decays = describe(load_config(paper, [*on, "optimizer.weight_decay_mask=matrices"])).splitlines()
+    decays = {line.split()[0]: line.split()[-1] for line in decays[2:-1]}
+    assert {decays[k] for k in decays if "norm" in k} == {"no"}
+    assert {decays[k] for k in decays if "norm" not in k} == {"yes"} and len(decays) > 8
+    from train.loop import _describe_optimizer  # the run's banner says it too
+
+    assert _describe_optimizer(load_config(paper, on)).endswith(", weight decay 0.1 on all")
+    assert _describe_optimizer(load_config(TINY, ["optimizer.name=adamw"])) == "adamw"
     # The tokenizer's vocabulary where it can be read (bytes: 257), padded by an override.
     embed = next(line for line in describe(load_config(TINY)).splitlines() if "embed_tokens" in line)
     assert "(257, 64)" in embed
@@ -584,6 +599,44 @@ def test_a_resume_refuses_settings_the_state_or_data_order_depend_on(key, value)
     # How long it runs and how the model computes may change.
     free = ["train.steps=99", "train.lr=0.002", "model.overrides.remat=full", "train.dtype=bfloat16"]
     check_resumable(saved, to_dict(load_config(TINY, free)))
+    # A key added since a run was saved has the default that does what the run did.
+    del saved["optimizer"]["weight_decay_mask"]
+    check_resumable(saved, to_dict(load_config(TINY)))
+
+
+@pytest.mark.parametrize("name,scan_layers", [("moara", False), ("moara", True), ("adamw", True)])
+def test_weight_decay_mask_matrices_leaves_norms_undecayed_in_a_train_step(name, scan_layers):
+    """``optimizer.weight_decay_mask: matrices``: a trainer step decays the matrices as ``all``
+    does and steps the norms (stacked ones of scanned layers too) as with no weight decay."""
+    import jax
+    import jax.numpy as jnp
+
+    import models
+    from train.step import TrainState, make_optimizer, make_train_step
+
+    cfg = models.get_config("tiny", scan_layers=scan_layers)
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    batch = jax.random.randint(jax.random.PRNGKey(1), (2, 17), 0, cfg.vocab_size)
+
+    def step(*sets):
+        opt = load_config(TINY, [f"optimizer.name={name}", "optimizer.weight_decay=0.5", *sets]).optimizer
+        tx = make_optimizer(opt, 0.1, 0.0)
+        state = TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
+        new = jax.jit(make_train_step(cfg, tx, 1))(state, batch)[0].params
+        return jax.tree_util.tree_flatten_with_path(new)[0]
+
+    masked, decayed, plain = (
+        step("optimizer.weight_decay_mask=matrices"),
+        step(),
+        step("optimizer.weight_decay=0"),
+    )
+    norms = 0
+    for (path, got), (_, want), (_, undecayed) in zip(masked, decayed, plain, strict=True):
+        norm = jax.tree_util.keystr(path).endswith("['scale']")
+        norms += norm
+        assert not np.allclose(want, undecayed), path  # the decay shows
+        np.testing.assert_allclose(got, undecayed if norm else want, rtol=1e-6, atol=1e-7, err_msg=str(path))
+    assert norms == (3 if scan_layers else 5)
 
 
 @pytest.mark.slow

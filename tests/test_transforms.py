@@ -356,6 +356,59 @@ def test_decay_after_step_decays_the_stepped_parameters_on_schedule():
         mj.decay_after_step(0.1, -1.0)
 
 
+def test_decay_after_step_and_adamw_decay_only_the_leaves_their_mask_marks():
+    """``mask`` as ``optax.adamw``'s: a prefix tree or a function; masked-out leaves get the update
+    of ``weight_decay=0``, masked-in ones that of no mask."""
+    p = {"w": jnp.arange(1.0, 7.0).reshape(2, 3), "norm": {"scale": jnp.ones(3), "bias": jnp.ones(3)}}
+    d = jax.tree.map(lambda x: jnp.full(x.shape, -0.25), p)
+    matrices = lambda t: jax.tree.map(lambda x: x.ndim >= 2, t)  # noqa: E731
+    for mask in ({"w": True, "norm": False}, matrices):
+        tx = mj.decay_after_step(0.1, 0.5, mask)
+        out, _ = tx.update(d, tx.init(p), p)
+        np.testing.assert_allclose(p["w"] + out["w"], (p["w"] + d["w"]) * (1 - 0.1 * 0.5), rtol=1e-6)
+        chex.assert_trees_all_equal(out["norm"], d["norm"])
+        steps = {}
+        for key, kwargs in (("masked", dict(weight_decay=0.5, mask=mask)), ("all", dict(weight_decay=0.5))):
+            tx = mj.adamw(0.1, **kwargs)
+            steps[key], _ = tx.update(d, tx.init(p), p)
+        tx = mj.adamw(0.1)
+        plain, _ = tx.update(d, tx.init(p), p)
+        chex.assert_trees_all_close(steps["masked"]["w"], steps["all"]["w"])
+        chex.assert_trees_all_close(steps["masked"]["norm"], plain["norm"])
+        assert not np.allclose(steps["all"]["norm"]["scale"], plain["norm"]["scale"])
+
+
+def test_weight_decay_mask_under_inject_hyperparams_and_matrix_axes():
+    """The mask is a static argument (a function or a tree is no hyperparameter); under
+    ``matrix_axes`` a function sees the matrix views and a tree matches the parameters."""
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    params = {"q_proj": {"kernel": normal(16, 2, 8)}, "norm": {"scale": jnp.ones(16)}}  # (embed, heads, dim)
+    grads = [jax.tree.map(lambda x: normal(*x.shape), params) for _ in range(3)]
+    axes = {"q_proj": {"kernel": mj.MatrixAxes(fan_in=-3, fan_out=(-2, -1))}}
+    kw = dict(r_base=4, block_size=4, update_proj_gap=2, rank_allocation=False, matrix_axes=axes)
+    injected = optax.inject_hyperparams(mj.moara_adamw, static_args=mj.MOARA_ADAMW_STATIC_ARGS)
+
+    def run(tx):
+        state, p, out = tx.init(params), params, []
+        for g in grads:
+            u, state = jax.jit(tx.update)(g, state, p)
+            p = optax.apply_updates(p, u)
+            out.append(u)
+        return out
+
+    no_decay = run(injected(learning_rate=0.1, weight_decay=0.0, **kw))
+    decay = run(injected(learning_rate=0.1, weight_decay=0.5, **kw))
+    matrices = lambda t: jax.tree.map(lambda x: x.ndim >= 2, t)  # noqa: E731
+    for mask in (matrices, {"q_proj": True, "norm": False}):
+        tx = injected(learning_rate=0.1, weight_decay=0.5, weight_decay_mask=mask, **kw)
+        assert "weight_decay_mask" not in tx.init(params).hyperparams
+        for got, want, plain in zip(run(tx), decay, no_decay, strict=True):
+            chex.assert_trees_all_close(got["q_proj"], want["q_proj"], rtol=1e-5, atol=1e-7)
+            chex.assert_trees_all_close(got["norm"], plain["norm"], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(decay[-1]["norm"]["scale"], no_decay[-1]["norm"]["scale"])
+
+
 def test_moara_adamw_under_inject_hyperparams_with_bf16_parameters():
     params = {"q_proj": {"kernel": jnp.ones((16, 16), jnp.bfloat16)}, "norm": jnp.ones(16, jnp.bfloat16)}
     grads = jax.tree.map(lambda p: (0.1 * jnp.arange(p.size).reshape(p.shape) % 1.0).astype(p.dtype), params)

@@ -50,6 +50,7 @@ class OptimizerSection:
     b2: float = 0.999
     eps: float = 1e-6
     weight_decay: float = 0.0
+    weight_decay_mask: str = "all"  # all | matrices (2+ dimensions per layer: no norms or biases)
 
 
 @dataclass(frozen=True)
@@ -321,6 +322,10 @@ def _validate_optimizer(o: OptimizerSection) -> None:
         finite(o.weight_decay) and o.weight_decay >= 0,
         f"optimizer.weight_decay must be >= 0, got {o.weight_decay}",
     )
+    _need(
+        o.weight_decay_mask in ("all", "matrices"),
+        f"optimizer.weight_decay_mask must be all or matrices, got {o.weight_decay_mask!r}",
+    )
     try:
         host_class(o.host)
     except ValueError as e:
@@ -446,7 +451,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def check_resumable(saved: dict, new: dict) -> None:
     """Refuses a resume whose config (``new``, a mapping) changes, against the run's ``saved``
     one, what the checkpoint or the data order depend on."""
-    old_flat, new_flat = _flatten(saved or {}), _flatten(new)
+    # A key the saved config lacks was added since, with a default that does what runs did before
+    # (optimizer.weight_decay_mask: all): a run saved then resumes.
+    old_flat, new_flat = _flatten(to_dict(RunConfig())) | _flatten(saved or {}), _flatten(new)
     for flat in (old_flat, new_flat):  # an unnamed model is the default one
         if flat.get("model.name") is None and flat.get("model.init_from") is None:
             flat["model.name"] = DEFAULT_MODEL

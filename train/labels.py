@@ -1,6 +1,6 @@
 """``python -m train.labels --config FILE [--set k=v]``: print the optimizer's view of a model
-(every parameter's path, shape, module label, projection rank requested/used) and the optimizer
-state by component, without allocating anything."""
+(every parameter's path, shape, module label, projection rank requested/used, whether weight decay
+applies to it) and the optimizer state by component, without allocating anything."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from train.config import load_config
 from train.errors import UserError, cli
 from train.model import model_config
 from train.sources import make_tokenizer
-from train.step import Allocation, make_optimizer
+from train.step import Allocation, decay_mask, make_optimizer
 
 # The vocabulary where the config's tokenizer file is not at hand (Llama 2's and T5's).
 FALLBACK_VOCAB = 32000
@@ -41,9 +41,14 @@ def describe(cfg, vocab_size: int | None = None) -> str:
     lines = [
         f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}"
         + ("" if opt.name == "adamw" or opt.host == "galore" else f" on {opt.host}"),
-        f"{'parameter':64s} {'shape':>22s} {'label':>6s} {'rank':>11s}",
+        f"{'parameter':64s} {'shape':>22s} {'label':>6s} {'rank':>11s} {'decay':>5s}",
     ]
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    # Whether optimizer.weight_decay applies (optimizer.weight_decay_mask); "-": no weight decay.
+    mask = decay_mask(opt)
+    decayed = jax.tree.leaves(mask(params) if mask else jax.tree.map(lambda _: True, params))
+    if opt.weight_decay == 0:
+        decayed = [None] * len(decayed)
+    for (path, x), decays in zip(jax.tree_util.tree_flatten_with_path(params)[0], decayed, strict=True):
         key = jax.tree_util.keystr(path)
         row = rows.get(key)
         rank = (
@@ -52,7 +57,8 @@ def describe(cfg, vocab_size: int | None = None) -> str:
             else "-"
         )
         label = row["module"] if row else "adamw"
-        lines.append(f"{key:64s} {str(tuple(x.shape)):>22s} {label:>6s} {rank:>11s}")
+        decay = "-" if decays is None else ("yes" if decays else "no")
+        lines.append(f"{key:64s} {str(tuple(x.shape)):>22s} {label:>6s} {rank:>11s} {decay:>5s}")
     state = jax.eval_shape(make_optimizer(opt, 0.01, cfg.train.grad_clip).init, params)
     sizes = mj.state_bytes(state)
     lines.append(

@@ -327,12 +327,13 @@ def _embedding_params(abstract_params) -> int:
 
 def _describe_optimizer(cfg: RunConfig) -> str:
     o = cfg.optimizer
+    decay = [f"weight decay {o.weight_decay:g} on {o.weight_decay_mask}"] if o.weight_decay else []
     if o.name == "adamw":
-        return "adamw"
+        return ", ".join(["adamw", *decay])
     parts = [f"{o.name} on {o.host}", f"r_base {o.r_base}", f"T {o.update_proj_gap}", f"svd {o.svd}"]
     if o.name == "moara" and o.decompose:
         parts.append(f"block {o.block_size}")
-    return ", ".join(parts)
+    return ", ".join([*parts, *decay])
 
 
 # ------------------------------------------------------------------------------- 4. the step loop

@@ -69,6 +69,20 @@ class Allocation:
         return mj.rank_table(abstract_params, r_base=opt.r_base, rank_allocation=self.rule, ranks=self.ranks)
 
 
+def decay_mask(opt: OptimizerSection):
+    """``optimizer.weight_decay_mask`` as the optimizers take it: ``None`` (every parameter) or,
+    for ``matrices``, a function marking the parameters of 2 or more dimensions per layer (the
+    layer axis of a scanned model's ``layers`` not counted), so no norm or bias."""
+    if opt.weight_decay_mask == "all":
+        return None
+
+    def matrix(path, x) -> bool:
+        stacked = mj.path_names(path)[:1] == ("layers",)  # nn.scan's layer axis in front
+        return x.ndim - int(stacked) >= 2
+
+    return lambda params: jax.tree_util.tree_map_with_path(matrix, params)
+
+
 def make_optimizer(
     opt: OptimizerSection,
     lr: optax.ScalarOrSchedule,
@@ -80,7 +94,7 @@ def make_optimizer(
     """AdamW, or GaLore/MoARa on the configured host (GaLore, Fira, Q-GaLore, OSD, LDAdam or
     SubTrack++), per the config; ``profiling``: uniform-rank GaLore (what a profile measures)."""
     if opt.name == "adamw":
-        tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay)
+        tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask=decay_mask(opt))
     else:
         allocation = Allocation.of(opt, profiling)
         tx = mj.moara_adamw(
@@ -96,6 +110,7 @@ def make_optimizer(
             b2=opt.b2,
             eps=opt.eps,
             weight_decay=opt.weight_decay,
+            weight_decay_mask=decay_mask(opt),
             svd=opt.svd,
             host=host_settings(opt, peak_lr),
         )

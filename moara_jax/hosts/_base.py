@@ -9,6 +9,7 @@ A host is a frozen dataclass of its settings that subclasses :class:`Host` and o
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -29,6 +30,40 @@ from moara_jax._validate import (
 def is_zero(weight_decay) -> bool:
     """A Python-number weight decay of 0 (an injected array may change: never zero)."""
     return isinstance(weight_decay, (int, float)) and weight_decay == 0
+
+
+DecayMask = Callable[[Any], Any]  # a tree -> a tree of booleans of its structure
+
+
+def decay_mask_fn(mask: Any) -> DecayMask | None:
+    """``moara_adamw``'s ``weight_decay_mask`` (a tree of booleans with the parameters' structure
+    or a prefix of it, or a function of the parameters returning one, as ``optax.masked`` takes)
+    as the hosts take it: a function of a tree giving one boolean per leaf, like ``targets``."""
+    if mask is None:
+        return None
+
+    def fn(tree):
+        given = mask(tree) if callable(mask) else mask
+        return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), given, tree)
+
+    return fn
+
+
+def with_decay_mask(host: Host, name: str, decay_mask: DecayMask | None, *args: Any) -> Any:
+    """``host.name(*args)`` (``finish`` or ``other_adam``), given ``decay_mask=`` only when there
+    is a mask: a host written before masks existed runs as before without one, and is refused
+    one it cannot take."""
+    method = getattr(host, name)
+    if decay_mask is None:
+        return method(*args)
+    parameters = inspect.signature(method).parameters.values()
+    if not any(p.name == "decay_mask" or p.kind is p.VAR_KEYWORD for p in parameters):
+        raise ValueError(
+            f"weight_decay_mask: host {host.name!r} cannot take it: add a decay_mask=None parameter "
+            f"to {type(host).__name__}.{name} (a tree -> booleans function, None for every "
+            "parameter) and decay only where it is True"
+        )
+    return method(*args, decay_mask=decay_mask)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,10 +152,17 @@ class Host:
         raise NotImplementedError
 
     def other_adam(
-        self, b1: float, b2: float, eps: float, mu_dtype: Any, weight_decay: Any
+        self,
+        b1: float,
+        b2: float,
+        eps: float,
+        mu_dtype: Any,
+        weight_decay: Any,
+        decay_mask: DecayMask | None = None,
     ) -> optax.GradientTransformation:
         """The direction of every non-target parameter (and their weight decay, when the host
-        puts it before the learning rate): galore-torch's Adam by default."""
+        puts it before the learning rate, on the parameters ``decay_mask`` marks, as
+        :meth:`finish`'s): galore-torch's Adam by default."""
         return inner_adam(b1, b2, eps, mu_dtype=mu_dtype)
 
     def finish(
@@ -129,11 +171,14 @@ class Host:
         weight_decay: Any,
         targets: Callable[[Any], Any],
         seed: int,
+        decay_mask: DecayMask | None = None,
     ) -> list[optax.GradientTransformation]:
         """What follows the directions (``targets``: a tree -> booleans mask of the target
-        matrices): by default the learning rate, then galore-torch's decoupled decay after the
-        step, ``p <- (p + step)(1 - lr * wd)``."""
-        return [optax.scale_by_learning_rate(learning_rate), decay_after_step(learning_rate, weight_decay)]
+        matrices; ``decay_mask``: a tree -> booleans mask of the parameters weight decay applies
+        to, ``None`` for all of them): by default the learning rate, then galore-torch's decoupled
+        decay after the step, ``p <- (p + step)(1 - lr * wd)``."""
+        decay = decay_after_step(learning_rate, weight_decay, decay_mask)
+        return [optax.scale_by_learning_rate(learning_rate), decay]
 
     def with_learning_rate(self, learning_rate: optax.ScalarOrSchedule, update_proj_gap: int) -> Host:
         """The settings ``moara_adamw`` runs, given its learning rate (a host whose stages

@@ -260,10 +260,10 @@ class LDAdam(Host):
         )
         return (stage,)
 
-    def other_adam(self, b1, b2, eps, mu_dtype, weight_decay):
+    def other_adam(self, b1, b2, eps, mu_dtype, weight_decay, decay_mask=None):
         return pytorch_adam(b1, b2, eps, mu_dtype=mu_dtype)  # LDAdamW's full-rank path
 
-    def finish(self, learning_rate, weight_decay, targets, seed):
-        # LDAdamW: decoupled decay of every parameter before the step.
-        decay = [] if is_zero(weight_decay) else [optax.add_decayed_weights(weight_decay)]
+    def finish(self, learning_rate, weight_decay, targets, seed, decay_mask=None):
+        # LDAdamW: decoupled decay of every (masked-in) parameter before the step.
+        decay = [] if is_zero(weight_decay) else [optax.add_decayed_weights(weight_decay, decay_mask)]
         return [*decay, optax.scale_by_learning_rate(learning_rate)]

@@ -370,16 +370,18 @@ class QGaLore(Host):
             o.b1, o.b2, o.eps, min_8bit_size=self.min_8bit_size, mag_bits=self.mag_bits
         )
 
-    def other_adam(self, b1, b2, eps, mu_dtype, weight_decay):
+    def other_adam(self, b1, b2, eps, mu_dtype, weight_decay, decay_mask=None):
         # bitsandbytes' AdamW8bit: decoupled decay before the step.
         other = adam8bit(b1, b2, eps, min_8bit_size=self.min_8bit_size)
-        return other if is_zero(weight_decay) else optax.chain(other, optax.add_decayed_weights(weight_decay))
+        if is_zero(weight_decay):
+            return other
+        return optax.chain(other, optax.add_decayed_weights(weight_decay, decay_mask))
 
-    def finish(self, learning_rate, weight_decay, targets, seed):
+    def finish(self, learning_rate, weight_decay, targets, seed, decay_mask=None):
         # Target matrices: decay after the back-projected step, then back onto the INT8 grid.
         out = [
             optax.scale_by_learning_rate(learning_rate),
-            optax.masked(decay_after_step(learning_rate, weight_decay), targets),
+            optax.masked(decay_after_step(learning_rate, weight_decay, decay_mask), targets),
         ]
         if self.weight_bits is not None:
             grid = quantize_weights(
