@@ -178,16 +178,7 @@ def test_moara_adamw_vanilla_equals_galore_adamw_on_llama_tree(weight_decay, mon
     steps, rank, gap = 5, 8, 2
     seq = _grads(rng, {n: s for n, (s, _) in torch_shapes.items()}, steps)
     ref = _torch_run(torch_shapes, seq, rank, gap, 0.25, weight_decay)
-    tx = mj.moara_adamw(
-        LR,
-        r_base=rank,
-        decompose=False,
-        rank_allocation=False,
-        update_proj_gap=gap,
-        canonical_signs=True,
-        weight_decay=weight_decay,
-    )
-    assert_llama_tree_run_matches(tx, torch_shapes, seq, ref)
+    assert_llama_tree_run_matches(vanilla_galore(rank, gap, weight_decay), torch_shapes, seq, ref)
 
 
 @pytest.mark.parametrize("form", ["tree", "function"])
@@ -204,7 +195,15 @@ def test_weight_decay_mask_equals_galore_adamw_with_undecayed_norms(form, monkey
     ref = _torch_run(torch_shapes, seq, rank, gap, 0.25, weight_decay, undecayed=norms)
     matrices = lambda tree: jax.tree.map(lambda x: x.ndim >= 2, tree)  # noqa: E731
     shapes = _to_flax({n: np.zeros(s, np.float32) for n, (s, _) in torch_shapes.items()})
-    tx = mj.moara_adamw(
+    mask = matrices if form == "function" else matrices(shapes)
+    tx = vanilla_galore(rank, gap, weight_decay, weight_decay_mask=mask)
+    assert_llama_tree_run_matches(tx, torch_shapes, seq, ref)
+
+
+def vanilla_galore(rank: int, gap: int, weight_decay: float, **options) -> optax.GradientTransformation:
+    """``moara_adamw`` as vanilla GaLore (no decomposition, uniform ranks), signs made canonical as
+    ``_sign_fix`` makes the reference's."""
+    return mj.moara_adamw(
         LR,
         r_base=rank,
         decompose=False,
@@ -212,9 +211,8 @@ def test_weight_decay_mask_equals_galore_adamw_with_undecayed_norms(form, monkey
         update_proj_gap=gap,
         canonical_signs=True,
         weight_decay=weight_decay,
-        weight_decay_mask=matrices if form == "function" else matrices(shapes),
+        **options,
     )
-    assert_llama_tree_run_matches(tx, torch_shapes, seq, ref)
 
 
 def assert_llama_tree_run_matches(tx, torch_shapes, seq, ref):
