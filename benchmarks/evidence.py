@@ -536,8 +536,8 @@ class Runner:
         verb = "resuming" if resumed else "starting"
         left = self.left() - RESERVE_S
         self.say(f"{planned.name}: {verb} (estimate {estimate_s:.0f}s from {basis}; {left:.0f}s left)")
-        started = time.monotonic(), time.time()
-        return Running(planned, run_dir, proc, log, *started, estimate_s, resumed, MEMORY / level)
+        now, epoch = time.monotonic(), time.time()
+        return Running(planned, run_dir, proc, log, now, epoch, estimate_s, resumed, MEMORY / level)
 
     def finish(self, r: Running) -> dict:
         r.log.close()
@@ -644,10 +644,10 @@ class Runner:
         (runs started at a lower level hold a larger one); under ``auto``, a run that does not fit
         at the chosen level may start at a lower one (alone, no gain from sharing is assumed)."""
         chosen = self.level(measured)
-        lower = [n for n in (*LEVELS, chosen) if n < chosen] if self.args.concurrent == "auto" else []
+        lower = [n for n in reversed(LEVELS) if n < chosen] if self.args.concurrent == "auto" else []
         held = sum(r.fraction for r in running)
         first = None
-        for level in sorted({chosen, *lower}, reverse=True):
+        for level in (chosen, *lower):
             if len(running) >= level or held + MEMORY / level > MEMORY + 1e-9:
                 continue
             est, basis = self.estimate(planned, measured, level)

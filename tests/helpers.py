@@ -24,6 +24,14 @@ def assert_matches_reference(got, want, msg=""):
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3 * scale, err_msg=msg)
 
 
+def matrices(tree):
+    """A weight-decay mask of ``tree``: True for its leaves of 2 or more dimensions (no norms or
+    biases)."""
+    import jax
+
+    return jax.tree.map(lambda x: x.ndim >= 2, tree)
+
+
 def canonical(basis, axis):
     """Flips each vector of ``basis`` (vectors along ``axis``) so its largest |entry| is positive."""
     idx = np.argmax(np.abs(basis), axis=axis)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_matches_reference, torch_history
+from helpers import assert_matches_reference, matrices, torch_history
 
 import moara_jax as mj
 
@@ -193,7 +193,6 @@ def test_weight_decay_mask_equals_galore_adamw_with_undecayed_norms(form, monkey
     steps, rank, gap, weight_decay = 5, 8, 2, 0.5  # refreshes at steps 0, 2, 4
     seq = _grads(rng, {n: s for n, (s, _) in torch_shapes.items()}, steps)
     ref = _torch_run(torch_shapes, seq, rank, gap, 0.25, weight_decay, undecayed=norms)
-    matrices = lambda tree: jax.tree.map(lambda x: x.ndim >= 2, tree)  # noqa: E731
     shapes = _to_flax({n: np.zeros(s, np.float32) for n, (s, _) in torch_shapes.items()})
     mask = matrices if form == "function" else matrices(shapes)
     tx = vanilla_galore(rank, gap, weight_decay, weight_decay_mask=mask)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import matrices
 
 import moara_jax as mj
 
@@ -361,7 +362,6 @@ def test_decay_after_step_and_adamw_decay_only_the_leaves_their_mask_marks():
     of ``weight_decay=0``, masked-in ones that of no mask."""
     p = {"w": jnp.arange(1.0, 7.0).reshape(2, 3), "norm": {"scale": jnp.ones(3), "bias": jnp.ones(3)}}
     d = jax.tree.map(lambda x: jnp.full(x.shape, -0.25), p)
-    matrices = lambda t: jax.tree.map(lambda x: x.ndim >= 2, t)  # noqa: E731
     for mask in ({"w": True, "norm": False}, matrices):
         tx = mj.decay_after_step(0.1, 0.5, mask)
         out, _ = tx.update(d, tx.init(p), p)
@@ -399,7 +399,6 @@ def test_weight_decay_mask_under_inject_hyperparams_and_matrix_axes():
 
     no_decay = run(injected(learning_rate=0.1, weight_decay=0.0, **kw))
     decay = run(injected(learning_rate=0.1, weight_decay=0.5, **kw))
-    matrices = lambda t: jax.tree.map(lambda x: x.ndim >= 2, t)  # noqa: E731
     for mask in (matrices, {"q_proj": True, "norm": False}):
         tx = injected(learning_rate=0.1, weight_decay=0.5, weight_decay_mask=mask, **kw)
         assert "weight_decay_mask" not in tx.init(params).hyperparams
