@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ import jax
 import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from moara_jax._validate import fit_errors
 
 
 def path_key(path) -> tuple[str, ...]:
@@ -203,7 +206,10 @@ def follow_params(
             plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, arrays))
             mesh = jax.sharding.get_abstract_mesh()
             run = lambda params, hyper: inner(hyper).init(params)  # noqa: E731
-            with jax.sharding.use_abstract_mesh(mesh.update_axis_types({a: AxisType.Auto for a in axes})):
+            auto = mesh.update_axis_types({a: AxisType.Auto for a in axes})
+            # Sizing the state traces init once more: its warnings are those of the run below.
+            with jax.sharding.use_abstract_mesh(auto), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 abstract = jax.eval_shape(run, *plain)
             specs = _specs(abstract, params, jax.tree.map(_spec_of, params))
             return jax.sharding.auto_axes(run, axes=axes, out_sharding=specs)(params, arrays)
@@ -231,7 +237,8 @@ def follow_params(
 
 def placing(constructor: Callable[..., optax.GradientTransformation]):
     """``constructor`` whose transform is :func:`follow_params`'s, with its array-valued
-    arguments handed to the Auto region as arguments."""
+    arguments handed to the Auto region as arguments, and whose ``update`` names the parameter
+    whose update does not fit the state (:func:`fit_errors`)."""
 
     signature = inspect.signature(constructor)
 
@@ -243,6 +250,7 @@ def placing(constructor: Callable[..., optax.GradientTransformation]):
         def remake(values: dict) -> optax.GradientTransformation:
             return constructor(**{**bound.arguments, **values})
 
-        return follow_params(constructor(*args, **kwargs), remake, arrays)
+        tx = constructor(*args, **kwargs)
+        return fit_errors(follow_params(tx, remake, arrays), tx.init, constructor.__name__)
 
     return wrapped

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 
@@ -47,3 +50,81 @@ def dtype_arg(name: str, value: Any) -> jnp.dtype | None:
         return jnp.dtype(value)
     except TypeError as err:
         raise ValueError(f"{name} must be a dtype, got {value!r}") from err
+
+
+def fit_errors(tx: Any, init: Callable[[Any], Any], name: str) -> Any:
+    """``tx`` (an ``optax.GradientTransformationExtraArgs``) whose ``update``, failing on updates
+    that do not fit its state (a gradient transposed, flattened, of another size; a parameter
+    added or removed), raises a one-line ``ValueError`` naming the parameter rather than the
+    error JAX raised deep inside. ``init`` makes the state for a tree (``tx``'s own, or the one it
+    wraps), from which what the updates imply is compared with the state given. An update that
+    fits costs nothing: the comparison runs only after a failure."""
+
+    def update_fn(updates, state, params=None, **extra):
+        try:
+            return tx.update(updates, state, params, **extra)
+        except (TypeError, ValueError) as err:
+            problem = misfit(init, updates, state, params)
+            if problem is None:
+                raise
+            raise ValueError(f"{name}: {problem}") from err
+
+    return type(tx)(tx.init, update_fn)
+
+
+def misfit(init: Callable[[Any], Any], updates: Any, state: Any, params: Any = None) -> str | None:
+    """What makes ``updates`` unfit for ``state`` (made by ``init`` from the parameters) and,
+    when given, ``params``, naming the parameter; ``None`` when their shapes all fit."""
+    flat = lambda tree: jax.tree_util.tree_flatten_with_path(tree)[0]  # noqa: E731
+    if params is not None and jax.tree.structure(updates) == jax.tree.structure(params):
+        for (path, u), (_, p) in zip(flat(updates), flat(params), strict=True):
+            if jnp.shape(u) != jnp.shape(p):
+                return (
+                    f"the update of {_key(path)} has shape {jnp.shape(u)} and its parameter "
+                    f"{jnp.shape(p)}: an update (a gradient) has its parameter's shape"
+                )
+    with warnings.catch_warnings():  # the init's warnings were given when the state was made
+        warnings.simplefilter("ignore")
+        try:
+            implied = jax.eval_shape(init, updates)
+        except (TypeError, ValueError) as err:
+            return f"the updates are no tree of parameters it can step ({str(err).splitlines()[0]})"
+    owners = [tuple(path) for path, _ in flat(updates)]
+    made, needed = _state_by_owner(state, owners), _state_by_owner(implied, owners)
+    for (path, update), owner in zip(flat(updates), owners, strict=True):
+        if made.get(owner) != needed.get(owner):
+            there, here = made.get(owner, []), needed.get(owner, [])
+            if not there:
+                return f"{_key(path)} has no state made at init (a parameter added or renamed since)"
+            if [p for p, _ in there] == [p for p, _ in here]:  # a leaf of the same state: name it
+                (leaf, was), (_, need) = next((a, b) for a, b in zip(there, here, strict=True) if a != b)
+                detail = f"{leaf} has shape {was}; this update needs {need}"
+            else:
+                detail = f"shapes {[s for _, s in there]}; this update needs {[s for _, s in here]}"
+            return (
+                f"the update of {_key(path)} has shape {jnp.shape(update)}, which does not fit the "
+                f"state made for it at init ({detail}): an update (a gradient) has its parameter's shape"
+            )
+    if jax.tree.structure(implied) != jax.tree.structure(state):
+        return (
+            "the updates' tree is not the one its state was made for (a parameter added, "
+            "removed or renamed since init)"
+        )
+    return None
+
+
+def _state_by_owner(state: Any, owners: list[tuple]) -> dict[tuple, list[tuple[str, tuple]]]:
+    """The leaves of an Optax state (its path, its shape) under the parameter each belongs to:
+    the one whose path ends the leaf's (a state nests the parameters' tree); a leaf of no
+    parameter (a step count) is left out."""
+    out: dict[tuple, list[tuple[str, tuple]]] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        path = tuple(path)
+        ends = [o for o in owners if o and len(o) <= len(path) and path[len(path) - len(o) :] == o]
+        if ends:
+            out.setdefault(max(ends, key=len), []).append((_key(path), tuple(jnp.shape(x))))
+    return out
+
+
+def _key(path) -> str:
+    return jax.tree_util.keystr(tuple(path)) if path else "<the root>"

@@ -240,6 +240,7 @@ def test_refresh_is_spread_over_the_mesh():
 
 
 PLACEMENT = textwrap.dedent("""
+    import warnings
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import moara_jax as mj
@@ -337,6 +338,12 @@ PLACEMENT = textwrap.dedent("""
         plain = mj.moara_adamw(lr, **kw)
         steps = [jax.jit(t.update)(params, t.init(params), params)[0] for t in (masked, plain)]
         np.testing.assert_array_equal(*(np.asarray(u["q_proj"]["kernel"]) for u in steps))
+        # init's warnings (a rank clipped) come once, though sizing the state traces it twice.
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            mj.moara_adamw(0.01, r_base=64, block_size=8, rank_allocation=False).init(params)
+        clipped = [str(w.message) for w in seen if "clipped to 32" in str(w.message)]
+        assert len(clipped) == 1, clipped
     auto = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
     listed = [jax.device_put(jnp.ones((32, 64)), NamedSharding(auto, P(None, "fsdp"))),
               jax.device_put(jnp.ones((64, 16)), NamedSharding(auto, P("fsdp", None)))]

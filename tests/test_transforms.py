@@ -559,3 +559,56 @@ def test_an_update_without_params_under_inject_hyperparams_says_how():
     injected = optax.inject_hyperparams(mj.moara_adamw, static_args=static)(**kwargs)
     updates, _ = injected.update(params, injected.init(params))
     assert updates["q_proj"]["kernel"].shape == (16, 8)
+
+
+@pytest.mark.parametrize("name", ["full", "galore", "fira_full", "osd_full", "q_galore"])
+def test_an_update_that_does_not_fit_its_parameter_is_named_in_one_line(name):
+    """A gradient transposed, flattened or of another size, for a target and for a non-target,
+    with and without the parameters, eager and jitted: a one-line ``ValueError`` names the
+    optimizer, the parameter and the shape, where JAX's own error came from deep inside."""
+    params = _params()
+    tx = VARIANTS[name](0.01)
+    state = tx.init(params)
+    down, norm = "['layers']['mlp']['down_proj']['kernel']", "['layers']['norm']['scale']"
+
+    def changed(key, value):
+        grads = jax.tree.map(jnp.ones_like, params)
+        where = grads["layers"]["mlp"]["down_proj"] if key == "down" else grads["layers"]["norm"]
+        where["kernel" if key == "down" else "scale"] = value
+        return grads
+
+    cases = [
+        (changed("down", jnp.ones((16, 40))), down, "(16, 40)"),  # transposed
+        (changed("down", jnp.ones(640)), down, "(640,)"),  # flattened
+        (changed("down", jnp.ones((40, 8))), down, "(40, 8)"),
+        (changed("norm", jnp.ones(8)), norm, "(8,)"),
+    ]
+    for grads, path, shape in cases:
+        for update in (tx.update, jax.jit(tx.update)):
+            for given in (params, None):
+                with pytest.raises(ValueError) as error:
+                    update(grads, state, given)
+                message = str(error.value)
+                assert "\n" not in message, message
+                assert message.startswith("moara_adamw: the update of " + path), message
+                assert f"has shape {shape}" in message and "its parameter's shape" in message, message
+
+
+def test_a_misfit_under_the_composable_stages_names_the_stage_and_parameter():
+    params = {"q_proj": {"kernel": jnp.ones((16, 8))}}
+    tx = mj.scale_by_moara(4, 8)
+    state = tx.init(params)
+    with pytest.raises(
+        ValueError, match=r"^scale_by_moara: the update of \['q_proj'\]\['kernel'\] has shape \(8, 16\)"
+    ):
+        tx.update({"q_proj": {"kernel": jnp.ones((8, 16))}}, state)
+    # A parameter added since init, and one removed.
+    grown = {**params, "k_proj": {"kernel": jnp.ones((16, 8))}}
+    with pytest.raises(
+        ValueError, match=r"^scale_by_moara: \['k_proj'\]\['kernel'\] has no state made at init"
+    ):
+        tx.update(grown, state)
+    with pytest.raises(
+        ValueError, match=r"^scale_by_moara: the updates' tree is not the one its state was made for"
+    ):
+        tx.update({"k_proj": {"kernel": jnp.ones((16, 8))}}, tx.init(grown))
