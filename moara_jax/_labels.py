@@ -7,6 +7,7 @@ import warnings
 from typing import Any
 
 import jax
+import numpy as np
 
 LLAMA_MODULE_TYPES = ("q", "k", "v", "o", "up", "gate", "down")
 MLA_MODULE_TYPES = ("q_a", "q_b", "kv_a", "kv_b", "o", "up", "gate", "down")
@@ -42,6 +43,15 @@ def unboxed(path: Any) -> tuple:
     if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == _BOX_ATTR:
         return path[:-1]
     return path
+
+
+def is_box(x: Any) -> bool:
+    """Whether ``x`` is a box around one value, as Flax's are: a node whose only child is its
+    ``.value`` (linen's ``nn.Partitioned``, nnx's ``Variable``)."""
+    if x is None or isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        return False
+    children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+    return len(children) == 1 and children[0][0] != () and unboxed(children[0][0]) == ()
 
 
 def path_names(path: Any) -> tuple[str, ...]:

@@ -25,10 +25,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from moara_jax._labels import path_names, unboxed
+from moara_jax._labels import is_box, path_names, unboxed
 
 
 class MatrixAxes(NamedTuple):
@@ -55,15 +54,6 @@ MatrixAxesOrFn = MatrixAxesTree | Callable[[Any], MatrixAxesTree]
 
 def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, MatrixAxes)
-
-
-def _is_box(x: Any) -> bool:
-    """Whether ``x`` is a box around one array, as Flax's are: a node whose only child is its
-    ``.value`` (linen's ``nn.Partitioned``, nnx's ``Variable``)."""
-    if x is None or isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
-        return False
-    children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
-    return len(children) == 1 and children[0][0] != () and unboxed(children[0][0]) == ()
 
 
 def _axes(value: Any, ndim: int, what: str, where: str) -> tuple[int, ...]:
@@ -183,7 +173,7 @@ def matrix_view(tree: Any, matrix_axes: MatrixAxesOrFn | None) -> Any:
 
 
 def _to_matrices(tree: Any, views: list[_View | None]) -> Any:
-    units, treedef = jax.tree.flatten(tree, is_leaf=_is_box)  # one array each, boxed or not
+    units, treedef = jax.tree.flatten(tree, is_leaf=is_box)  # one array each, boxed or not
     out = []
     for unit, view in zip(units, views, strict=True):
         out.append(unit if view is None else view.to_matrix(jax.tree.leaves(unit)[0]))

@@ -16,7 +16,7 @@ from moara_jax._matrices import MatrixAxesOrFn, as_matrices
 from moara_jax._sharding import placing
 from moara_jax._validate import check_block_size
 from moara_jax.hosts import Host, StageOptions, resolve_host
-from moara_jax.hosts._base import decay_mask_fn, with_decay_mask
+from moara_jax.hosts._base import decay_mask_fn, is_zero, with_decay_mask
 
 TARGET = "target"
 
@@ -175,7 +175,8 @@ def moara_adamw(
         name=label_fn,
     )
     host = resolve_host(host).with_learning_rate(learning_rate, update_proj_gap)
-    decay_mask = decay_mask_fn(weight_decay_mask)
+    # With no weight decay a mask changes nothing (a host written before masks then takes one).
+    decay_mask = None if is_zero(weight_decay) else decay_mask_fn(weight_decay_mask)
     if decompose:
         if block_size is None:
             raise ValueError("block_size is required when decompose=True")
@@ -200,7 +201,7 @@ def moara_adamw(
         if unknown:
             raise ValueError(f"ranks: unknown module types {unknown}; known: {list(MODULE_TYPES)}")
 
-    # A host whose methods predate weight-decay masks is called as before; given a mask, refused.
+    # A host whose methods predate weight-decay masks is called as before; given a mask to use, refused.
     other = with_decay_mask(host, "other_adam", decay_mask, b1, b2, eps, mu_dtype, weight_decay)
 
     def build(tree, warn: bool = False) -> optax.GradientTransformation:

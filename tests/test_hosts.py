@@ -330,11 +330,15 @@ class OldFinishHost(mj.Host):
     finish = OldSignatureHost.finish
 
 
-def test_a_host_written_before_decay_masks_runs_without_one_and_is_refused_one(frozen_galore):
+def test_a_host_written_before_decay_masks_runs_without_one_and_is_refused_one_to_use(frozen_galore):
     old, new = _decay_run(OldSignatureHost(), weight_decay=0.5), _decay_run("galore", weight_decay=0.5)
     for got, want in zip(old, new, strict=True):
         jax.tree.map(np.testing.assert_array_equal, got, want)
-    mask = {"self_attn": True, "mlp": True, "norm": False}
+    mask = {"self_attn": True, "mlp": True, "norm": False, "embed_tokens": False}
+    # With no weight decay a mask changes nothing, and the old host takes one.
+    old = _decay_run(OldSignatureHost(), weight_decay=0.0, weight_decay_mask=mask)
+    for got, want in zip(old, _decay_run("galore", weight_decay=0.0), strict=True):
+        jax.tree.map(np.testing.assert_array_equal, got, want)
     for host, method in (
         (OldSignatureHost(), "OldSignatureHost.other_adam"),
         (OldFinishHost(), "OldFinishHost.finish"),

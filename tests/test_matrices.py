@@ -296,6 +296,26 @@ def test_matrix_axes_on_a_vector_a_misspelt_path_or_a_bad_entry_is_refused():
         assert view["q"].shape == (E, H * D) and view["b"] is params["b"]
 
 
+def _boxed_attention_params():
+    """Flax linen attention's parameters, its kernels boxed with sharding names
+    (``nn.with_partitioning``): q/k/v/out kernels 3-D, their biases 2-D (q/k/v) and 1-D (out)."""
+
+    class Attention(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.MultiHeadDotProductAttention(
+                num_heads=H,
+                qkv_features=H * D,
+                name="attn",
+                kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("embed", "heads", "kv")),
+                out_kernel_init=nn.with_partitioning(
+                    nn.initializers.lecun_normal(), ("heads", "kv", "embed")
+                ),
+            )(x)
+
+    return Attention().init(jax.random.PRNGKey(0), jnp.ones((2, 5, E)))["params"]["attn"]
+
+
 def test_a_dict_spec_fits_an_nnx_state_and_boxed_kernels_keep_their_sharding_names():
     """One dict of specs serves ``nnx.Optimizer`` (its ``init`` sees an ``nnx.State``), and
     kernels boxed with sharding names (linen's ``nn.with_partitioning``, nnx's) still build
@@ -323,20 +343,7 @@ def test_a_dict_spec_fits_an_nnx_state_and_boxed_kernels_keep_their_sharding_nam
         optimizer.update(model, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model))
 
     # linen, boxed: the state's partition specs (from the boxes) fit the state's arrays.
-    class Attention(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.MultiHeadDotProductAttention(
-                num_heads=H,
-                qkv_features=H * D,
-                name="attn",
-                kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("embed", "heads", "kv")),
-                out_kernel_init=nn.with_partitioning(
-                    nn.initializers.lecun_normal(), ("heads", "kv", "embed")
-                ),
-            )(x)
-
-    params = Attention().init(jax.random.PRNGKey(0), jnp.ones((2, 5, E)))["params"]["attn"]
+    params = _boxed_attention_params()
     assert isinstance(params["query"]["kernel"], nn.Partitioned)
     shardings = nn.get_sharding(jax.eval_shape(tx.init, params), mesh)
     state = jax.jit(tx.init, out_shardings=shardings)(params)
@@ -345,6 +352,46 @@ def test_a_dict_spec_fits_an_nnx_state_and_boxed_kernels_keep_their_sharding_nam
     assert isinstance(updates["query"]["kernel"], nn.Partitioned)
     assert updates["query"]["kernel"].names == ("embed", "heads", "kv")
     assert updates["query"]["kernel"].value.shape == (E, H, D)
+
+
+def test_a_weight_decay_mask_built_over_boxed_kernels_fits_their_matrix_views():
+    """A tree mask made by mapping over boxed parameters (``Partitioned`` booleans) decays what it
+    marks under ``matrix_axes``, as a function of the matrix views does, where the viewed kernels
+    have lost their boxes: the kernels decayed, the biases stepped as with ``weight_decay=0``."""
+    params = _boxed_attention_params()
+
+    def kernels(tree):
+        return jax.tree_util.tree_map_with_path(lambda path, x: mj.path_names(path)[-1:] == ("kernel",), tree)
+
+    mask = kernels(params)
+    assert isinstance(mask["query"]["kernel"], nn.Partitioned)
+    kw = dict(r_base=4, block_size=D, update_proj_gap=2, rank_allocation=False, label_fn=attention_label)
+    kw |= dict(matrix_axes=attention_axes)
+    rng = np.random.default_rng(7)
+    grads = [
+        jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params) for _ in range(3)
+    ]
+
+    def run(**decay):
+        tx = mj.moara_adamw(0.1, **kw, **decay)
+        state, p, out = tx.init(params), params, []
+        for g in grads:
+            u, state = jax.jit(tx.update)(g, state, p)
+            p = optax.apply_updates(p, u)
+            out.append(nn.unbox(u))
+        return out
+
+    plain, decayed = run(weight_decay=0.0), run(weight_decay=0.5)
+    by_tree, by_fn = (
+        run(weight_decay=0.5, weight_decay_mask=mask),
+        run(weight_decay=0.5, weight_decay_mask=kernels),
+    )
+    for got, other, want, undecayed in zip(by_tree, by_fn, decayed, plain, strict=True):
+        jax.tree.map(np.testing.assert_array_equal, got, other)
+        for module in ATTENTION:
+            np.testing.assert_allclose(got[module]["kernel"], want[module]["kernel"], rtol=1e-6, atol=1e-8)
+            np.testing.assert_allclose(got[module]["bias"], undecayed[module]["bias"], rtol=1e-6, atol=1e-8)
+    assert not np.allclose(decayed[-1]["query"]["bias"], plain[-1]["query"]["bias"])  # the decay shows
 
 
 def test_extra_arguments_reach_the_inner_transformation():

@@ -40,12 +40,12 @@ HEARTBEAT_S = 10  # the coordination service's heartbeat timeout in these runs
 LOST_BOUND_S = 60  # a survivor stops this long after its peer's death at most (busy CI included)
 
 
-def environment(devices: int, cache: pathlib.Path, **more: str) -> dict:
-    """This session's environment (tests/conftest.py took a scheduler's and an outer run's process
-    settings out of it, and keeps every program in a persistent compilation cache) with a cache of
-    the test's own: the sessions after the first are spared their compilation."""
+def environment(devices: int, **more: str) -> dict:
+    """This session's environment: tests/conftest.py took a scheduler's and an outer run's process
+    settings out of it, and keeps every program in the session's persistent compilation cache,
+    where each test's runs find the programs of the tests before it (one run compiles them)."""
     env = os.environ | {"PYTHONPATH": str(ROOT), HEARTBEAT_ENV: str(HEARTBEAT_S)}
-    return cpu_devices(devices, env | {"JAX_COMPILATION_CACHE_DIR": str(cache)}) | more
+    return cpu_devices(devices, env) | more
 
 
 def _args(run_dir, extra=()) -> list[str]:
@@ -103,7 +103,7 @@ class Pair:
                     "JAX_NUM_PROCESSES": "2",
                     "JAX_PROCESS_ID": str(i),
                 }
-            env = environment(2, run_dir.parent / "xla-cache", **launch, **(more or {}))
+            env = environment(2, **launch, **(more or {}))
             out, err = (run_dir.parent / f"{name}.{i}.{ext}" for ext in ("out", "err"))
             self.logs.append((out, err))
             with open(out, "w") as o, open(err, "w") as e:
@@ -187,7 +187,7 @@ def test_two_processes_match_one_and_survive_sigterm_and_a_lost_peer(tmp_path):
     ref = subprocess.run(
         _args(one),
         cwd=ROOT,
-        env=environment(4, tmp_path / "xla-cache"),
+        env=environment(4),
         capture_output=True,
         text=True,
         timeout=600,
@@ -612,7 +612,7 @@ def test_jax_variables_take_precedence_over_slurms(tmp_path):
     """JAX's three variables in a SLURM step (one task per host driving all its GPUs): nothing is
     read from SLURM, whose ``SLURM_LOCALID`` would leave the process that one GPU of its host."""
     launch = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "1"}
-    env = environment(2, tmp_path / "xla-cache", **slurm_step(1, 7), **launch, JAX_PROCESS_ID="0")
+    env = environment(2, **slurm_step(1, 7), **launch, JAX_PROCESS_ID="0")
     probe = (
         "from train import distributed; distributed.initialize(); import jax; "
         "print(jax.process_count(), jax.config.read('jax_cuda_visible_devices'), jax.device_count())"

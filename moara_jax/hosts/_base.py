@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from moara_jax._adam import decay_after_step, inner_adam
+from moara_jax._labels import is_box
 from moara_jax._projection import SVD_METHODS
 from moara_jax._validate import (
     check_adam,
@@ -43,7 +44,13 @@ def decay_mask_fn(mask: Any) -> DecayMask | None:
         return None
 
     def fn(tree):
-        given = mask(tree) if callable(mask) else mask
+        # A box in the mask (one built by mapping over boxed parameters) is looked through: under
+        # ``matrix_axes`` a viewed leaf has lost its box, and elsewhere the tree's own restores it.
+        given = jax.tree.map(
+            lambda m: jax.tree.leaves(m)[0] if is_box(m) else m,
+            mask(tree) if callable(mask) else mask,
+            is_leaf=is_box,
+        )
         return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), given, tree)
 
     return fn
