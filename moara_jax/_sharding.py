@@ -4,13 +4,15 @@
 the parameters are, as ``optax.adamw``'s ``zeros_like`` moments are: an optimizer of an
 FSDP-sharded model must not hold its state on one device (:func:`state_shardings` says where
 each leaf goes). Under a mesh of Explicit axes (``jax.make_mesh``'s default, with
-``jax.set_mesh``), when an input is sharded over one of them, ``init`` and ``update`` run with
-those axes Auto (``jax.sharding.auto_axes``): a block reshape, the SVD or QR of a basis and a
-projection of a sharded matrix have no sharding rule of their own there, so XLA places them as
-under Auto axes; the state leaves as it came in, the updates as the gradients."""
+``jax.set_mesh``, or with no mesh in context the one the inputs carry), when an input is
+sharded over one of them, ``init`` and ``update`` run with those axes Auto
+(``jax.sharding.auto_axes``): a block reshape, the SVD or QR of a basis and a projection of a
+sharded matrix have no sharding rule of their own there, so XLA places them as under Auto axes;
+the state leaves as it came in, the updates as the gradients."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -144,6 +146,23 @@ def _explicit_axes() -> tuple[str, ...]:
     )
 
 
+def _inputs_mesh(*trees) -> contextlib.AbstractContextManager:
+    """With no mesh in context, the mesh of Explicit axes an input is sharded on, as the context
+    (``jax.set_mesh`` for arrays, its abstract mesh while tracing): such arrays carry their
+    mesh in their type, and what follows reads it from the context as under ``jax.set_mesh``."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    for x in jax.tree.leaves(trees):
+        if not isinstance(x, jax.Array):
+            continue
+        mesh = jax.typeof(x).sharding.mesh
+        if not mesh.empty and AxisType.Explicit in mesh.axis_types:
+            if isinstance(x, jax.core.Tracer):
+                return jax.sharding.use_abstract_mesh(mesh)
+            return jax.set_mesh(x.sharding.mesh)
+    return contextlib.nullcontext()
+
+
 def _on_one_mesh(params) -> bool:
     """Whether the parameters are concrete arrays, all with a NamedSharding on one mesh."""
     leaves = jax.tree.leaves(params)
@@ -201,6 +220,10 @@ def follow_params(
         return base if remake is None or not hyper else optax.with_extra_args_support(remake(hyper))
 
     def init_fn(params):
+        with _inputs_mesh(params):
+            return placed_init(params)
+
+    def placed_init(params):
         axes = _explicit_axes()
         if axes and _sharded_over(axes, params):
             plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, arrays))
@@ -219,6 +242,10 @@ def follow_params(
         return base.init(params)
 
     def update_fn(updates, state, params=None, **extra):
+        with _inputs_mesh(updates, state, params):
+            return explicit_update(updates, state, params, **extra)
+
+    def explicit_update(updates, state, params=None, **extra):
         axes = _explicit_axes()
         if not axes or not _sharded_over(axes, updates, state, params):
             return base.update(updates, state, params, **extra)

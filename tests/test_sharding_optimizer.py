@@ -344,6 +344,18 @@ PLACEMENT = textwrap.dedent("""
             mj.moara_adamw(0.01, r_base=64, block_size=8, rank_allocation=False).init(params)
         clipped = [str(w.message) for w in seen if "clipped to 32" in str(w.message)]
         assert len(clipped) == 1, clipped
+    # Without jax.set_mesh: the mesh the arrays carry in their type is the context, eager and jitted.
+    fsdp = NamedSharding(mesh, P("fsdp", None))
+    params = {"q_proj": {"kernel": jax.device_put(jnp.asarray(normal(64, 32)), fsdp)}}
+    tx = mj.moara_adamw(0.01, **kw)
+    state = tx.init(params)
+    assert any(x.sharding.spec != P() for x in jax.tree.leaves(state))
+    with jax.set_mesh(mesh):
+        want = jax.jit(tx.update)(params, tx.init(params), params)[0]["q_proj"]["kernel"]
+    for update in (jax.jit(tx.update), tx.update):
+        got = update(params, state, params)[0]["q_proj"]["kernel"]
+        assert got.sharding.spec == P("fsdp", None), got.sharding
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
     auto = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
     listed = [jax.device_put(jnp.ones((32, 64)), NamedSharding(auto, P(None, "fsdp"))),
               jax.device_put(jnp.ones((64, 16)), NamedSharding(auto, P("fsdp", None)))]
