@@ -137,8 +137,9 @@ def state_shardings(state: Any, params: Any, param_shardings: Any = None) -> Any
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(state, params, specs))
 
 
-def _explicit_axes() -> tuple[str, ...]:
-    mesh = jax.sharding.get_abstract_mesh()
+def _explicit_axes(mesh=None) -> tuple[str, ...]:
+    """The Explicit axes of ``mesh``, by default the context's."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh.empty:
         return ()
     return tuple(
@@ -147,19 +148,26 @@ def _explicit_axes() -> tuple[str, ...]:
 
 
 def _inputs_mesh(*trees) -> contextlib.AbstractContextManager:
-    """With no mesh in context, the mesh of Explicit axes an input is sharded on, as the context
-    (``jax.set_mesh`` for arrays, its abstract mesh while tracing): such arrays carry their
-    mesh in their type, and what follows reads it from the context as under ``jax.set_mesh``."""
+    """With no mesh in context, the mesh of an input sharded over one of its Explicit axes, as
+    the context (``jax.set_mesh``; its abstract mesh while tracing, where ``set_mesh`` is
+    refused): such arrays carry their mesh in their type, and what follows reads it from the
+    context as under ``jax.set_mesh``. Inputs on no mesh, or sharded over none of its Explicit
+    axes, run as they are."""
     if not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
     for x in jax.tree.leaves(trees):
         if not isinstance(x, jax.Array):
             continue
         mesh = jax.typeof(x).sharding.mesh
-        if not mesh.empty and AxisType.Explicit in mesh.axis_types:
+        if _sharded_over(_explicit_axes(mesh), x):
             if isinstance(x, jax.core.Tracer):
                 return jax.sharding.use_abstract_mesh(mesh)
-            return jax.set_mesh(x.sharding.mesh)
+            stack = contextlib.ExitStack()
+            try:
+                stack.enter_context(jax.set_mesh(x.sharding.mesh))
+            except ValueError:  # a concrete array captured by a traced function: refused there
+                stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+            return stack
     return contextlib.nullcontext()
 
 

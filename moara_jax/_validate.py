@@ -74,38 +74,52 @@ def fit_errors(tx: Any, init: Callable[[Any], Any], name: str) -> Any:
 
 def misfit(init: Callable[[Any], Any], updates: Any, state: Any, params: Any = None) -> str | None:
     """What makes ``updates`` unfit for ``state`` (made by ``init`` from the parameters) and,
-    when given, ``params``, naming the parameter; ``None`` when their shapes all fit."""
+    when given, ``params``, naming the parameter; ``None`` when their shapes all fit, or when
+    ``init`` cannot say (then the error at hand is not this one's to name)."""
     flat = lambda tree: jax.tree_util.tree_flatten_with_path(tree)[0]  # noqa: E731
-    if params is not None and jax.tree.structure(updates) == jax.tree.structure(params):
+    fit_params = params is not None and jax.tree.structure(updates) == jax.tree.structure(params)
+    if fit_params:
         for (path, u), (_, p) in zip(flat(updates), flat(params), strict=True):
             if jnp.shape(u) != jnp.shape(p):
                 return (
                     f"the update of {_key(path)} has shape {jnp.shape(u)} and its parameter "
                     f"{jnp.shape(p)}: an update (a gradient) has its parameter's shape"
                 )
+    # The state these updates imply, from stand-ins of their shapes and dtypes alone (a
+    # sharding in their type, on Explicit mesh axes, would take init outside its Auto region).
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), updates)
     with warnings.catch_warnings():  # the init's warnings were given when the state was made
         warnings.simplefilter("ignore")
         try:
-            implied = jax.eval_shape(init, updates)
-        except (TypeError, ValueError) as err:
-            return f"the updates are no tree of parameters it can step ({str(err).splitlines()[0]})"
+            implied = jax.eval_shape(init, shapes)
+        except Exception:  # noqa: BLE001 - no diagnosis; the update's own error is raised
+            return None
     owners = [tuple(path) for path, _ in flat(updates)]
     made, needed = _state_by_owner(state, owners), _state_by_owner(implied, owners)
     for (path, update), owner in zip(flat(updates), owners, strict=True):
-        if made.get(owner) != needed.get(owner):
-            there, here = made.get(owner, []), needed.get(owner, [])
-            if not there:
-                return f"{_key(path)} has no state made at init (a parameter added or renamed since)"
-            if [p for p, _ in there] == [p for p, _ in here]:  # a leaf of the same state: name it
-                (leaf, was), (_, need) = next((a, b) for a, b in zip(there, here, strict=True) if a != b)
-                detail = f"{leaf} has shape {was}; this update needs {need}"
-            else:
-                detail = f"shapes {[s for _, s in there]}; this update needs {[s for _, s in here]}"
+        if made.get(owner) == needed.get(owner):
+            continue
+        there, here = made.get(owner, []), needed.get(owner, [])
+        if not there:
+            return f"{_key(path)} has no state made at init (a parameter added or renamed since)"
+        if [p for p, _ in there] == [p for p, _ in here]:  # a leaf of the same state: name it
+            (leaf, was), (_, need) = next((a, b) for a, b in zip(there, here, strict=True) if a != b)
+            detail = f"{leaf} has shape {was}; this update needs {need}"
+        else:
+            detail = f"shapes {[s for _, s in there]}; this update needs {[s for _, s in here]}"
+        if fit_params:  # every update has its parameter's shape: the state is not these settings'
             return (
-                f"the update of {_key(path)} has shape {jnp.shape(update)}, which does not fit the "
-                f"state made for it at init ({detail}): an update (a gradient) has its parameter's shape"
+                f"the state of {_key(path)} is not the one these settings make for its parameter "
+                f"({detail}): a state made with other settings (block_size, ranks, host) or for "
+                "other parameters"
             )
-    if jax.tree.structure(implied) != jax.tree.structure(state):
+        return (
+            f"the update of {_key(path)} has shape {jnp.shape(update)}, which does not fit the "
+            f"state made for it at init ({detail}): a gradient of another shape than its "
+            "parameter, or a state made with other settings (pass params to tell which)"
+        )
+    paths = lambda tree: [_key(path) for path, _ in flat(tree)]  # noqa: E731
+    if paths(implied) != paths(state):
         return (
             "the updates' tree is not the one its state was made for (a parameter added, "
             "removed or renamed since init)"
@@ -117,10 +131,16 @@ def _state_by_owner(state: Any, owners: list[tuple]) -> dict[tuple, list[tuple[s
     """The leaves of an Optax state (its path, its shape) under the parameter each belongs to:
     the one whose path ends the leaf's (a state nests the parameters' tree); a leaf of no
     parameter (a step count) is left out."""
+    by_last: dict[Any, list[tuple]] = {}
+    for owner in owners:
+        if owner:
+            by_last.setdefault(owner[-1], []).append(owner)
     out: dict[tuple, list[tuple[str, tuple]]] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         path = tuple(path)
-        ends = [o for o in owners if o and len(o) <= len(path) and path[len(path) - len(o) :] == o]
+        ends = [
+            o for o in by_last.get(path[-1], []) if len(o) <= len(path) and path[len(path) - len(o) :] == o
+        ]
         if ends:
             out.setdefault(max(ends, key=len), []).append((_key(path), tuple(jnp.shape(x))))
     return out

@@ -240,6 +240,7 @@ def test_refresh_is_spread_over_the_mesh():
 
 
 PLACEMENT = textwrap.dedent("""
+    import contextlib
     import warnings
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -356,6 +357,33 @@ PLACEMENT = textwrap.dedent("""
         got = update(params, state, params)[0]["q_proj"]["kernel"]
         assert got.sharding.spec == P("fsdp", None), got.sharding
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
+    # There a gradient of another shape is named, and an error that is no misfit (a schedule's)
+    # passes unchanged; parameters on the mesh but sharded over none of its axes run as they
+    # are, under vmap and in a jitted function that captures them.
+    transposed = {"q_proj": {"kernel": jax.device_put(jnp.ones((32, 64)), fsdp)}}
+    for given in (params, None):
+        try:
+            tx.update(transposed, state, given)
+            raise AssertionError("a transposed gradient stepped")
+        except ValueError as error:
+            named = "moara_adamw: the update of ['q_proj']['kernel'] has shape (32, 64)"
+            assert str(error).startswith(named), error
+
+    def schedule(count):
+        raise ValueError("a bug in the schedule")
+    for context in (contextlib.nullcontext(), jax.set_mesh(mesh)):
+        with context:
+            failing = mj.moara_adamw(schedule, **kw)
+            try:
+                failing.update(params, failing.init(params), params)
+                raise AssertionError("the schedule ran")
+            except ValueError as error:
+                assert str(error) == "a bug in the schedule", error
+    replicated = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), replicated)
+    state = tx.init(replicated)
+    jax.vmap(lambda g: tx.update(g, state, replicated)[0])(stacked)
+    jax.jit(lambda: tx.init(replicated))()
     auto = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
     listed = [jax.device_put(jnp.ones((32, 64)), NamedSharding(auto, P(None, "fsdp"))),
               jax.device_put(jnp.ones((64, 16)), NamedSharding(auto, P("fsdp", None)))]

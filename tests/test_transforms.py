@@ -591,7 +591,9 @@ def test_an_update_that_does_not_fit_its_parameter_is_named_in_one_line(name):
                 message = str(error.value)
                 assert "\n" not in message, message
                 assert message.startswith("moara_adamw: the update of " + path), message
-                assert f"has shape {shape}" in message and "its parameter's shape" in message, message
+                assert f"has shape {shape}" in message, message
+                why = "its parameter's shape" if given is not None else "another shape than its parameter"
+                assert why in message, message
 
 
 def test_a_misfit_under_the_composable_stages_names_the_stage_and_parameter():
@@ -612,3 +614,32 @@ def test_a_misfit_under_the_composable_stages_names_the_stage_and_parameter():
         ValueError, match=r"^scale_by_moara: the updates' tree is not the one its state was made for"
     ):
         tx.update({"k_proj": {"kernel": jnp.ones((16, 8))}}, tx.init(grown))
+
+
+def test_a_state_of_other_settings_is_named_and_other_errors_pass_unchanged():
+    """With the parameters given and every update of its parameter's shape, a misfit is the
+    state's (made with another block size); an error that is no misfit (a schedule's, here; under
+    Q-GaLore with bf16 gradients, whose state's tree holds a dtype) is raised as it was."""
+    params = {"q_proj": {"kernel": jnp.ones((32, 16))}, "norm": jnp.ones(32)}
+    state = mj.moara_adamw(0.01, r_base=4, block_size=8, rank_allocation=False).init(params)
+    other = mj.moara_adamw(0.01, r_base=4, block_size=4, rank_allocation=False)
+    with pytest.raises(ValueError) as error:
+        other.update(params, state, params)
+    message = str(error.value)
+    assert message.startswith(
+        "moara_adamw: the state of ['q_proj']['kernel'] is not the one these settings"
+    ), message
+    assert "a state made with other settings" in message and "\n" not in message, message
+
+    def schedule(count):
+        raise ValueError("a bug in the schedule")
+
+    params = {"self_attn": {"q_proj": {"kernel": jnp.ones((64, 32))}}, "norm": jnp.ones(64)}
+    for host in ("galore", Q_GALORE):
+        tx = mj.moara_adamw(schedule, r_base=8, block_size=8, host=host, weight_decay=0.1)
+        state = tx.init(params)
+        grads = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        for given in (params, None):
+            with pytest.raises(ValueError) as error:
+                tx.update(grads, state, given)
+            assert "moara_adamw:" not in str(error.value), error.value
