@@ -64,7 +64,10 @@ def fit_errors(tx: Any, init: Callable[[Any], Any], name: str) -> Any:
         try:
             return tx.update(updates, state, params, **extra)
         except (TypeError, ValueError) as err:
-            problem = misfit(init, updates, state, params)
+            try:
+                problem = misfit(init, updates, state, params)
+            except Exception:  # a diagnosis that fails must not hide the update's own error
+                problem = None
             if problem is None:
                 raise
             raise ValueError(f"{name}: {problem}") from err
@@ -92,7 +95,7 @@ def misfit(init: Callable[[Any], Any], updates: Any, state: Any, params: Any = N
         warnings.simplefilter("ignore")
         try:
             implied = jax.eval_shape(init, shapes)
-        except Exception:  # noqa: BLE001 - no diagnosis; the update's own error is raised
+        except Exception:  # no diagnosis: the update's own error is raised
             return None
     owners = [tuple(path) for path, _ in flat(updates)]
     made, needed = _state_by_owner(state, owners), _state_by_owner(implied, owners)

@@ -505,16 +505,18 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
     for line in started:  # each run started with its estimate inside what was left
         est = float(line.split("(estimate ")[1].split("s")[0])
         assert est <= float(line.split("; ")[-1].split("s left")[0]) + 1
-    # The plan's first run ran to the end; the first run that did not fit was not started.
+    # The plan's first run ran to the end; a run that did not fit was not started. One refused
+    # while others ran may start once they end, if the estimate then fits (more runs measured,
+    # fewer sharing the device: each start above fitted); the last refusal stands.
     assert started[0].startswith("tiny/profile-seed0: starting")
     assert any(line.startswith("tiny/profile-seed0: completed, exit 0") for line in lines)
-    refused = next(line for line in lines if ": not started: needs ~" in line)
-    # needs more than is left (both rounded to whole seconds in the log)
-    assert float(refused.split("needs ~")[1].split("s")[0]) >= float(
-        refused.split("; ")[-1].split("s left")[0]
-    )
+    refusals = [line for line in lines if ": not started: needs ~" in line]
+    for refused in refusals:  # needs more than is left (both rounded to whole seconds in the log)
+        assert float(refused.split("needs ~")[1].split("s")[0]) >= float(
+            refused.split("; ")[-1].split("s left")[0]
+        )
     done = [line.split(":")[0] for line in lines if ": completed, exit 0" in line]
-    assert not any(line.startswith(refused.split(":")[0] + ": starting") for line in lines)
+    assert refusals and not any(line.startswith(refusals[-1].split(":")[0] + ": starting") for line in lines)
     assert any(line.startswith("tiny/profile-seed0 ") and " completed " in line for line in lines)  # table
     assert f"{len(done)} run(s) finished in" in proc.stdout
 
