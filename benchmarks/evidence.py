@@ -679,6 +679,8 @@ class Runner:
                         if refused != (planned.name, round(est)):
                             refused = (planned.name, round(est))
                             why = f"needs ~{est:.0f}s from {basis}; {left:.0f}s left"
+                            if running:  # their ends may bring an estimate that fits
+                                why += f" (for now: {len(running)} run(s) still going)"
                             self.say(f"{planned.name}: not started: {why}")
                         if not running:
                             todo = []
