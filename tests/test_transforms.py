@@ -642,4 +642,8 @@ def test_a_state_of_other_settings_is_named_and_other_errors_pass_unchanged():
         for given in (params, None):
             with pytest.raises(ValueError) as error:
                 tx.update(grads, state, given)
-            assert "moara_adamw:" not in str(error.value), error.value
+            # Q-GaLore decays the non-targets before the step: without params, optax says so.
+            raised = str(error.value)
+            assert raised == "a bug in the schedule" or raised.startswith("You are using a transformation"), (
+                raised
+            )
