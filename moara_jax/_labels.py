@@ -45,6 +45,23 @@ def unboxed(path: Any) -> tuple:
     return path
 
 
+def path_key(path) -> tuple[str, ...]:
+    """A key path as names (dict keys, attribute names, sequence indices)."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def find_param(key: tuple[str, ...], params: dict):
+    """The value of ``params`` (keyed by :func:`path_key`) whose key occurs in ``key`` ending
+    latest, the longest such, or None: optax states hold per-parameter trees whose paths end
+    with the parameter's, or with it and a field (a quantized basis's codes); a chain's index at
+    the front of every path is no parameter's (list parameters are keyed '0', '1', ...)."""
+    for j in range(len(key), 0, -1):
+        for i in range(j):
+            if key[i:j] in params:
+                return params[key[i:j]]
+    return None
+
+
 def is_box(x: Any) -> bool:
     """Whether ``x`` is a box around one value, as Flax's are: a node whose only child is its
     ``.value`` (linen's ``nn.Partitioned``, nnx's ``Variable``)."""

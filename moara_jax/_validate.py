@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moara_jax._labels import find_param, path_key
+
 
 def is_int(value, minimum: int = 1) -> bool:
     """Whether ``value`` is an integer of any integer type (not bool) and at least ``minimum``."""
@@ -131,21 +133,15 @@ def misfit(init: Callable[[Any], Any], updates: Any, state: Any, params: Any = N
 
 
 def _state_by_owner(state: Any, owners: list[tuple]) -> dict[tuple, list[tuple[str, tuple]]]:
-    """The leaves of an Optax state (its path, its shape) under the parameter each belongs to:
-    the one whose path ends the leaf's (a state nests the parameters' tree); a leaf of no
-    parameter (a step count) is left out."""
-    by_last: dict[Any, list[tuple]] = {}
-    for owner in owners:
-        if owner:
-            by_last.setdefault(owner[-1], []).append(owner)
+    """The leaves of an Optax state (its path, its shape) under the parameter each belongs to,
+    found as the state's placement finds it (:func:`find_param`); a leaf of no parameter (a step
+    count) is left out."""
+    by_key = {path_key(owner): owner for owner in owners if owner}
     out: dict[tuple, list[tuple[str, tuple]]] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        path = tuple(path)
-        ends = [
-            o for o in by_last.get(path[-1], []) if len(o) <= len(path) and path[len(path) - len(o) :] == o
-        ]
-        if ends:
-            out.setdefault(max(ends, key=len), []).append((_key(path), tuple(jnp.shape(x))))
+        owner = find_param(path_key(path), by_key)
+        if owner is not None:
+            out.setdefault(owner, []).append((_key(path), tuple(jnp.shape(x))))
     return out
 
 

@@ -23,7 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moara_jax._sharding import derived_spec, find_param, params_by_path, path_key
+from moara_jax._labels import find_param, path_key
+from moara_jax._sharding import derived_spec, params_by_path
 from train.config import MeshSection
 from train.errors import UserError
 
