@@ -189,6 +189,29 @@ def zero_bases(stage: str, params: Any, rank_fn: Callable, name_fn: Callable) ->
     return jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
 
 
+def state_ranks(stage: str, updates: Any, bases: list, rank_fn: Callable) -> list[int]:
+    """The rank of each basis a stage's state holds (``bases``, one ``(..., d, r)`` per leaf of
+    ``updates`` in flattening order), checked against the rank these settings give the leaf's
+    parameter (``rank_fn``, clipped as at init). The stages take their rank from the basis they
+    are handed, so a state made under other ranks (another ``r_base``, ``ranks`` or allocation)
+    would otherwise run at its own ranks without a word: a ``ValueError`` naming ``stage``, the
+    parameter and both ranks. Shapes only: checked once per trace, nothing on the device."""
+    flat = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_node)[0]
+    ranks = []
+    for (path, u), basis in zip(flat, bases, strict=True):
+        have, shape = basis.shape[-1], _matrix_of(u).shape
+        # No matrix (an update flattened): the misfit is its shape's, for the projection to meet.
+        want = effective_rank(shape, rank_fn(unboxed(path))) if len(shape) >= 2 else have
+        if have != want:
+            raise ValueError(
+                f"{stage}: the state's basis of {_path_str(path)} has rank {have}, and these "
+                f"settings give its matrix {tuple(shape)} rank {want}: a state made with other ranks "
+                "(r_base, ranks, the allocation) than this optimizer's"
+            )
+        ranks.append(have)
+    return ranks
+
+
 def rank_warning(path, shape: tuple[int, ...], requested: int, rank: int, module: str | None) -> None:
     """Warns, naming the module and both numbers, when the requested rank was clipped."""
     if rank < requested:
@@ -261,7 +284,7 @@ def project(
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
         old = treedef.flatten_up_to(state.basis)
         mats = [_matrix_of(u) for u in leaves]
-        ranks = [o.shape[-1] for o in old]
+        ranks = state_ranks("project", updates, old, rank_fn)
 
         def refresh():
             key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)

@@ -65,7 +65,7 @@ def fit_errors(tx: Any, init: Callable[[Any], Any], name: str) -> Any:
     def update_fn(updates, state, params=None, **extra):
         try:
             return tx.update(updates, state, params, **extra)
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, IndexError) as err:
             try:
                 problem = misfit(init, updates, state, params)
             except Exception:  # a diagnosis that fails must not hide the update's own error
@@ -97,8 +97,19 @@ def misfit(init: Callable[[Any], Any], updates: Any, state: Any, params: Any = N
         warnings.simplefilter("ignore")
         try:
             implied = jax.eval_shape(init, shapes)
+        except ValueError as err:  # a tree of these shapes has no state (a matrix flattened)
+            refused = str(err)
         except Exception:  # no diagnosis: the update's own error is raised
             return None
+        else:
+            refused = None
+    if refused is not None:  # init's one-line refusal names the parameter; a longer one is not ours
+        if "\n" in refused:
+            return None
+        return (
+            "the updates' shapes are not those of parameters this optimizer takes, so not those its "
+            f"state was made for (init refuses them: {refused})"
+        )
     owners = [tuple(path) for path, _ in flat(updates)]
     made, needed = _state_by_owner(state, owners), _state_by_owner(implied, owners)
     for (path, update), owner in zip(flat(updates), owners, strict=True):
@@ -135,11 +146,12 @@ def misfit(init: Callable[[Any], Any], updates: Any, state: Any, params: Any = N
 def _state_by_owner(state: Any, owners: list[tuple]) -> dict[tuple, list[tuple[str, tuple]]]:
     """The leaves of an Optax state (its path, its shape) under the parameter each belongs to,
     found as the state's placement finds it (:func:`find_param`); a leaf of no parameter (a step
-    count) is left out."""
+    count) is left out. The parameter of a tree that is one bare array (its path ``()``) owns
+    every leaf: the counts then compared are the same on both sides."""
     by_key = {path_key(owner): owner for owner in owners if owner}
     out: dict[tuple, list[tuple[str, tuple]]] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        owner = find_param(path_key(path), by_key)
+        owner = () if owners == [()] else find_param(path_key(path), by_key)
         if owner is not None:
             out.setdefault(owner, []).append((_key(path), tuple(jnp.shape(x))))
     return out

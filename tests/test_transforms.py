@@ -616,6 +616,81 @@ def test_a_misfit_under_the_composable_stages_names_the_stage_and_parameter():
         tx.update({"k_proj": {"kernel": jnp.ones((16, 8))}}, tx.init(grown))
 
 
+def test_a_misfit_of_one_bare_matrix_or_of_a_flattened_one_is_named():
+    """An optimizer of one bare matrix (no tree) names its misfit as a tree's, and a matrix
+    flattened, whose shape no state of these settings fits, is named with init's own refusal,
+    with or without a tree around it (no parameters given to tell)."""
+    tx = mj.scale_by_galore(4)
+    state = tx.init(jnp.ones((64, 32)))
+    for update in (tx.update, jax.jit(tx.update)):
+        with pytest.raises(ValueError) as error:
+            update(jnp.ones((32, 64)), state)
+        assert str(error.value).startswith(
+            "scale_by_galore: the update of <the root> has shape (32, 64), which does not fit the state"
+        ), error.value
+    for wrap, name in ((lambda x: x, "<leaf>"), (lambda x: {"a": {"kernel": x}}, "['a']['kernel']")):
+        state = tx.init(wrap(jnp.ones((64, 32))))
+        with pytest.raises(ValueError) as error:
+            tx.update(wrap(jnp.ones(64 * 32)), state)
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(
+            "scale_by_galore: the updates' shapes are not those of parameters this optimizer takes"
+        ), message
+        assert f"parameter {name} has shape (2048,)" in message, message
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [
+        lambda rank: mj.project(rank),
+        lambda rank: mj.osd_project(rank, basis_lr=1e-3),
+        lambda rank: mj.subtrack_project(rank),
+        lambda rank: mj.ldadam(rank),
+        lambda rank: mj.q_galore_project(rank, group_size=16),
+    ],
+    ids=["project", "osd_project", "subtrack_project", "ldadam", "q_galore_project"],
+)
+def test_a_state_made_under_other_ranks_is_refused_by_each_projection(stage):
+    """A stage takes its rank from the basis in the state; one made under another rank (another
+    r_base or allocation) is refused in one line naming the parameter and both ranks, eagerly and
+    under jit, not run at the state's rank. Under the settings' own rank the step runs, and a
+    rank clipped at init (64 asked of a 32-wide matrix) is the one expected."""
+    params = {"mlp": {"down_proj": {"kernel": jnp.ones((64, 32))}}}
+    for update in (stage(8).update, jax.jit(stage(8).update)):
+        with pytest.raises(ValueError) as error:
+            update(params, stage(4).init(params))
+        message = str(error.value)
+        assert "\n" not in message and message.endswith(
+            "the state's basis of ['mlp']['down_proj']['kernel'] has rank 4, and these settings give "
+            "its matrix (64, 32) rank 8: a state made with other ranks (r_base, ranks, the allocation) "
+            "than this optimizer's"
+        ), message
+        low, _ = update(params, stage(8).init(params))
+        assert jax.tree.leaves(low)[0].shape[-2:] in ((8, 32), (64, 8))
+    with pytest.warns(UserWarning, match="clipped to 32"):
+        clipped = stage(64).init(params)
+    low, _ = stage(64).update(params, clipped)
+    assert 32 in jax.tree.leaves(low)[0].shape[-2:]
+
+
+def test_moara_adamw_refuses_a_state_of_another_r_base():
+    """Through moara_adamw the misfit is named as the state's when the parameters are given (its
+    rank after allocation: mlp.down receives, 4 -> 6 and 8 -> 12)."""
+    params = {
+        "self_attn": {"q_proj": {"kernel": jnp.ones((32, 32))}},
+        "mlp": {"down_proj": {"kernel": jnp.ones((64, 32))}},
+        "norm": jnp.ones(32),
+    }
+    state = mj.moara_adamw(0.01, r_base=4, block_size=8).init(params)
+    with pytest.raises(ValueError) as error:
+        mj.moara_adamw(0.01, r_base=8, block_size=8).update(params, state, params)
+    message = str(error.value)
+    assert message.startswith("moara_adamw: the state of ['mlp']['down_proj']['kernel'] is not the one"), (
+        message
+    )
+    assert "has shape (32, 6); this update needs (32, 12)" in message, message
+
+
 def test_a_state_of_other_settings_is_named_and_other_errors_pass_unchanged():
     """With the parameters given and every update of its parameter's shape, a misfit is the
     state's (made with another block size); an error that is no misfit (a schedule's, here; under

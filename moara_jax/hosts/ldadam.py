@@ -53,6 +53,7 @@ from moara_jax._projection import (
     project_back,
     project_value,
     refresh_bases,
+    state_ranks,
     transport,
 )
 from moara_jax._validate import check_adam, dtype_arg
@@ -152,6 +153,7 @@ def ldadam(
         del params
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
         old, mus, nus, mag_mus, mag_nus, errors = (treedef.flatten_up_to(f) for f in state[1:])
+        ranks = state_ranks("ldadam", updates, old, rank_fn)
         count_inc = optax.safe_increment(state.count)
         t = count_inc.astype(jnp.float32)
         first = state.count == 0
@@ -173,7 +175,7 @@ def ldadam(
             sources = [g if s == "in" else _swap(g) for g, s in zip(grads, sides, strict=True)]
             # refresh_bases picks the side by GaLore's rule; handing it the matrix with the
             # projected side first (fan_in) makes that the side it returns.
-            return refresh_bases(sources, [b.shape[-1] for b in old], svd, key, 8, 2, canonical_signs)
+            return refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
 
         def power_bases():
             out = []

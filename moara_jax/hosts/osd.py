@@ -38,6 +38,7 @@ from moara_jax._projection import (
     project_value,
     projection_side,
     refresh_bases,
+    state_ranks,
     zero_bases,
 )
 from moara_jax.hosts._base import Host, StageOptions, real
@@ -120,12 +121,13 @@ def osd_project(
         del params
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
         old, mus, nus = (treedef.flatten_up_to(f) for f in state[1:])
+        ranks = state_ranks("osd_project", updates, old, rank_fn)
         mats = [_matrix_of(u) for u in leaves]
 
         def first():
             key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
             sources = [_refresh_matrix(u) for u in leaves]
-            new = refresh_bases(sources, [b.shape[-1] for b in old], svd, key, 8, 2, canonical_signs)
+            new = refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
             return [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
 
         def later():

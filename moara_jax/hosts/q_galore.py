@@ -37,6 +37,7 @@ from moara_jax._projection import (
     project_value,
     projection_side,
     refresh_bases,
+    state_ranks,
 )
 from moara_jax._quant import (
     adam8bit,
@@ -198,6 +199,8 @@ def q_galore_project(
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
         # Per leaf: (basis, gap, cosines, refreshes, top).
         old = list(zip(*(treedef.flatten_up_to(f) for f in state[1:]), strict=True)) if leaves else []
+        # A QuantizedBasis keeps the float basis's shape.
+        ranks = state_ranks("q_galore_project", updates, [fields[0] for fields in old], rank_fn)
         due = [state.count % fields[1] == 0 for fields in old]
         key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
         fields = list(old)
@@ -210,8 +213,9 @@ def q_galore_project(
 
             def refresh(idx=idx, gi=gi):
                 sources = [_refresh_matrix(leaves[i]) for i in idx]
-                ranks = [old[i][0].shape[-1] for i in idx]  # a QuantizedBasis keeps the float shape
-                new = refresh_bases(sources, ranks, svd, jax.random.fold_in(key, gi), 8, 2, canonical_signs)
+                new = refresh_bases(
+                    sources, [ranks[i] for i in idx], svd, jax.random.fold_in(key, gi), 8, 2, canonical_signs
+                )
                 return [refreshed(n, due[i], old[i]) for n, i in zip(new, idx, strict=True)]
 
             def keep(idx=idx):

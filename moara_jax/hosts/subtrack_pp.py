@@ -49,6 +49,7 @@ from moara_jax._projection import (
     project_value,
     projection_side,
     refresh_bases,
+    state_ranks,
     transport,
     zero_bases,
 )
@@ -122,6 +123,7 @@ def subtrack_project(
         del params
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
         old, initial = (treedef.flatten_up_to(f) for f in state[1:])
+        ranks = state_ranks("subtrack_project", updates, old, rank_fn)
         mats = [_matrix_of(u) for u in leaves]
         sides = [projection_side(m.shape) for m in mats]
         tracked = [track_all or side == "out" for side in sides]
@@ -130,7 +132,7 @@ def subtrack_project(
         def first():
             key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
             sources = [_refresh_matrix(u) for u in leaves]
-            new = refresh_bases(sources, [b.shape[-1] for b in old], svd, key, 8, 2, canonical_signs)
+            new = refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
             new = [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
             return new, new
 
