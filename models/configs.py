@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +100,15 @@ class ModelConfig:
         for f in ("tie_word_embeddings", "attention_bias", "scan_layers"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be true or false, got {getattr(self, f)!r}")
+        if (
+            self.model_type != "deepseek_v2"
+            and self.head_dim is None
+            and self.hidden_size % self.num_attention_heads
+        ):
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}), or set head_dim"
+            )
         if self.model_type != "deepseek_v2" and self.head_size % 2:
             raise ValueError(f"the head width must be even for RoPE's pairs, got {self.head_size}")
         if self.num_attention_heads % self.kv_heads:
@@ -118,8 +128,8 @@ class ModelConfig:
                     f"({self.num_attention_heads}): MLA gives every head its own key and value, got "
                     f"{self.num_key_value_heads}"
                 )
-        elif self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be divisible by num_attention_heads (or set head_dim)")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(f"rope_scaling must be a mapping or null, got {self.rope_scaling!r}")
         kind = rope_scaling_type(self.rope_scaling)
         if kind not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
@@ -129,6 +139,10 @@ class ModelConfig:
             missing = [k for k in needed if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"rope_scaling of type 'llama3' needs {missing}")
+            for k in needed:
+                v = self.rope_scaling[k]
+                if isinstance(v, bool) or not isinstance(v, int | float) or not (0 < v < math.inf):
+                    raise ValueError(f"rope_scaling {k} must be a positive number, got {v!r}")
             if not self.rope_scaling["low_freq_factor"] < self.rope_scaling["high_freq_factor"]:
                 raise ValueError("rope_scaling of type 'llama3' needs low_freq_factor < high_freq_factor")
 

@@ -310,12 +310,49 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
         (["--out", str(dangling)], f"--out {dangling}: {dangling} is not a directory"),
         (
             ["--out", str(run["root"] / "t"), "--tokenizer", str(run["dir"] / "config.yaml")],
-            "is not a sentencepiece",
+            "--tokenizer: " + str(run["dir"] / "config.yaml") + " is not a sentencepiece",
+        ),
+        (
+            ["--out", str(run["root"] / "t"), "--tokenizer", str(run["root"] / "nope.model")],
+            "error: --tokenizer: sentencepiece model not found",
         ),
     ]:
         assert exporting.main(["--run-dir", str(run["dir"]), *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_a_model_json_that_is_not_the_checkpoints_is_refused_before_reading(run, capsys):
+    """A run dir whose model.json no longer describes its checkpoint's parameters (edited, or
+    another run's): export and evaluate name the first parameter and both shapes in one line,
+    where export wrote a config.json that did not fit its weights and evaluate raised Flax's
+    error. A --seq-len of 0 is refused, where it fell back to the run's."""
+    import shutil
+
+    edited = run["root"] / "edited"
+    shutil.copytree(run["dir"], edited)
+    described = json.loads((edited / "model.json").read_text())
+    described["intermediate_size"] += 16
+    (edited / "model.json").write_text(json.dumps(described))
+    text = run["root"] / "doc.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    message = f"checkpoint {edited / 'checkpoints'}"
+    for command, argv in [
+        (exporting.main, ["--run-dir", str(edited), "--out", str(run["root"] / "edited-hf")]),
+        (
+            evaluation.main,
+            ["--run-dir", str(edited), "--ppl-files", f"doc={text}", "--out", str(edited / "e")],
+        ),
+    ]:
+        assert command(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+        assert "does not hold the parameters its run dir's model.json describes" in err, err
+        assert not (run["root"] / "edited-hf").exists()
+    argv = ["--run-dir", str(run["dir"]), "--ppl-files", f"doc={text}", "--seq-len", "0"]
+    assert evaluation.main([*argv, "--out", str(run["root"] / "e0")]) == 2
+    assert "--seq-len must be in [1, " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

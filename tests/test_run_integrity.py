@@ -251,6 +251,39 @@ def test_in_a_multi_process_run_an_unreadable_checkpoint_without_checksums_is_re
 
 
 @pytest.mark.slow
+def test_a_resume_onto_checkpoints_of_other_settings_or_of_no_config_is_refused_in_one_line(
+    finished_run, tmp_path
+):
+    """A run dir whose config.yaml was edited (its checkpoints made with another block size) is
+    refused before any array is read: one line naming the first state leaf and both shapes, no
+    traceback after it (a read that failed part-way left orbax's reads calling into a closed
+    event loop), every checkpoint kept. One whose config.yaml is gone is refused as well: the
+    batch, seed and model it resumes with could not be checked."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "summary.json").unlink()
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("block_size: 16", "block_size: 8"))
+    sets = [*FAST, "train.steps=10", "checkpoint.every=2", "checkpoint.keep=3", "optimizer.block_size=8"]
+    proc = run_cli(run, *sets, extra=["--resume"], check=False, in_process=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"checkpoint {run / 'checkpoints' / '8'} holds another state than this run's settings make" in (
+        proc.stderr
+    )
+    # The magnitudes' blocks: twice as many under half the block size.
+    stored, expected = map(
+        int, re.search(r"stored \((\d+), 64\), expected \((\d+), 64\)", proc.stderr).groups()
+    )
+    assert expected == 2 * stored and "it is kept" in proc.stderr, proc.stderr
+    kept = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [4, 6, 8] and not (run / "rejected_checkpoints").exists()
+    config.unlink()
+    proc = run_cli(run, *FAST, "train.steps=10", extra=["--resume"], check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"--resume: {run} holds checkpoints but no config.yaml to check" in proc.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [truncate])  # each kind of damage: test_verification_names_...
 def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finished_run, tmp_path):
     run = tmp_path / "run"

@@ -280,7 +280,7 @@ def test_sweep_then_compare(tmp_path):
         (["model.name=llama9"], "unknown model 'llama9'"),
         (["data.source=files", "data.paths=['/nonexistent.jsonl']"], "data file not found"),
         (["train.batch_size=6", "mesh.data=4"], "does not match the 1 available devices"),
-        (["optimizer.rank_allocation=/no/such.json"], "allocation file not found"),
+        (["optimizer.rank_allocation=/no/such.json"], "is neither uniform, default nor an allocation file"),
         (["metrics.writers=[jsonl,mlflow]"], "metrics.writers: unknown ['mlflow']"),
         (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
         (["train.seq_len=300"], "train.seq_len (300) exceeds the model's max_position_embeddings (256)"),
@@ -325,6 +325,33 @@ def test_sweep_then_compare(tmp_path):
             ["optimizer.host=fira", "optimizer.host_options={gamma: 2}"],
             "unknown option(s) ['gamma'] for host fira (known: ['growth_limit'])",
         ),
+        (["model.overrides.rope_scaling=5"], "model: rope_scaling must be a mapping or null, got 5"),
+        (
+            [
+                "model.overrides.rope_scaling={rope_type: llama3, factor: abc, low_freq_factor: 1, "
+                "high_freq_factor: 4, original_max_position_embeddings: 128}"
+            ],
+            "model: rope_scaling factor must be a positive number, got 'abc'",
+        ),
+        (
+            ["model.overrides.num_attention_heads=3"],
+            "hidden_size (64) must be divisible by num_attention_heads (3), or set head_dim",
+        ),
+        (["mesh.fsdp=3"], "mesh fsdp x tensor = 3 x 1 does not divide the 1 available devices"),
+        (["data.paths=[a.jsonl]"], "data.paths is set but data.source is builtin, which reads no files"),
+        (
+            ["data.source=tfds", "data.validation_paths=[a.jsonl]"],
+            "data.validation_paths is set but data.source is tfds",
+        ),
+        (["mode=profile", "profile.donors=[q,q]"], "profile.donors: repeated module types in ['q', 'q']"),
+        (
+            ["mode=profile", "profile.donors=[q_a,kv_b]"],
+            "profile.donors: none of ['q_a', 'kv_b'] is a module type of this model",
+        ),
+        (
+            ["mode=profile", "profile.num_receivers=6"],
+            "profile.num_receivers (6) is more than the 5 module types that are not donors",
+        ),
     ],
 )
 def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message, capsys):
@@ -337,6 +364,36 @@ def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message, capsys):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0], err
+
+
+def test_config_files_that_cannot_be_read_are_one_clear_line(tmp_path, capsys):
+    """A config that is a directory, not UTF-8, or whose ``base`` is no file name; a data path that
+    is a directory. An empty section (``optimizer:`` with its keys commented out) is its defaults."""
+    from train.__main__ import main
+    from train.config import load_config
+
+    binary, listed, sections = tmp_path / "binary.yaml", tmp_path / "listed.yaml", tmp_path / "empty.yaml"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    listed.write_text("base: [a.yaml, b.yaml]\n")
+    sections.write_text(f"base: {TINY}\noptimizer:\n  # r_base: 8\n")
+    (tmp_path / "corpus").mkdir()
+    cases = [
+        (["--config", str(tmp_path)], f"config file {tmp_path} is a directory"),
+        (["--config", str(binary)], f"config file {binary} is not UTF-8 text (byte 0)"),
+        (
+            ["--config", str(listed)],
+            f"config file {listed}: base must be a file name, got ['a.yaml', 'b.yaml']",
+        ),
+        (
+            ["--config", TINY, "--set", "data.source=files", "--set", f"data.paths=[{tmp_path / 'corpus'}]"],
+            f"data file {tmp_path / 'corpus'} is a directory",
+        ),
+    ]
+    for argv, message in cases:
+        code = main([*argv, "--run-dir", str(tmp_path / "run"), "--quiet"])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and message in lines[0], (argv, lines)
+    assert load_config(sections).optimizer == load_config(TINY).optimizer
 
 
 @pytest.mark.parametrize("kind", ["a file", "under a file"])

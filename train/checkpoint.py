@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 
 from train.distributed import any_process, errors_shared, multi_process
 from train.errors import HeldFaults, IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
-from train.rundir import CHECKPOINTS, RunDir, write_atomically
+from train.rundir import CHECKPOINTS, CONFIG, MODEL, RunDir, write_atomically
 
 
 class _MachineFaultRecords(logging.Filter):
@@ -266,9 +266,16 @@ class Checkpointer:
         reach (they end with the lost-peer error when it exits). Checksums refuse a checkpoint
         in every process together; one without them is refused there by hand."""
         try:
+            # Shapes first, from the metadata: a read that fails part-way leaves orbax's reads
+            # calling back into a closed event loop (tracebacks after the error line).
+            path = self.directory / str(step)
+            if abstract_state is not None:  # None: as stored
+                _check_shapes(path, stored_state(path), abstract_state)
             state, data = self.restore(step, abstract_state)
+        except UserError:
+            raise
         except Exception as error:  # noqa: BLE001 - orbax/tensorstore raise many types
-            first = (str(error).strip().splitlines() or [""])[0][:200]
+            first = _first_sentence(error)
             path = self.directory / str(step)
             code = machine_errno(error)
             if code is not None:
@@ -334,13 +341,18 @@ def abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def read_params(run_dir: pathlib.Path, step: int | None = None, shardings=None) -> tuple[int, dict]:
+def read_params(
+    run_dir: pathlib.Path, step: int | None = None, shardings=None, expected=None
+) -> tuple[int, dict]:
     """The parameters alone of checkpoint ``step`` (default: the newest) of a run dir, after
     verifying its checksums; the optimizer state is not read. ``shardings``: a tree like the
-    parameters (default: the host's CPU). Returns ``(step, params)`` in the checkpoint's dtypes.
+    parameters (default: the host's CPU). ``expected``: the parameters' shapes as the run dir's
+    ``model.json`` makes them (``models.abstract_params``), checked against the stored ones
+    before anything is read. Returns ``(step, params)`` in the checkpoint's dtypes.
 
     Raises:
-      UserError: no checkpoint, no checkpoint of that step, or one that fails verification.
+      UserError: no checkpoint, no checkpoint of that step, one that fails verification, or
+        one whose parameters are not of ``expected``'s shapes.
     """
     run = RunDir(run_dir)
     ckpt_dir = run.checkpoints.resolve()
@@ -358,8 +370,10 @@ def read_params(run_dir: pathlib.Path, step: int | None = None, shardings=None) 
         reason = _verify(ckpt_dir / str(step), run.checksums / f"{step}.json")
         if reason is not None:
             raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}")
-        meta = manager.item_metadata(step)["state"]
-        meta = getattr(meta, "tree", meta)["params"]
+        meta = stored_state(ckpt_dir / str(step))["params"]
+        if expected is not None:
+            what = f"the parameters its run dir's {MODEL} describes"
+            _check_shapes(ckpt_dir / str(step), meta, expected, what)
         if shardings is None:
             cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
             shardings = jax.tree.map(lambda _: cpu, meta)
@@ -377,3 +391,46 @@ def read_params(run_dir: pathlib.Path, step: int | None = None, shardings=None) 
     finally:
         manager.close()
     return step, restored.state["params"]
+
+
+def stored_state(path: pathlib.Path) -> dict:
+    """The tree of a checkpoint's saved state (at ``path``, a step's directory) as orbax's metadata
+    gives it: nested dicts and lists of array metadata (``.shape``, ``.dtype``); nothing is read."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        meta = handler.metadata(path / "state")
+    finally:
+        handler.close()
+    return getattr(meta, "tree", meta)
+
+
+def _check_shapes(path: pathlib.Path, stored, expected, what: str | None = None) -> None:
+    """A ``UserError`` naming the first leaf whose stored shape (or presence) is not ``expected``'s
+    (a tree of arrays or ``ShapeDtypeStruct``s, put in the stored tree's form): ``what`` the
+    checkpoint should hold, by default the state this run's settings make."""
+    shapes = lambda tree: {  # noqa: E731
+        jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    have, want = shapes(stored), shapes(ocp.tree.serialize_tree(expected, keep_empty_nodes=True))
+    for key in sorted(set(have) | set(want)):
+        if have.get(key) != want.get(key):
+            found = f"{key}: stored {have.get(key, 'nothing')}, expected {want.get(key, 'nothing')}"
+            if what is not None:
+                raise UserError(
+                    f"checkpoint {path} does not hold {what} ({found}): {MODEL} was changed since "
+                    "it was written, or is another run's"
+                )
+            raise UserError(
+                f"checkpoint {path} holds another state than this run's settings make ({found}): it "
+                f"was made with other settings than its run dir's {CONFIG} holds, or by another "
+                "version of moara-jax; resume with what made it, or choose another run dir; it is kept"
+            )
+
+
+def _first_sentence(error: BaseException, limit: int = 200) -> str:
+    """The first sentence of an error's first line, at most ``limit`` characters (cut at a word)."""
+    line = (str(error).strip().splitlines() or [""])[0]
+    sentence = line.split(". ")[0]
+    if len(sentence) <= limit:
+        return sentence
+    return sentence[:limit].rsplit(" ", 1)[0] + " ..."

@@ -180,7 +180,7 @@ def _check_type(where: str, value: Any, hint: Any) -> Any:
 
 def _build(cls, data: Any, prefix: str):
     if not isinstance(data, dict):
-        raise UserError(f"config key {prefix or '<root>'}: expected a mapping, got {data!r}")
+        raise UserError(f"config key {prefix.rstrip('.') or '<root>'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -208,17 +208,26 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def _read_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
+    if path.is_dir():
+        raise UserError(f"config file {path} is a directory")
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
     if path.resolve() in seen:
         raise UserError(f"config base cycle through {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
         raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold a mapping")
+    # A section left empty (``optimizer:`` with its keys commented out) changes nothing.
+    sections = {k for k, t in typing.get_type_hints(RunConfig).items() if dataclasses.is_dataclass(t)}
+    data = {k: v for k, v in data.items() if not (v is None and k in sections)}
     base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise UserError(f"config file {path}: base must be a file name, got {base!r}")
     if base:
         data = _merge(_read_yaml(path.parent / base, seen + (path.resolve(),)), data)
     return data
@@ -290,6 +299,7 @@ def validate(cfg: RunConfig) -> None:
         _need(0 <= p.ema < 1, f"profile.ema must be in [0, 1), got {p.ema}")
         unknown = [x for x in p.donors if x not in MODULE_TYPES]
         _need(bool(p.donors) and not unknown, f"profile.donors must be module types {list(MODULE_TYPES)}")
+        _need(len(set(p.donors)) == len(p.donors), f"profile.donors: repeated module types in {p.donors}")
 
 
 def _need(ok: bool, message: str) -> None:
@@ -313,7 +323,8 @@ def _validate_optimizer(o: OptimizerSection) -> None:
     if o.rank_allocation not in ("uniform", "default"):
         _need(
             pathlib.Path(o.rank_allocation).is_file(),
-            f"optimizer.rank_allocation: allocation file not found: {o.rank_allocation}",
+            f"optimizer.rank_allocation: {o.rank_allocation!r} is neither uniform, default nor an "
+            "allocation file (a profile run's allocation.json)",
         )
     _need(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optimizer.b1 and b2 must be in [0, 1), got {o.b1}, {o.b2}")
     _need(finite(o.eps) and o.eps >= 0, f"optimizer.eps must be >= 0, got {o.eps}")
@@ -378,6 +389,12 @@ def _validate_data(d: DataSection) -> None:
         f"data.source must be builtin, files, tfds or store, got {d.source!r}",
     )
     _need(d.source != "files" or bool(d.paths), "data.source is files but data.paths is empty")
+    for name in ("paths", "validation_paths"):  # a store's inputs may stay in a config it is built from
+        _need(
+            d.source not in ("builtin", "tfds") or not getattr(d, name),
+            f"data.{name} is set but data.source is {d.source}, which reads no files "
+            "(data.source=files trains on them)",
+        )
     _need(d.source != "store" or bool(d.store), "data.source is store but data.store is not set")
     _need(d.workers is None or d.workers >= 1, f"data.workers must be >= 1 (or null), got {d.workers}")
     _need(0 < d.validation_fraction < 1, "data.validation_fraction must be in (0, 1)")

@@ -39,7 +39,14 @@ from train.config import MeshSection
 from train.errors import UserError, cli, io_operation
 from train.rundir import EVAL, RunDir, check_directory_path
 from train.sharding import make_mesh, param_shardings
-from train.sources import Counts, check_file, document_tokens, file_documents, make_tokenizer
+from train.sources import (
+    Counts,
+    check_file,
+    document_tokens,
+    file_documents,
+    make_tokenizer,
+    tokenizer_option,
+)
 
 MIN_BUCKET = 16
 # Batches dispatched before the oldest is read back (Scorer.score).
@@ -278,7 +285,7 @@ def _hf_tokenizer(directory: pathlib.Path, override: str | None):
     """The tokenizer of a model directory: its ``tokenizer.json`` (what ``AutoTokenizer``, and so
     lm-evaluation-harness, reads), else its sentencepiece model."""
     if override:
-        return make_tokenizer(override)
+        return tokenizer_option(override)
     if (directory / "tokenizer.json").is_file():
         return make_tokenizer(str(directory / "tokenizer.json"))
     for name in ("spiece.model", "tokenizer.model"):
@@ -338,8 +345,9 @@ def load_model(args, mesh) -> tuple[models.ModelConfig, dict, object, int, str]:
 
     run = RunDir(args.run_dir)
     cfg = run.model_config().replace(**dtypes)
-    shardings = param_shardings(models.logical_axes(cfg), models.abstract_params(cfg), mesh)
-    step, params = read_params(run, args.step, shardings)
+    abstract = models.abstract_params(cfg)
+    shardings = param_shardings(models.logical_axes(cfg), abstract, mesh)
+    step, params = read_params(run, args.step, shardings, expected=abstract)
     if args.dtype:
         params = jax.tree.map(lambda x: x.astype(args.dtype), params)
     seq_len = int(run.setting("train", "seq_len") or cfg.max_position_embeddings)
@@ -382,7 +390,7 @@ def evaluate(args) -> dict:
     check_directory_path(out, "--out")
     mesh = make_mesh(MeshSection(data=-1, fsdp=args.fsdp, tensor=args.tensor))
     model_cfg, params, tokenizer, seq_len, source = load_model(args, mesh)
-    seq_len = args.seq_len or seq_len
+    seq_len = seq_len if args.seq_len is None else args.seq_len
     if not 1 <= seq_len <= model_cfg.max_position_embeddings:
         raise UserError(f"--seq-len must be in [1, {model_cfg.max_position_embeddings}], got {seq_len}")
     if tokenizer.vocab_size > model_cfg.vocab_size:

@@ -225,7 +225,7 @@ def export(
     run = RunDir(run_dir)
     model_cfg = run.model_config()
     tok = run.tokenizer(tokenizer)
-    step, params = read_params(run_dir, step)
+    step, params = read_params(run_dir, step, expected=models.abstract_params(model_cfg))
     try:
         with io_operation("exporting to", out):
             written = _write_model(out, run, model_cfg, tok, step, params, dtype, max_shard_bytes)

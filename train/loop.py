@@ -25,6 +25,7 @@ import optax
 
 import moara_jax as mj
 import models
+from moara_jax._labels import OTHER
 from train import profile as profiling
 from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
@@ -212,6 +213,13 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock) -> Setup:
         abstract_opt = jax.eval_shape(tx.init, abstract_params)
     except ValueError as e:
         raise UserError(f"optimizer: {e}") from None
+    if profiling_mode:  # the allocation the profile will write, tried now on the model's module types
+        types = set(jax.tree.leaves(mj.label_tree(abstract_params))) - {OTHER}
+        try:
+            profiling.choose_allocation(dict.fromkeys(sorted(types), 0.0), cfg)
+        except ValueError as e:
+            said = str(e) if str(e).startswith("profile.") else f"profile: {e}"
+            raise UserError(f"{said} (module types of this model: {sorted(types)})") from None
     p_shard = param_shardings(models.logical_axes(model_cfg), abstract_params, mesh)
     o_shard = state_shardings(abstract_opt, mesh, abstract_params, p_shard)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

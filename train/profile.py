@@ -55,7 +55,14 @@ def choose_allocation(s_tau: dict[str, float], cfg: RunConfig) -> dict:
     donors = [d for d in cfg.profile.donors if d in s_tau]
     if not donors and {"q_b", "kv_b"} <= set(s_tau):  # MLA
         donors = ["q_b", "kv_b"]
+    if not donors:
+        raise ValueError(f"profile.donors: none of {cfg.profile.donors} is a module type of this model")
     candidates = sorted((t for t in s_tau if t not in donors), key=lambda t: s_tau[t])
+    if cfg.profile.num_receivers > len(candidates):
+        raise ValueError(
+            f"profile.num_receivers ({cfg.profile.num_receivers}) is more than the {len(candidates)} "
+            f"module types that are not donors ({donors})"
+        )
     receivers = candidates[: cfg.profile.num_receivers]
     r_base = cfg.optimizer.r_base
     delta = r_base // 2

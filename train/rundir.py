@@ -198,10 +198,10 @@ class RunDir:
     def tokenizer(self, override: str | None = None):
         """The tokenizer the run trained with (``override``: another path to the same model file,
         e.g. when the run dir moved), checked against the one its summary records."""
-        from train.sources import describe_tokenizer, make_tokenizer
+        from train.sources import describe_tokenizer, make_tokenizer, tokenizer_option
 
         spec = override or self.setting("data", "tokenizer") or "bytes"
-        tok = make_tokenizer(spec)
+        tok = tokenizer_option(override) if override else make_tokenizer(spec)
         recorded = self.recorded_tokenizer()
         if recorded and {**recorded, "name": None} != {**tok.identity(), "name": None}:
             raise UserError(
@@ -240,8 +240,13 @@ class RunDir:
         (``config``: the new run's, as a mapping)."""
         from train.config import check_resumable
 
-        if self.config_file.is_file():
-            check_resumable(self.config(), config)
+        if not self.config_file.is_file():  # written before the first step: removed since
+            raise UserError(
+                f"--resume: {self} holds checkpoints but no {CONFIG} to check this run's settings "
+                "against (batch, seed, model and optimizer must be the checkpoints'); put it back, "
+                "or choose another run dir"
+            )
+        check_resumable(self.config(), config)
 
     # ----------------------------------------------------------------------------- writers
 

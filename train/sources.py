@@ -246,6 +246,18 @@ def document_tokens(tokenizer, texts: list[str]) -> list[np.ndarray]:
     return [np.concatenate([np.asarray(ids, np.int64), eos]) for ids in tokenizer.encode_batch(texts)]
 
 
+def tokenizer_option(spec: str):
+    """:func:`make_tokenizer` for a command's ``--tokenizer`` option: its refusals name the option,
+    not the config key ``data.tokenizer``."""
+    try:
+        return make_tokenizer(spec)
+    except UserError as e:
+        said = str(e)
+        if said.startswith("data.tokenizer"):
+            raise UserError("--tokenizer" + said.removeprefix("data.tokenizer")) from None
+        raise UserError(f"--tokenizer: {said}") from None
+
+
 def make_tokenizer(spec: str):
     """``bytes``, a Hugging Face ``tokenizer.json`` (a ``.json`` file or a directory holding one) or
     the path of a sentencepiece model."""
@@ -307,6 +319,8 @@ def builtin_documents() -> list[str]:
 
 
 def check_file(path: pathlib.Path) -> None:
+    if path.is_dir():
+        raise UserError(f"data file {path} is a directory (name its files, or a glob of them)")
     if not path.is_file():
         raise UserError(f"data file not found: {path}")
     if not path.name.endswith(TEXT_SUFFIXES + JSON_SUFFIXES):
