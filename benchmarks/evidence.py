@@ -73,6 +73,7 @@ from train.rundir import (  # noqa: E402
     RECORD_FILES,
     SUMMARY,
     RunDir,
+    check_directory_path,
     dedupe_by_step,
     read_metrics,
 )
@@ -135,28 +136,57 @@ class Plan:
 
 
 def load_plan(path: pathlib.Path) -> Plan:
-    """The plan file: its runs in order (duplicates dropped), reports and estimates."""
+    """The plan file: its runs in order (duplicates dropped), reports and estimates. Its form is
+    checked here, each mistake one line naming the plan, before any command does its work."""
     if not path.is_file():
         raise UserError(f"plan file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise UserError(f"plan {path} is not valid YAML{line}: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"plan {path} must hold a mapping (base, results, runs, ...), got {data!r}")
     missing = [k for k in ("base", "results", "runs") if k not in data]
     if missing:
         raise UserError(f"plan {path}: missing key(s) {missing}")
+    kinds = {"base": str, "results": str, "runs": list, "reports": list, "estimate_s": dict}
+    for key, kind in kinds.items():
+        if key in data and not isinstance(data[key], kind):
+            raise UserError(f"plan {path}: {key} must be a {kind.__name__}, got {data[key]!r}")
+    for kind, seconds in data.get("estimate_s", {}).items():
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+            raise UserError(f"plan {path}: estimate_s.{kind} must be a positive number, got {seconds!r}")
     base = path.resolve().parent / data["base"]
     if not base.is_file():
         raise UserError(f"plan {path}: base config not found: {base}")
     runs, seen = [], set()
     for entry in [*data["runs"], *data.get("reports", [])]:
-        if not {"experiment", "axes", "seeds"} <= set(entry):
-            raise UserError(f"plan {path}: each run and report needs experiment, axes and seeds: {entry}")
+        check_entry(path, entry)
     for entry in data["runs"]:
-        for run in sweep.expand(base, entry["axes"], [int(s) for s in entry["seeds"]]):
+        for run in sweep.expand(base, entry["axes"], entry["seeds"]):
             planned = Planned(entry["experiment"], run)
             if planned.name not in seen:
                 seen.add(planned.name)
                 runs.append(planned)
     estimate_s = {"train": 600.0, "profile": 600.0, **data.get("estimate_s", {})}
     return Plan(base, data["results"], estimate_s, runs, data.get("reports", []))
+
+
+def check_entry(path: pathlib.Path, entry) -> None:
+    """A run or report of the plan: experiment (a folder name), axes (config layers, as
+    ``train.sweep --axis`` takes them) and seeds (whole numbers >= 0, each once)."""
+    if not isinstance(entry, dict) or not {"experiment", "axes", "seeds"} <= set(entry):
+        raise UserError(f"plan {path}: each run and report needs experiment, axes and seeds: {entry}")
+    if not isinstance(entry["experiment"], str) or not entry["experiment"]:
+        raise UserError(f"plan {path}: experiment must be a folder name, got {entry['experiment']!r}")
+    axes, seeds = entry["axes"], entry["seeds"]
+    if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
+        raise UserError(f"plan {path}: axes must be a list of DIR/a,b strings, got {axes!r} in {entry}")
+    ints = isinstance(seeds, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+    if not ints or not all(s >= 0 for s in seeds) or len(set(seeds)) < len(seeds):
+        raise UserError(f"plan {path}: seeds must be whole numbers >= 0, each once, got {seeds!r} in {entry}")
 
 
 def run_config(plan: Plan, planned: Planned) -> dict:
@@ -783,14 +813,25 @@ def cmd_run(args) -> int:
 # ---------------------------------------------------------------------------------- stage here
 
 
+def checkout_files(root: pathlib.Path) -> list[bytes]:
+    """The files of the git checkout at ``root`` that a GPU command takes along (tracked, and
+    untracked but not ignored); a ``root`` that is no checkout is one line."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            capture_output=True,
+        )
+    except OSError as e:
+        raise UserError(f"git, which lists what a GPU command takes along, did not run: {e}") from None
+    if listed.returncode:
+        raise UserError(f"--root {root} is not a git checkout: {listed.stderr.decode().strip()[-300:]}")
+    return listed.stdout.split(b"\0")
+
+
 def travel_size(root: pathlib.Path, carried: list[str]) -> dict:
     """Bytes a GPU command takes along: the tracked and untracked-not-ignored files, and the
     carried folders."""
-    listed = subprocess.run(
-        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
+    listed = checkout_files(root)
     tree = sum((root / p.decode()).stat().st_size for p in listed if p and (root / p.decode()).is_file())
     sizes = {"tree": tree}
     for folder in carried:
@@ -811,6 +852,7 @@ def cmd_stage(args) -> int:
     plan = load_plan(pathlib.Path(args.plan))
     root = pathlib.Path(args.root).resolve()
     shared = pathlib.Path(args.shared)
+    checkout_files(root)  # before any copy: what is staged must travel from a checkout
     copied = 0
     for pattern in data_inputs(load_config([str(plan.base)])):
         rel = pathlib.PurePosixPath(pattern)
@@ -938,7 +980,7 @@ def write_reports(root: pathlib.Path, plan: Plan, say=print) -> list[pathlib.Pat
     for rep in plan.reports:
         out = root / plan.results / rep["experiment"]
         out.mkdir(parents=True, exist_ok=True)
-        runs = sweep.expand(plan.base, rep["axes"], [int(s) for s in rep["seeds"]])
+        runs = sweep.expand(plan.base, rep["axes"], rep["seeds"])
         result = sweep.report(out, runs, rep.get("baseline"))
         done = sum(row["final_ppl"]["n"] for row in result["points"].values())
         say(f"{out / 'report.md'}: {done} of {len(runs)} run(s) completed")
@@ -1001,6 +1043,25 @@ def concurrency_arg(text: str):
     raise argparse.ArgumentTypeError(f"auto or a whole number >= 1, got {text!r}")
 
 
+def check_args(args) -> None:
+    """The numbers and folders of the command line, before any work: one line for the first
+    that cannot be. NaN and infinity are refused too (a NaN budget or safety factor fails every
+    comparison, which turns the budget guard off)."""
+    numbers = [("--safety", args.safety, args.safety >= 1, "a factor >= 1 on every estimate (a margin)")]
+    if args.command == "run":
+        numbers.append(("--budget-s", args.budget_s, args.budget_s > 0, "a number of seconds > 0"))
+        if args.estimate_s is not None:
+            numbers.append(("--estimate-s", args.estimate_s, args.estimate_s > 0, "a number of seconds > 0"))
+    for flag, value, ok, what in numbers:  # (NaN fails every comparison)
+        if not (ok and math.isfinite(value)):
+            raise UserError(f"{flag} must be {what}, got {value}")
+    if getattr(args, "max_concurrent", 1) < 1:
+        raise UserError(f"--max-concurrent must be >= 1, got {args.max_concurrent}")
+    check_directory_path(pathlib.Path(args.root), "--root")
+    if args.command == "run":
+        check_directory_path(pathlib.Path(args.out), "--out")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/evidence.py", description=__doc__.split("\n\n")[0]
@@ -1009,7 +1070,9 @@ def main(argv=None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--plan", default=str(DEFAULT_PLAN), help="the plan file")
     common.add_argument("--root", default=str(CODE), help="where results, .data, .whl and .evidence are")
-    common.add_argument("--safety", type=float, default=1.2, help="factor on every estimated duration")
+    common.add_argument(
+        "--safety", type=float, default=1.2, help="factor >= 1 on every estimated duration (a margin)"
+    )
     p = sub.add_parser("run", parents=[common], help="on the GPU machine: the next runs within a budget")
     p.add_argument("--budget-s", type=float, required=True, help="seconds this command may take in all")
     p.add_argument("--out", required=True, help="where the archive and the log go ($OUT)")
@@ -1044,8 +1107,7 @@ def main(argv=None) -> int:
     ORIGINAL_ENV.update(os.environ)
     os.environ["JAX_PLATFORMS"] = "cpu"
     try:
-        if getattr(args, "max_concurrent", 1) < 1 or getattr(args, "budget_s", 1) <= 0:
-            raise UserError("--max-concurrent must be >= 1 and --budget-s > 0")
+        check_args(args)
         return {
             "run": cmd_run,
             "stage": cmd_stage,

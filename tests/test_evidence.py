@@ -591,3 +591,72 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
         assert result["target_ppl"] is None
         assert "No target: the baseline `galore` has no completed run yet" in (out / "report.md").read_text()
     assert (out / "report.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def evidence_cli(*args) -> tuple[int, list[str]]:
+    """``python benchmarks/evidence.py ARGS``: its exit status and stderr's lines."""
+    argv = [sys.executable, str(ROOT / "benchmarks" / "evidence.py"), *map(str, args)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("base: [oops\n", " is not valid YAML (line 2): expected ',' or ']', but got '<stream end>'"),
+        ("5\n", " must hold a mapping (base, results, runs, ...), got 5"),
+        (
+            TINY_PLAN.replace("seeds: [0]", "seeds: [zero]", 1),
+            ": seeds must be whole numbers >= 0, each once, got ['zero']",
+        ),
+        (
+            TINY_PLAN.replace("seeds: [0]", "seeds: [0, 0]", 1),
+            ": seeds must be whole numbers >= 0, each once, got [0, 0]",
+        ),
+    ],
+    ids=["invalid-yaml", "scalar", "seed-not-a-number", "seed-twice"],
+)
+def test_a_plan_that_cannot_be_read_is_one_line(tmp_path, text, message):
+    plan = tiny_setting(tmp_path)
+    plan.write_text(text)
+    code, err = evidence_cli("report", "--plan", plan, "--root", tmp_path)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: plan {plan}{message}"), err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["report", "--root", "{file}"], "--root {file}: {file} is not a directory"),
+        (["run", "--out", "{file}"], "--out {file}: {file} is not a directory"),
+        (["run", "--safety", "-1"], "--safety must be a factor >= 1 on every estimate (a margin), got -1.0"),
+        (["run", "--safety", "nan"], "--safety must be a factor >= 1 on every estimate (a margin), got nan"),
+        (["run", "--budget-s", "nan"], "--budget-s must be a number of seconds > 0, got nan"),
+    ],
+    ids=["root-is-a-file", "out-is-a-file", "negative-safety", "nan-safety", "nan-budget"],
+)
+def test_arguments_that_cannot_be_are_one_line_before_any_work(tmp_path, args, message):
+    """A folder that is a file, or a safety factor or budget that would turn the budget guard off
+    (NaN passes no comparison): exit 2 with one line; nothing written, the file left."""
+    plan, root, file = tiny_setting(tmp_path), tmp_path / "gpu", tmp_path / "file"
+    root.mkdir()
+    file.write_text("kept")
+    fill = lambda text: text.format(file=file)  # noqa: E731
+    argv = [args[0], "--plan", plan, "--root", root]
+    if args[0] == "run":
+        argv += ["--budget-s", 60, "--out", tmp_path / "out"]
+    code, err = evidence_cli(*argv, *map(fill, args[1:]))
+    assert code == 2 and err == [f"error: {fill(message)}"], err
+    assert file.read_text() == "kept" and not (tmp_path / "out").exists() and not list(root.iterdir())
+
+
+def test_stage_outside_a_git_checkout_is_one_line_before_any_copy(tmp_path):
+    """``stage`` measures what a GPU command takes from a checkout's files: a root that is none is
+    refused before the data are copied into it."""
+    plan, shared, root = tiny_setting(tmp_path), machine(tmp_path, "shared") / ".data", tmp_path / "root"
+    root.mkdir()
+    code, err = evidence_cli("stage", "--plan", plan, "--root", root, "--shared", shared, "--no-wheels")
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: --root {root} is not a git checkout")
+    assert not list(root.iterdir())

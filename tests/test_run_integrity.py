@@ -466,6 +466,32 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
     assert report["runs"][0]["status"] == "completed" and len(report["warnings"]) == 2
 
 
+@pytest.mark.parametrize("damage", ["out is a file", "summary is a list", "eval row without wall_s"])
+def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys, damage):
+    """``python -m train.compare`` on an ``--out`` that is a file, or on a damaged run dir (a
+    summary that is no JSON object, an evaluation row without its time): exit 2 and one line
+    naming the file and what is wrong, the file left as it was."""
+    from train.compare import main
+
+    base, other = fake_run(tmp_path, "base"), fake_run(tmp_path, "other")
+    out = tmp_path / "out"
+    if damage == "out is a file":
+        out.write_text("kept")
+        file, message = out, f"--out {out}: {out} is not a directory"
+    elif damage == "summary is a list":
+        file, message = other / "summary.json", f"{other / 'summary.json'} is not a JSON object"
+        file.write_text("[1, 2]")
+    else:
+        file = other / "metrics.jsonl"
+        file.write_text(file.read_text() + '{"step": 15, "eval_ppl": 50}\n')
+        message = f'{file}: the row {{"step": 15, "eval_ppl": 50}} has no number wall_s'
+    before = file.read_text()
+    code = main([str(base), str(other), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
+    assert file.read_text() == before
+
+
 def test_banner_warns_when_the_embedding_and_head_hold_most_parameters(tmp_path):
     from train.rundir import banner
 

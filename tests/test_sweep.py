@@ -13,10 +13,13 @@ import textwrap
 import pytest
 
 from train import sweep
+from train.config import load_config, to_dict
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError
+from train.rundir import RunDir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAPER = ROOT / "configs" / "paper" / "llama2-60m.yaml"
+TINY = ROOT / "configs" / "tiny.yaml"
 
 
 def test_grid_is_the_product_of_the_axes_once_per_seed():
@@ -258,3 +261,70 @@ def test_report_without_a_completed_baseline_gives_the_final_ppl_and_says_so(tmp
     assert result["points"]["full"]["mean_curve"] == {"steps_to_target": None, "time_to_target_s": None}
     assert "- galore-seed0: resumable" in text and "- galore-seed1: new, no evaluation" in text
     assert "ran at the same time" in text and (tmp_path / "report.png").stat().st_size > 0
+
+
+def sweep_cli(argv, monkeypatch, capsys):
+    """``python -m train.sweep ARGV`` in this process with every run's launch recorded, none run:
+    its exit status, stdout, stderr's lines and the arguments of the runs it started."""
+    started = []
+    monkeypatch.setattr(sweep, "launch", lambda args, stop=None: started.append(args) or 0)
+    code = sweep.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err.strip().splitlines(), started
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--out", "{file}"], "--out {file}: {file} is not a directory"),
+        (
+            ["--axis", "paper/conditions/galore,full", "--baseline", "nope"],
+            "--baseline nope is not a grid point (galore, full)",
+        ),
+        (["--set", "train.stepz=3"], "tiny-seed0: unknown config key train.stepz (valid: "),
+        (["--seeds", "-1"], "tiny-seed-1: train.seed must be in [0, 2**32), got -1"),
+        (["--seeds", "0,1,0"], "--seeds 0,1,0: seed 0 is given more than once"),
+        (["--base", "{broken}"], "broken-seed0: config file {broken} is not valid YAML"),
+    ],
+    ids=["out-is-a-file", "baseline-off-grid", "unknown-key", "negative-seed", "seed-twice", "broken-base"],
+)
+def test_bad_input_is_one_line_before_any_run_starts(tmp_path, monkeypatch, capsys, args, message):
+    """A wrong argument, a config that does not load (a bad ``--set``, seed or base file: every
+    run's config is loaded as ``python -m train`` loads it) or a baseline off the grid: exit 2
+    with one line, no run started and nothing written (no ``sweep.json``, the file left)."""
+    file, broken = tmp_path / "file", tmp_path / "broken.yaml"
+    file.write_text("kept\n")
+    broken.write_text("train: {steps: [oops\n")
+    fill = lambda text: text.format(file=file, broken=broken)  # noqa: E731
+    argv = ["--base", TINY, "--out", tmp_path / "sweep", *map(fill, args)]
+    code, _, err, started = sweep_cli(argv, monkeypatch, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: " + fill(message)), err
+    assert started == [] and not (tmp_path / "sweep").exists() and file.read_text() == "kept\n"
+
+
+@pytest.mark.parametrize("state", ["completed", "resumable"])
+def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypatch, capsys, state):
+    """A sweep run again into its ``--out`` with other settings: a run there (finished, or one to
+    resume) whose config differs from the one the sweep now gives it is neither skipped nor
+    resumed as this grid's; one line names its run dir and the settings that differ, before any
+    run starts or ``sweep.json`` is rewritten. With the same settings it is reused."""
+    out = tmp_path / "sweep"
+    status = "completed" if state == "completed" else "interrupted"
+    run = make_run(out, "tiny-seed0", status, [30, 20], checkpoint=state == "resumable")
+    RunDir(run).write_config(to_dict(load_config([TINY], ["train.steps=2", "train.seed=0"])))
+    argv = ["--base", TINY, "--out", out, "--set", "train.steps=2"]
+    code, text, _, started = sweep_cli(argv, monkeypatch, capsys)
+    if state == "completed":
+        assert code == 0 and "tiny-seed0: completed, skipped" in text and started == []
+    else:
+        assert [a[-1] for a in started] == ["--resume"]
+    grid = (out / "sweep.json").read_text()
+    code, _, err, started = sweep_cli(
+        [*argv, "--set", "train.steps=5", "--set", "train.lr=0.001"], monkeypatch, capsys
+    )
+    assert code == 2 and len(err) == 1 and started == [], err
+    assert err[0] == (
+        f"error: {run} holds a {state} run whose config differs from the one this sweep gives it "
+        "(train.lr: 0.01 -> 0.001, train.steps: 2 -> 5): use another --out, or remove that run dir"
+    )
+    assert (out / "sweep.json").read_text() == grid and RunDir(run).state() == state

@@ -16,19 +16,36 @@ import sys
 
 from train.errors import UserError, cli, io_operation
 from train.plots import pyplot
-from train.rundir import METRICS, SUMMARY, RunDir
+from train.rundir import METRICS, SUMMARY, RunDir, check_directory_path
 
 
 def load_run(run_dir: pathlib.Path) -> dict:
     run = RunDir(run_dir)
     if not run.metrics_file.is_file():
         raise UserError(f"no {METRICS} in {run_dir}")
-    evals = run.evals()
+    evals = eval_rows(run)
     if not evals:
         raise UserError(f"{run_dir} has no evaluation rows")
-    summary = run.summary() or {}
+    summary = run.summary()
+    if summary is None and run.summary_file.is_file():
+        raise UserError(f"{run.summary_file} is not a JSON object of a run's summary: the run dir is damaged")
+    summary = summary or {}
     status = summary.get("status", f"running or killed (no {SUMMARY})")
     return {"name": run.name, "dir": str(run_dir), "evals": evals, "summary": summary, "status": status}
+
+
+def eval_rows(run: RunDir) -> list[dict]:
+    """The run's evaluation rows (``RunDir.evals``), once every row of its ``metrics.jsonl`` is
+    checked to be a JSON object and every evaluation row to give its step, eval ppl and wall-clock
+    time as numbers: a damaged file is one line naming it, not a failure deep in the figures."""
+    for row in run.rows(None):
+        where = f"{run.metrics_file}: the row {json.dumps(row)[:100]}"
+        if not isinstance(row, dict):
+            raise UserError(f"{where} is not a JSON object: the run dir is damaged")
+        for key in ("step", "eval_ppl", "wall_s") if "eval_ppl" in row else ():
+            if isinstance(row.get(key), bool) or not isinstance(row.get(key), (int, float)):
+                raise UserError(f"{where} has no number {key}: the run dir is damaged")
+    return run.evals()
 
 
 def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
@@ -145,6 +162,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
+        if args.out is not None:
+            check_directory_path(args.out, "--out")
         text = compare(args.runs, args.out, args.force)
         print(text, end="")
         return 0

@@ -465,9 +465,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_resumable(saved: dict, new: dict) -> None:
-    """Refuses a resume whose config (``new``, a mapping) changes, against the run's ``saved``
-    one, what the checkpoint or the data order depend on."""
+def changed_settings(saved: dict, new: dict, among: tuple[str, ...] | None = None) -> list[str]:
+    """``key: old -> new`` for each setting of ``new`` (a mapping) that differs from a run's
+    ``saved`` config, among the keys under ``among`` (None: all), leaving out how the model
+    computes (``_FREE_ON_RESUME``)."""
     # A key the saved config lacks was added since, with a default that does what runs did before
     # (optimizer.weight_decay_mask: all): a run saved then resumes.
     old_flat, new_flat = _flatten(to_dict(RunConfig())) | _flatten(saved or {}), _flatten(new)
@@ -477,12 +478,18 @@ def check_resumable(saved: dict, new: dict) -> None:
     changed = sorted(
         k
         for k in set(old_flat) | set(new_flat)
-        if any(k == f or k.startswith(f + ".") for f in _FIXED_ON_RESUME)
+        if (among is None or any(k == f or k.startswith(f + ".") for f in among))
         and k not in _FREE_ON_RESUME
         and old_flat.get(k) != new_flat.get(k)
     )
+    return [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed]
+
+
+def check_resumable(saved: dict, new: dict) -> None:
+    """Refuses a resume whose config (``new``, a mapping) changes, against the run's ``saved``
+    one, what the checkpoint or the data order depend on."""
+    changed = changed_settings(saved, new, _FIXED_ON_RESUME)
     if changed:
-        details = ", ".join(f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed)
         raise UserError(
-            f"--resume: the run's {CONFIG} differs in settings a resume cannot change ({details})"
+            f"--resume: the run's {CONFIG} differs in settings a resume cannot change ({', '.join(changed)})"
         )

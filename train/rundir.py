@@ -154,11 +154,12 @@ class RunDir:
         return (self.config().get(section) or {}).get(key)
 
     def summary(self) -> dict | None:
-        """``summary.json`` (None without one, or when it is not valid JSON)."""
+        """``summary.json`` (None without one, or when it is not a JSON object)."""
         try:
-            return json.loads(self.summary_file.read_text()) if self.summary_file.is_file() else None
+            summary = json.loads(self.summary_file.read_text()) if self.summary_file.is_file() else None
         except ValueError:
             return None
+        return summary if isinstance(summary, dict) else None
 
     def status(self) -> str | None:
         """The status its ``summary.json`` records (None without one)."""

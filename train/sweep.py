@@ -7,7 +7,9 @@
 Each ``--axis DIR/a,b`` names config layers ``DIR/a.yaml``, ``DIR/b.yaml`` beside the base file
 (or a path); the grid is their product, every point once per seed, each run in its own run dir
 ``OUT/POINT-seedS``. Finished runs are skipped and interrupted ones resumed, so a sweep can be
-stopped (SIGTERM: the run in progress saves; exit 75) and started again with the same command.
+stopped (SIGTERM: the run in progress saves; exit 75) and started again with the same command;
+a run there made with other settings than the grid now gives it is refused, not reused. Every
+run's config is loaded and checked before the first run starts.
 A run that fails or diverges is reported and left out of the statistics, never averaged.
 
 The report (``report.md``, ``report.json``, ``report.png``): per grid point, the mean and
@@ -36,10 +38,10 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from train.compare import problems, reach
+from train.compare import eval_rows, problems, reach
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import pyplot
-from train.rundir import RunDir
+from train.rundir import RunDir, check_directory_path
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,42 @@ def expand(base: pathlib.Path, axes: list[str], seeds: list[int]) -> list[Run]:
         point = "-".join(name for name, _ in combo) or base.stem
         runs.extend(Run(point, seed, tuple(path for _, path in combo)) for seed in seeds)
     return runs
+
+
+def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[str, dict]:
+    """Each run's config (a mapping) as ``python -m train`` loads and validates it from the run's
+    arguments (``train_args``): a bad layer, ``--set`` or seed is one line before any run starts,
+    not the same failure once per run."""
+    from train.config import load_config, to_dict
+
+    configs = {}
+    for run in runs:
+        try:
+            cfg = load_config([str(base), *run.layers], [*sets, f"train.seed={run.seed}"])
+        except UserError as e:
+            raise UserError(f"{run.name}: {e}") from None
+        configs[run.name] = to_dict(cfg)
+    return configs
+
+
+def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, dict]) -> None:
+    """Refuses a run dir of the grid that holds a run (finished, or one to resume) whose settings
+    differ from those the grid now gives it (``configs``): the sweep would skip or continue it
+    and report it as this grid's. Every setting counts but how the model computes (which a
+    resume may change too), compared as a resume compares them (``changed_settings``)."""
+    from train.config import changed_settings
+
+    for run in runs:
+        run_dir = RunDir(out / run.name)
+        state = run_dir.state()
+        if state == "new" or not run_dir.config_file.is_file():
+            continue  # nothing the sweep would reuse: a new run starts afresh
+        changed = changed_settings(run_dir.config(), configs[run.name])
+        if changed:
+            raise UserError(
+                f"{run_dir} holds a {state} run whose config differs from the one this sweep gives it "
+                f"({', '.join(changed)}): use another --out, or remove that run dir"
+            )
 
 
 def train_args(
@@ -206,17 +244,23 @@ def _stats(values: list[float]) -> dict:
     }
 
 
+def grid_points(runs: list[Run], baseline: str | None = None) -> list[str]:
+    """The grid's points in order, once ``baseline`` (when given) is found among them."""
+    points = list(dict.fromkeys(r.point for r in runs))
+    if baseline is not None and baseline not in points:
+        raise UserError(f"--baseline {baseline} is not a grid point ({', '.join(points)})")
+    return points
+
+
 def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> dict:
     """The sweep's statistics from its run dirs (only completed runs count; the rest are listed)."""
-    points = list(dict.fromkeys(r.point for r in runs))
+    points = grid_points(runs, baseline)
     baseline = baseline or points[0]
-    if baseline not in points:
-        raise UserError(f"--baseline {baseline} is not a grid point ({', '.join(points)})")
     done, excluded = {p: [] for p in points}, []
     for run in runs:
         run_dir = RunDir(out / run.name)
         status = run_dir.state()
-        evals = run_dir.evals()
+        evals = eval_rows(run_dir)
         if status != "completed" or not evals:
             excluded.append({"run": run.name, "status": status if evals else f"{status}, no evaluation"})
             continue
@@ -391,13 +435,21 @@ def main(argv=None) -> int:
 
 
 def _sweep(args, out: pathlib.Path) -> int:
+    """Every check first (the arguments, each run's config, the runs already in ``out``); then
+    the runs, then the report."""
     if not args.base.is_file():
         raise UserError(f"--base: config file not found: {args.base}")
+    check_directory_path(out, "--out")
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         raise UserError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise UserError(f"--seeds {args.seeds}: seed {twice[0]} is given more than once")
     runs = expand(args.base, args.axis, seeds or [0])
+    grid_points(runs, args.baseline)
+    check_reuse(out, runs, run_configs(args.base, runs, args.overrides))
     grid = {"base": str(args.base), "axes": args.axis, "seeds": seeds, "sets": args.overrides}
     with io_operation("writing the sweep's grid to", out):
         out.mkdir(parents=True, exist_ok=True)
