@@ -1057,6 +1057,8 @@ def check_args(args) -> None:
             raise UserError(f"{flag} must be {what}, got {value}")
     if getattr(args, "max_concurrent", 1) < 1:
         raise UserError(f"--max-concurrent must be >= 1, got {args.max_concurrent}")
+    if getattr(args, "max_runs", None) is not None and args.max_runs < 1:
+        raise UserError(f"--max-runs must be >= 1, got {args.max_runs}")
     check_directory_path(pathlib.Path(args.root), "--root")
     if args.command == "run":
         check_directory_path(pathlib.Path(args.out), "--out")

@@ -634,8 +634,16 @@ def test_a_plan_that_cannot_be_read_is_one_line(tmp_path, text, message):
         (["run", "--safety", "-1"], "--safety must be a factor >= 1 on every estimate (a margin), got -1.0"),
         (["run", "--safety", "nan"], "--safety must be a factor >= 1 on every estimate (a margin), got nan"),
         (["run", "--budget-s", "nan"], "--budget-s must be a number of seconds > 0, got nan"),
+        (["run", "--max-runs", "-1"], "--max-runs must be >= 1, got -1"),
     ],
-    ids=["root-is-a-file", "out-is-a-file", "negative-safety", "nan-safety", "nan-budget"],
+    ids=[
+        "root-is-a-file",
+        "out-is-a-file",
+        "negative-safety",
+        "nan-safety",
+        "nan-budget",
+        "negative-max-runs",
+    ],
 )
 def test_arguments_that_cannot_be_are_one_line_before_any_work(tmp_path, args, message):
     """A folder that is a file, or a safety factor or budget that would turn the budget guard off

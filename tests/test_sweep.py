@@ -285,8 +285,20 @@ def sweep_cli(argv, monkeypatch, capsys):
         (["--seeds", "-1"], "tiny-seed-1: train.seed must be in [0, 2**32), got -1"),
         (["--seeds", "0,1,0"], "--seeds 0,1,0: seed 0 is given more than once"),
         (["--base", "{broken}"], "broken-seed0: config file {broken} is not valid YAML"),
+        (
+            ["--axis", "paper/conditions/galore,full,galore"],
+            "--axis paper/conditions/galore,full,galore: galore is named more than once",
+        ),
     ],
-    ids=["out-is-a-file", "baseline-off-grid", "unknown-key", "negative-seed", "seed-twice", "broken-base"],
+    ids=[
+        "out-is-a-file",
+        "baseline-off-grid",
+        "unknown-key",
+        "negative-seed",
+        "seed-twice",
+        "broken-base",
+        "layer-twice",
+    ],
 )
 def test_bad_input_is_one_line_before_any_run_starts(tmp_path, monkeypatch, capsys, args, message):
     """A wrong argument, a config that does not load (a bad ``--set``, seed or base file: every

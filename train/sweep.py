@@ -65,6 +65,8 @@ def expand(base: pathlib.Path, axes: list[str], seeds: list[int]) -> list[Run]:
             path = base.parent / folder / f"{name}.yaml"
             if not path.is_file():
                 raise UserError(f"--axis {axis}: no config layer {path}")
+            if any(name == known for known, _ in options):
+                raise UserError(f"--axis {axis}: {name} is named more than once")
             options.append((name, str(path)))
         if not options:
             raise UserError(f"--axis {axis}: names no config layer")
