@@ -156,6 +156,8 @@ def load_plan(path: pathlib.Path) -> Plan:
         if key in data and not isinstance(data[key], kind):
             raise UserError(f"plan {path}: {key} must be a {kind.__name__}, got {data[key]!r}")
     for kind, seconds in data.get("estimate_s", {}).items():
+        if kind not in ("train", "profile"):
+            raise UserError(f"plan {path}: estimate_s has train and profile, not {kind!r}")
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
             raise UserError(f"plan {path}: estimate_s.{kind} must be a positive number, got {seconds!r}")
     base = path.resolve().parent / data["base"]
@@ -170,6 +172,11 @@ def load_plan(path: pathlib.Path) -> Plan:
             if planned.name not in seen:
                 seen.add(planned.name)
                 runs.append(planned)
+    for entry in data.get("reports", []):  # a report's grid and baseline, before any run or unpack
+        try:
+            sweep.grid_points(sweep.expand(base, entry["axes"], entry["seeds"]), entry.get("baseline"))
+        except UserError as e:
+            raise UserError(f"plan {path}: report {entry['experiment']}: {e}") from None
     estimate_s = {"train": 600.0, "profile": 600.0, **data.get("estimate_s", {})}
     return Plan(base, data["results"], estimate_s, runs, data.get("reports", []))
 

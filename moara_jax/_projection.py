@@ -200,8 +200,10 @@ def state_ranks(stage: str, updates: Any, bases: list, rank_fn: Callable) -> lis
     ranks = []
     for (path, u), basis in zip(flat, bases, strict=True):
         have, shape = basis.shape[-1], _matrix_of(u).shape
-        # No matrix (an update flattened): the misfit is its shape's, for the projection to meet.
-        want = effective_rank(shape, rank_fn(unboxed(path))) if len(shape) >= 2 else have
+        # An update the basis does not fit (flattened, of another size): the misfit is the
+        # update's, for the projection to meet (and the optimizer's diagnosis to name).
+        fits = len(shape) >= 2 and basis.shape[-2] == shape[-2 if projection_side(shape) == "in" else -1]
+        want = effective_rank(shape, rank_fn(unboxed(path))) if fits else have
         if have != want:
             raise ValueError(
                 f"{stage}: the state's basis of {_path_str(path)} has rank {have}, and these "

@@ -616,8 +616,25 @@ def evidence_cli(*args) -> tuple[int, list[str]]:
             TINY_PLAN.replace("seeds: [0]", "seeds: [0, 0]", 1),
             ": seeds must be whole numbers >= 0, each once, got [0, 0]",
         ),
+        (
+            TINY_PLAN.replace("galore,rank,decomp,full", "galore,rank,decomp,fulll"),
+            ": report tiny: --axis conditions/galore,rank,decomp,fulll: no config layer",
+        ),
+        (
+            TINY_PLAN.replace('decomp,full"], seeds: [0]}', 'decomp,full"], seeds: [0], baseline: gallore}'),
+            ": report tiny: --baseline gallore is not a grid point (galore, rank, decomp, full)",
+        ),
+        (TINY_PLAN.replace("{train: 30,", "{trian: 30,"), ": estimate_s has train and profile, not 'trian'"),
     ],
-    ids=["invalid-yaml", "scalar", "seed-not-a-number", "seed-twice"],
+    ids=[
+        "invalid-yaml",
+        "scalar",
+        "seed-not-a-number",
+        "seed-twice",
+        "report-layer-missing",
+        "report-baseline-off-grid",
+        "estimate-key",
+    ],
 )
 def test_a_plan_that_cannot_be_read_is_one_line(tmp_path, text, message):
     plan = tiny_setting(tmp_path)

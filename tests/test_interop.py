@@ -348,7 +348,10 @@ def test_a_model_json_that_is_not_the_checkpoints_is_refused_before_reading(run,
         assert command(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
-        assert "does not hold the parameters its run dir's model.json describes" in err, err
+        assert (
+            "does not hold the parameters its run dir describes (model.json, or config.yaml without one)"
+            in err
+        ), err
         assert not (run["root"] / "edited-hf").exists()
     argv = ["--run-dir", str(run["dir"]), "--ppl-files", f"doc={text}", "--seq-len", "0"]
     assert evaluation.main([*argv, "--out", str(run["root"] / "e0")]) == 2

@@ -319,7 +319,9 @@ def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypa
     """A sweep run again into its ``--out`` with other settings: a run there (finished, or one to
     resume) whose config differs from the one the sweep now gives it is neither skipped nor
     resumed as this grid's; one line names its run dir and the settings that differ, before any
-    run starts or ``sweep.json`` is rewritten. With the same settings it is reused."""
+    run starts or ``sweep.json`` is rewritten. With the same settings it is reused, and with
+    other settings its results do not depend on (micro-batches, checkpoints, logging) too;
+    ``--report-only`` reports the runs as they are."""
     out = tmp_path / "sweep"
     status = "completed" if state == "completed" else "interrupted"
     run = make_run(out, "tiny-seed0", status, [30, 20], checkpoint=state == "resumable")
@@ -337,6 +339,20 @@ def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypa
     assert code == 2 and len(err) == 1 and started == [], err
     assert err[0] == (
         f"error: {run} holds a {state} run whose config differs from the one this sweep gives it "
-        "(train.lr: 0.01 -> 0.001, train.steps: 2 -> 5): use another --out, or remove that run dir"
+        "(train.lr: 0.01 -> 0.001, train.steps: 2 -> 5): give the layers and --set it was made with, "
+        "use another --out, or remove that run dir"
     )
     assert (out / "sweep.json").read_text() == grid and RunDir(run).state() == state
+    operational = ["train.micro_batch_size=4", "checkpoint.every=1", "train.log_every=1", "mesh.data=1"]
+    code, text, err, started = sweep_cli(
+        [*argv, *(x for s in operational for x in ("--set", s))], monkeypatch, capsys
+    )
+    if state == "completed":
+        assert code == 0 and "tiny-seed0: completed, skipped" in text and started == [], err
+    else:
+        assert [a[-1] for a in started] == ["--resume"], err
+    code, text, err, started = sweep_cli(
+        [*argv, "--set", "train.lr=0.001", "--report-only"], monkeypatch, capsys
+    )
+    assert started == [] and "- tiny: " in text and not any("differs" in line for line in err), err
+    assert ("- tiny: seed 0: 20.000" in text) == (state == "completed"), text

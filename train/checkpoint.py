@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import pathlib
+import re
 import shutil
 from collections.abc import Callable
 
@@ -372,7 +373,7 @@ def read_params(
             raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}")
         meta = stored_state(ckpt_dir / str(step))["params"]
         if expected is not None:
-            what = f"the parameters its run dir's {MODEL} describes"
+            what = f"the parameters its run dir describes ({MODEL}, or {CONFIG} without one)"
             _check_shapes(ckpt_dir / str(step), meta, expected, what)
         if shardings is None:
             cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
@@ -417,8 +418,9 @@ def _check_shapes(path: pathlib.Path, stored, expected, what: str | None = None)
             found = f"{key}: stored {have.get(key, 'nothing')}, expected {want.get(key, 'nothing')}"
             if what is not None:
                 raise UserError(
-                    f"checkpoint {path} does not hold {what} ({found}): {MODEL} was changed since "
-                    "it was written, or is another run's"
+                    f"checkpoint {path} does not hold {what} ({found}): the model was described "
+                    "otherwise since it was written (edited, another run's, or another version of "
+                    "moara-jax)"
                 )
             raise UserError(
                 f"checkpoint {path} holds another state than this run's settings make ({found}): it "
@@ -430,7 +432,7 @@ def _check_shapes(path: pathlib.Path, stored, expected, what: str | None = None)
 def _first_sentence(error: BaseException, limit: int = 200) -> str:
     """The first sentence of an error's first line, at most ``limit`` characters (cut at a word)."""
     line = (str(error).strip().splitlines() or [""])[0]
-    sentence = line.split(". ")[0]
+    sentence = re.split(r"\.\s+(?=[A-Z])", line)[0]  # not at "vs. stored"
     if len(sentence) <= limit:
         return sentence
     return sentence[:limit].rsplit(" ", 1)[0] + " ..."

@@ -465,10 +465,13 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def changed_settings(saved: dict, new: dict, among: tuple[str, ...] | None = None) -> list[str]:
+def changed_settings(
+    saved: dict, new: dict, among: tuple[str, ...] | None = None, ignoring: tuple[str, ...] = ()
+) -> list[str]:
     """``key: old -> new`` for each setting of ``new`` (a mapping) that differs from a run's
-    ``saved`` config, among the keys under ``among`` (None: all), leaving out how the model
-    computes (``_FREE_ON_RESUME``)."""
+    ``saved`` config, among the keys under ``among`` (None: all) but those under ``ignoring``,
+    leaving out how the model computes (``_FREE_ON_RESUME``)."""
+    under = lambda k, keys: any(k == f or k.startswith(f + ".") for f in keys)  # noqa: E731
     # A key the saved config lacks was added since, with a default that does what runs did before
     # (optimizer.weight_decay_mask: all): a run saved then resumes.
     old_flat, new_flat = _flatten(to_dict(RunConfig())) | _flatten(saved or {}), _flatten(new)
@@ -478,7 +481,8 @@ def changed_settings(saved: dict, new: dict, among: tuple[str, ...] | None = Non
     changed = sorted(
         k
         for k in set(old_flat) | set(new_flat)
-        if (among is None or any(k == f or k.startswith(f + ".") for f in among))
+        if (among is None or under(k, among))
+        and not under(k, ignoring)
         and k not in _FREE_ON_RESUME
         and old_flat.get(k) != new_flat.get(k)
     )

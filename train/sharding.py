@@ -46,12 +46,14 @@ def make_mesh(cfg: MeshSection, devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     fsdp, tensor = cfg.fsdp, cfg.tensor
-    data = cfg.data if cfg.data != -1 else n // max(fsdp * tensor, 1)
+    if min(fsdp, tensor) < 1:
+        raise UserError(f"mesh fsdp and tensor must be >= 1, got fsdp {fsdp}, tensor {tensor}")
+    data = cfg.data if cfg.data != -1 else n // (fsdp * tensor)
     if min(data, fsdp, tensor) < 1 or data * fsdp * tensor != n:
         if cfg.data == -1:  # the data axis takes what fsdp x tensor leave: name what was set
             raise UserError(
                 f"mesh fsdp x tensor = {fsdp} x {tensor} does not divide the {n} available devices "
-                "(mesh.data -1 takes the rest)"
+                "(the data axis takes the rest)"
             )
         raise UserError(
             f"mesh data x fsdp x tensor = {data} x {fsdp} x {tensor} does not match the {n} available devices"

@@ -94,11 +94,17 @@ def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[st
     return configs
 
 
+# What a run's results do not depend on: how it is split over devices and micro-batches, and what
+# it records and saves along the way. A sweep restarted with other values of these goes on.
+OPERATIONAL = ("mesh", "checkpoint", "metrics", "xla", "train.micro_batch_size", "train.log_every")
+
+
 def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, dict]) -> None:
     """Refuses a run dir of the grid that holds a run (finished, or one to resume) whose settings
     differ from those the grid now gives it (``configs``): the sweep would skip or continue it
-    and report it as this grid's. Every setting counts but how the model computes (which a
-    resume may change too), compared as a resume compares them (``changed_settings``)."""
+    and report it as this grid's. Every setting its results depend on counts (not
+    ``OPERATIONAL``'s, nor how the model computes, which a resume may change too), compared as a
+    resume compares them (``changed_settings``)."""
     from train.config import changed_settings
 
     for run in runs:
@@ -106,11 +112,12 @@ def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, dict]) ->
         state = run_dir.state()
         if state == "new" or not run_dir.config_file.is_file():
             continue  # nothing the sweep would reuse: a new run starts afresh
-        changed = changed_settings(run_dir.config(), configs[run.name])
+        changed = changed_settings(run_dir.config(), configs[run.name], ignoring=OPERATIONAL)
         if changed:
             raise UserError(
                 f"{run_dir} holds a {state} run whose config differs from the one this sweep gives it "
-                f"({', '.join(changed)}): use another --out, or remove that run dir"
+                f"({', '.join(changed)}): give the layers and --set it was made with, use another "
+                "--out, or remove that run dir"
             )
 
 
@@ -451,7 +458,8 @@ def _sweep(args, out: pathlib.Path) -> int:
         raise UserError(f"--seeds {args.seeds}: seed {twice[0]} is given more than once")
     runs = expand(args.base, args.axis, seeds or [0])
     grid_points(runs, args.baseline)
-    check_reuse(out, runs, run_configs(args.base, runs, args.overrides))
+    if not args.report_only:  # a report reads the runs as they are, on any machine
+        check_reuse(out, runs, run_configs(args.base, runs, args.overrides))
     grid = {"base": str(args.base), "axes": args.axis, "seeds": seeds, "sets": args.overrides}
     with io_operation("writing the sweep's grid to", out):
         out.mkdir(parents=True, exist_ok=True)
