@@ -4,6 +4,7 @@ user's caches."""
 
 import importlib.util
 import os
+import signal
 
 import jax
 import pytest
@@ -27,6 +28,11 @@ def pytest_configure(config):
     their compilation is reused. Set before any test module is imported (and compiles); the
     parent of the base temp dir is shared by the xdist workers of one session."""
     root = config._tmp_path_factory.getbasetemp().parent
+    # Ctrl-C as a terminal delivers it, for the tests of what it does to a run and a sweep: a
+    # shell that starts the suite in the background (``pytest ... &``, nohup) leaves SIGINT
+    # ignored, which every process the tests start would inherit.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # On the CPU, compiled with LLVM's optimisation off: the tests' programs are tiny, so XLA
     # compiling them, not running them, is most of the suite's time (`python -m pytest -q
     # tests/test_transforms.py -k converges`: 37.6 CPU seconds at XLA's default level, 22.1 with
