@@ -198,10 +198,7 @@ def check_entry(path: pathlib.Path, entry) -> None:
 
 def run_config(plan: Plan, planned: Planned) -> dict:
     """The resolved config of a planned run (validated, as ``python -m train`` resolves it)."""
-    from train.config import load_config, to_dict
-
-    layers = [str(plan.base), *planned.run.layers]
-    return to_dict(load_config(layers, [f"train.seed={planned.run.seed}"]))
+    return sweep.run_config(plan.base, planned.run)
 
 
 def kind_of(config: dict) -> tuple:

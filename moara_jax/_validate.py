@@ -149,9 +149,10 @@ def _state_by_owner(state: Any, owners: list[tuple]) -> dict[tuple, list[tuple[s
     count) is left out. The parameter of a tree that is one bare array (its path ``()``) owns
     every leaf: the counts then compared are the same on both sides."""
     by_key = {path_key(owner): owner for owner in owners if owner}
+    bare = owners == [()]
     out: dict[tuple, list[tuple[str, tuple]]] = {}
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        owner = () if owners == [()] else find_param(path_key(path), by_key)
+        owner = () if bare else find_param(path_key(path), by_key)
         if owner is not None:
             out.setdefault(owner, []).append((_key(path), tuple(jnp.shape(x))))
     return out

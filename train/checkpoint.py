@@ -266,18 +266,22 @@ class Checkpointer:
         have read the checkpoint and wait for it in orbax's closing barrier, which no vote can
         reach (they end with the lost-peer error when it exits). Checksums refuse a checkpoint
         in every process together; one without them is refused there by hand."""
+        path = self.directory / str(step)
         try:
             # Shapes first, from the metadata: a read that fails part-way leaves orbax's reads
             # calling back into a closed event loop (tracebacks after the error line).
-            path = self.directory / str(step)
-            if abstract_state is not None:  # None: as stored
-                _check_shapes(path, stored_state(path), abstract_state)
+            found = None if abstract_state is None else _first_difference(stored_state(path), abstract_state)
+            if found is not None:  # (None: as stored)
+                raise UserError(
+                    f"checkpoint {path} holds another state than this run's settings make ({found}): "
+                    f"it was made with other settings than its run dir's {CONFIG} holds, or by another "
+                    "version of moara-jax; resume with what made it, or choose another run dir; it is kept"
+                )
             state, data = self.restore(step, abstract_state)
         except UserError:
             raise
         except Exception as error:  # noqa: BLE001 - orbax/tensorstore raise many types
             first = _first_sentence(error)
-            path = self.directory / str(step)
             code = machine_errno(error)
             if code is not None:
                 raise IOFault("reading checkpoint", path, cause(code), "it is kept") from error
@@ -372,9 +376,13 @@ def read_params(
         if reason is not None:
             raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}")
         meta = stored_state(ckpt_dir / str(step))["params"]
-        if expected is not None:
-            what = f"the parameters its run dir describes ({MODEL}, or {CONFIG} without one)"
-            _check_shapes(ckpt_dir / str(step), meta, expected, what)
+        found = None if expected is None else _first_difference(meta, expected)
+        if found is not None:
+            raise UserError(
+                f"checkpoint {ckpt_dir / str(step)} does not hold the parameters its run dir describes "
+                f"({MODEL}, or {CONFIG} without one) ({found}): the model was described otherwise "
+                "since it was written (edited, another run's, or another version of moara-jax)"
+            )
         if shardings is None:
             cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
             shardings = jax.tree.map(lambda _: cpu, meta)
@@ -405,28 +413,18 @@ def stored_state(path: pathlib.Path) -> dict:
     return getattr(meta, "tree", meta)
 
 
-def _check_shapes(path: pathlib.Path, stored, expected, what: str | None = None) -> None:
-    """A ``UserError`` naming the first leaf whose stored shape (or presence) is not ``expected``'s
-    (a tree of arrays or ``ShapeDtypeStruct``s, put in the stored tree's form): ``what`` the
-    checkpoint should hold, by default the state this run's settings make."""
+def _first_difference(stored, expected) -> str | None:
+    """The first leaf whose stored shape (or presence) is not ``expected``'s (a tree of arrays or
+    ``ShapeDtypeStruct``s, put in the stored tree's form), as ``key: stored X, expected Y``; None
+    when all agree."""
     shapes = lambda tree: {  # noqa: E731
         jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
     have, want = shapes(stored), shapes(ocp.tree.serialize_tree(expected, keep_empty_nodes=True))
     for key in sorted(set(have) | set(want)):
         if have.get(key) != want.get(key):
-            found = f"{key}: stored {have.get(key, 'nothing')}, expected {want.get(key, 'nothing')}"
-            if what is not None:
-                raise UserError(
-                    f"checkpoint {path} does not hold {what} ({found}): the model was described "
-                    "otherwise since it was written (edited, another run's, or another version of "
-                    "moara-jax)"
-                )
-            raise UserError(
-                f"checkpoint {path} holds another state than this run's settings make ({found}): it "
-                f"was made with other settings than its run dir's {CONFIG} holds, or by another "
-                "version of moara-jax; resume with what made it, or choose another run dir; it is kept"
-            )
+            return f"{key}: stored {have.get(key, 'nothing')}, expected {want.get(key, 'nothing')}"
+    return None
 
 
 def _first_sentence(error: BaseException, limit: int = 200) -> str:

@@ -202,7 +202,7 @@ class RunDir:
         from train.sources import describe_tokenizer, make_tokenizer, tokenizer_option
 
         spec = override or self.setting("data", "tokenizer") or "bytes"
-        tok = tokenizer_option(override) if override else make_tokenizer(spec)
+        tok = (tokenizer_option if override else make_tokenizer)(spec)
         recorded = self.recorded_tokenizer()
         if recorded and {**recorded, "name": None} != {**tok.identity(), "name": None}:
             raise UserError(

@@ -49,7 +49,7 @@ def make_mesh(cfg: MeshSection, devices=None) -> Mesh:
     if min(fsdp, tensor) < 1:
         raise UserError(f"mesh fsdp and tensor must be >= 1, got fsdp {fsdp}, tensor {tensor}")
     data = cfg.data if cfg.data != -1 else n // (fsdp * tensor)
-    if min(data, fsdp, tensor) < 1 or data * fsdp * tensor != n:
+    if data < 1 or data * fsdp * tensor != n:
         if cfg.data == -1:  # the data axis takes what fsdp x tensor leave: name what was set
             raise UserError(
                 f"mesh fsdp x tensor = {fsdp} x {tensor} does not divide the {n} available devices "

@@ -78,19 +78,23 @@ def expand(base: pathlib.Path, axes: list[str], seeds: list[int]) -> list[Run]:
     return runs
 
 
-def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[str, dict]:
-    """Each run's config (a mapping) as ``python -m train`` loads and validates it from the run's
-    arguments (``train_args``): a bad layer, ``--set`` or seed is one line before any run starts,
-    not the same failure once per run."""
+def run_config(base: pathlib.Path, run: Run, sets: list[str] = ()) -> dict:
+    """One run's config (a mapping) as ``python -m train`` loads and validates it from the run's
+    arguments (``train_args``)."""
     from train.config import load_config, to_dict
 
+    return to_dict(load_config([str(base), *run.layers], [*sets, f"train.seed={run.seed}"]))
+
+
+def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[str, dict]:
+    """Each run's config (``run_config``): a bad layer, ``--set`` or seed is one line naming the
+    run before any run starts, not the same failure once per run."""
     configs = {}
     for run in runs:
         try:
-            cfg = load_config([str(base), *run.layers], [*sets, f"train.seed={run.seed}"])
+            configs[run.name] = run_config(base, run, sets)
         except UserError as e:
             raise UserError(f"{run.name}: {e}") from None
-        configs[run.name] = to_dict(cfg)
     return configs
 
 
