@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -12,6 +11,7 @@ from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label,
 from moara_jax._matrices import MatrixAxesOrFn, leaf_views
 from moara_jax._projection import effective_rank
 from moara_jax._validate import is_int
+from moara_jax._warnings import warn
 
 DEFAULT_DONORS = ("q", "k")
 MLA_DONORS = ("q_b", "kv_b")
@@ -145,7 +145,7 @@ def _warn_no_allocation(
         missing.append(f"donors {DEFAULT_DONORS} (MLA: {MLA_DONORS})")
     if not receivers:
         missing.append(f"receivers {DEFAULT_RECEIVERS}")
-    warnings.warn(
+    warn(
         f"moara_adamw: rank allocation is on, but the parameters have none of the default "
         f"{' and none of the default '.join(missing)}, so no rank moves: the module types present, "
         f"{list(types)}, all keep r_base = {r_base}. Pass donors= and receivers= naming types "

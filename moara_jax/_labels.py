@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-import warnings
 from typing import Any
 
 import jax
 import numpy as np
+
+from moara_jax._warnings import warn
 
 LLAMA_MODULE_TYPES = ("q", "k", "v", "o", "up", "gate", "down")
 MLA_MODULE_TYPES = ("q_a", "q_b", "kv_a", "kv_b", "o", "up", "gate", "down")
@@ -188,7 +189,7 @@ def warn_if_no_targets(tree: Any, labels: Any, label_fn=module_label) -> None:
             ". Leaves named 'weight' are never targets of module_label: they usually hold "
             "PyTorch's (fan_out, fan_in) layout; transpose them into (fan_in, fan_out) 'kernel' leaves"
         )
-    warnings.warn(
+    warn(
         f"moara_adamw: no parameter is a target matrix, so every parameter gets plain AdamW; the "
         f"matrices left to AdamW include {shown}{more}. {how}.",
         stacklevel=4,

@@ -30,6 +30,7 @@ from moara_jax._decomposition import FAN_IN_AXIS, decompose_along
 from moara_jax._labels import unboxed
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._validate import is_int
+from moara_jax._warnings import warn
 
 PROJ_TYPES = ("std",)
 SVD_METHODS = ("exact", "eigh", "randomized")
@@ -218,7 +219,7 @@ def rank_warning(path, shape: tuple[int, ...], requested: int, rank: int, module
     """Warns, naming the module and both numbers, when the requested rank was clipped."""
     if rank < requested:
         what = f"module {module!r} at " if module else ""
-        warnings.warn(
+        warn(
             f"projection rank {requested} for {what}{_path_str(path)} (Flax shape "
             f"{tuple(shape)}) exceeds min(fan_in, fan_out) = {rank}; clipped to {rank}",
             stacklevel=4,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from moara_jax._labels import find_param, path_key
 from moara_jax._validate import fit_errors
+from moara_jax._warnings import quiet
 
 
 def derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
@@ -223,8 +223,7 @@ def follow_params(
             run = lambda params, hyper: inner(hyper).init(params)  # noqa: E731
             auto = mesh.update_axis_types({a: AxisType.Auto for a in axes})
             # Sizing the state traces init once more: its warnings are those of the run below.
-            with jax.sharding.use_abstract_mesh(auto), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with jax.sharding.use_abstract_mesh(auto), quiet():
                 abstract = jax.eval_shape(run, *plain)
             specs = _specs(abstract, params, jax.tree.map(_spec_of, params))
             return jax.sharding.auto_axes(run, axes=axes, out_sharding=specs)(params, arrays)

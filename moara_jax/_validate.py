@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from moara_jax._labels import find_param, path_key
+from moara_jax._warnings import quiet
 
 
 def is_int(value, minimum: int = 1) -> bool:
@@ -93,8 +93,7 @@ def misfit(init: Callable[[Any], Any], updates: Any, state: Any, params: Any = N
     # The state these updates imply, from stand-ins of their shapes and dtypes alone (a
     # sharding in their type, on Explicit mesh axes, would take init outside its Auto region).
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), updates)
-    with warnings.catch_warnings():  # the init's warnings were given when the state was made
-        warnings.simplefilter("ignore")
+    with quiet():  # the init's warnings were given when the state was made
         try:
             implied = jax.eval_shape(init, shapes)
         except ValueError as err:  # a tree of these shapes has no state (a matrix flattened)

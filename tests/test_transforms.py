@@ -722,3 +722,34 @@ def test_a_state_of_other_settings_is_named_and_other_errors_pass_unchanged():
             assert raised == "a bug in the schedule" or raised.startswith("You are using a transformation"), (
                 raised
             )
+
+
+def test_init_traced_again_repeats_no_warning_and_leaves_other_threads_warnings_alone():
+    """Diagnosing an update that does not fit its state traces init again: the rank warning it
+    gives is not repeated, and holding it back touches neither the process's warning filters nor
+    the warnings another thread gives meanwhile (``warnings.catch_warnings`` would do both)."""
+    import threading
+
+    from moara_jax import _warnings
+
+    params = {"mlp": {"down_proj": {"kernel": jnp.ones((40, 6))}}}
+    tx = mj.moara_adamw(0.1, r_base=8, block_size=2, rank_allocation=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = tx.init(params)
+        with pytest.raises(ValueError, match="down_proj"):
+            tx.update({"mlp": {"down_proj": {"kernel": jnp.ones((40, 4))}}}, state)
+    assert [str(w.message).count("clipped to 6") for w in caught] == [1], [str(w.message) for w in caught]
+
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _warnings.quiet():
+            _warnings.warn("held back", stacklevel=1)
+            other = threading.Thread(target=_warnings.warn, args=("from another thread", 1))
+            other.start()
+            other.join()
+            inside = list(warnings.filters)
+        _warnings.warn("given", stacklevel=1)
+    assert inside == [("always", None, Warning, None, 0), *filters]
+    assert [str(w.message) for w in caught] == ["from another thread", "given"]
