@@ -155,13 +155,19 @@ def _inputs_mesh(*trees) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _on_one_mesh(params) -> bool:
-    """Whether the parameters are concrete arrays, all with a NamedSharding on one mesh."""
+def _placed_on(params) -> Any:
+    """Where the parameters are, when those that are JAX arrays (one at least) are concrete, all
+    with a NamedSharding on one mesh: a sharding per parameter, the mesh replicating those that
+    have no place (NumPy arrays) as it does a replicated array. Else ``None``."""
     leaves = jax.tree.leaves(params)
-    if not leaves or any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):
-        return False
-    shardings = [x.sharding for x in leaves]
-    return all(isinstance(s, NamedSharding) and s.mesh == shardings[0].mesh for s in shardings)
+    arrays = [x for x in leaves if isinstance(x, jax.Array)]
+    if not arrays or any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    shardings = [x.sharding for x in arrays]
+    if not all(isinstance(s, NamedSharding) and s.mesh == shardings[0].mesh for s in shardings):
+        return None
+    whole = NamedSharding(shardings[0].mesh, P())
+    return jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else whole, params)
 
 
 def _spec_of(x) -> P:
@@ -227,8 +233,9 @@ def follow_params(
                 abstract = jax.eval_shape(run, *plain)
             specs = _specs(abstract, params, jax.tree.map(_spec_of, params))
             return jax.sharding.auto_axes(run, axes=axes, out_sharding=specs)(params, arrays)
-        if _on_one_mesh(params):  # made where it belongs, never whole on one device first
-            shardings = state_shardings(jax.eval_shape(base.init, params), params)
+        placed = _placed_on(params)
+        if placed is not None:  # made where it belongs, never whole on one device first
+            shardings = state_shardings(jax.eval_shape(base.init, params), params, placed)
             return jax.jit(base.init, out_shardings=shardings)(params)
         return base.init(params)
 

@@ -274,6 +274,14 @@ PLACEMENT = textwrap.dedent("""
     abstract = jax.eval_shape(tx.init, params)
     jitted = jax.jit(tx.init, out_shardings=mj.state_shardings(abstract, params))(params)
     assert [x.sharding for x in jax.tree.leaves(jitted)] == [x.sharding for x in jax.tree.leaves(state)]
+    # A NumPy array among them (no place of its own): its state replicated on the mesh, the
+    # others' placed as before, not the whole state on one device.
+    mixed = {**params, "norm": np.ones(16, np.float32)}
+    state = tx.init(mixed)
+    assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(state))
+    got = {jax.tree_util.keystr(p)[-40:]: tuple(x.sharding.spec) for p, x in leaves(state)}
+    assert [v for k, v in got.items() if k.endswith(".dir_mu['q_proj']['kernel']")] == [("fsdp", None)]
+    assert [v for k, v in got.items() if k.endswith(".mu['norm']")] == [(None,)], got
 
     # 2. Explicit axes (jax.make_mesh's default) under jax.set_mesh, with the layouts that had no
     # sharding rule there (a block reshape of a sharded fan_in, a sharded stacked-layer axis, QR
