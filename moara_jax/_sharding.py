@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -197,6 +198,12 @@ def _split_arrays(tree) -> tuple[list, Callable[[list], Any]]:
     return [x for x, a in zip(leaves, is_array, strict=True) if a], rebuild
 
 
+def _numbers_as_arrays(tree):
+    """Python numbers among ``tree``'s leaves as 0-d arrays: a parameter, an update or a state
+    leaf may be one, as ``optax``'s transforms take them."""
+    return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, (int, float, complex)) else x, tree)
+
+
 def follow_params(
     tx: optax.GradientTransformation,
     remake: Callable[[dict], optax.GradientTransformation] | None = None,
@@ -218,6 +225,7 @@ def follow_params(
         return base if remake is None or not hyper else optax.with_extra_args_support(remake(hyper))
 
     def init_fn(params):
+        params = _numbers_as_arrays(params)
         with _inputs_mesh(params):
             return placed_init(params)
 
@@ -240,6 +248,7 @@ def follow_params(
         return base.init(params)
 
     def update_fn(updates, state, params=None, **extra):
+        updates, params = _numbers_as_arrays((updates, params))
         with _inputs_mesh(updates, state, params):
             return explicit_update(updates, state, params, **extra)
 

@@ -753,3 +753,26 @@ def test_init_traced_again_repeats_no_warning_and_leaves_other_threads_warnings_
         _warnings.warn("given", stacklevel=1)
     assert inside == [("always", None, Warning, None, 0), *filters]
     assert [str(w.message) for w in caught] == ["from another thread", "given"]
+
+
+@pytest.mark.parametrize("host", ["galore", "fira", "osd", "ldadam", "subtrack_pp", "q_galore"])
+def test_a_python_number_parameter_steps_as_the_same_zero_d_array(host):
+    """optax's transforms take a Python number as a parameter (and its gradient); so do these,
+    eagerly and under jit, as they take the same value as a 0-d array."""
+    host = mj.QGaLore(basis_group_size=32, weight_group_size=64) if host == "q_galore" else host
+    kernel = jnp.asarray(np.random.default_rng(0).standard_normal((8, 8)), jnp.float32)
+    tx = mj.moara_adamw(0.1, r_base=4, block_size=4, weight_decay=0.1, host=host)
+
+    def steps(temperature, grad):
+        params = {"self_attn": {"q_proj": {"kernel": kernel}}, "temperature": temperature}
+        grads = {"self_attn": {"q_proj": {"kernel": kernel * 0.5}}, "temperature": grad}
+        state = tx.init(params)
+        first, state = tx.update(grads, state, params)
+        second, _ = jax.jit(tx.update)(grads, state, params)
+        return [np.asarray(u["temperature"]) for u in (first, second)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no rank moves: the model has no mlp.down
+        got, want = steps(2.0, 0.25), steps(jnp.asarray(2.0), jnp.asarray(0.25))
+    np.testing.assert_array_equal(got, want)
+    assert got[0] != 0
