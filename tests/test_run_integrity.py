@@ -4,6 +4,7 @@ subprocesses on tiny configs, and the guard and compare logic on hand-made input
 
 import errno
 import json
+import logging
 import math
 import re
 import shutil
@@ -114,6 +115,37 @@ def test_verification_names_each_kind_of_damage(finished_run, tmp_path):
     )
     assert ckpt.verify(6) == reasons[6] and ckpt.verify(8) == reasons[8]
     ckpt.close()
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_damaged_checkpoint_metadata_file_is_not_dumped_in_the_log(
+    checksums, finished_run, tmp_path, caplog
+):
+    """orbax logs a damaged ``_CHECKPOINT_METADATA`` with the file's content (here binary
+    garbage) as soon as the run's checkpoints are opened: that record is dropped. Verification
+    names the file and the checkpoint is moved aside; with no checksums its arrays, which orbax
+    reads without that file, are restored as written."""
+    from train.checkpoint import Checkpointer
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "checkpoints" / "8" / "_CHECKPOINT_METADATA").write_bytes(bytes(range(256)) * 8)
+    if not checksums:
+        shutil.rmtree(run / "checksums")
+    said = []
+    with caplog.at_level(logging.DEBUG):
+        ckpt = Checkpointer(RunDir(run), keep=3, every=2)
+        step, state, _ = ckpt.restore_latest(None, lambda state: None, say=said.append)
+        ckpt.close()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if checksums:
+        assert said == [
+            f"checkpoint 8 is not usable: files changed since it was written: _CHECKPOINT_METADATA; "
+            f"moved to {run / 'rejected_checkpoints'}"
+        ]
+        assert step == 6
+    else:
+        assert said == [] and step == 8 and state["step"] == 8
 
 
 def test_the_checksums_are_those_of_the_checkpoints_kept(finished_run):

@@ -28,19 +28,28 @@ from train.distributed import any_process, errors_shared, multi_process
 from train.errors import HeldFaults, IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
 from train.rundir import CHECKPOINTS, CONFIG, MODEL, RunDir, write_atomically
 
+# What orbax logs, on finding a checkpoint's _CHECKPOINT_METADATA damaged, before the file's
+# content: the checkpoint's verification names the file (then it is moved aside), or, with no
+# checksums, its arrays are read as written (orbax does not need that file to read them).
+_DAMAGED_METADATA = ("Failed to json parse Metadata file", "Failed to read Metadata file")
 
-class _MachineFaultRecords(logging.Filter):
-    """Drops the error records orbax's writer threads log when a save fails for a fault of the
-    machine (no space, ...): the trainer reports that failure itself, in one line."""
+
+class _OrbaxRecords(logging.Filter):
+    """Drops the error records orbax logs for what the trainer reports itself, in one line: a
+    save that fails for a fault of the machine (no space, ...; logged by orbax's writer
+    threads), and a damaged checkpoint metadata file (logged with the file's content)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR or "orbax" not in record.pathname:
             return True
+        message = record.getMessage()
+        if message.startswith(_DAMAGED_METADATA):
+            return False
         error = record.exc_info[1] if record.exc_info else None
-        return errno_in_text(record.getMessage()) is None and (error is None or machine_errno(error) is None)
+        return errno_in_text(message) is None and (error is None or machine_errno(error) is None)
 
 
-logging.getLogger("absl").addFilter(_MachineFaultRecords())
+logging.getLogger("absl").addFilter(_OrbaxRecords())
 
 
 def _file_sums(directory: pathlib.Path) -> dict[str, str]:
