@@ -6,6 +6,7 @@ Scanned layers are stacked on axis 0 of each leaf and split into ``model.layers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -72,6 +73,26 @@ def _as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+# A checkpoint of the base model (``LlamaModel``: no LM head) names its tensors without the
+# ``model.`` prefix (transformers' ``base_model_prefix``); transformers loads either spelling.
+BASE_PREFIX = "model."
+
+
+def stored_name(name: str, names) -> str | None:
+    """The key under which ``names`` holds HF tensor ``name``: ``name`` itself, or ``name``
+    without the base model's ``model.`` prefix; ``None`` when neither is there."""
+    if name in names:
+        return name
+    bare = name.removeprefix(BASE_PREFIX)
+    return bare if bare != name and bare in names else None
+
+
+def listed(names: list[str], first: int = 8) -> str:
+    """``names`` for a message: the first ``first``, then how many more."""
+    more = f" and {len(names) - first} more" if len(names) > first else ""
+    return f"{names[:first]}{more}"
+
+
 def unexpected_keys(cfg: ModelConfig, names, used: set[str]) -> list[str]:
     """The HF names among ``names`` that ``cfg``'s parameters did not use (sorted), leaving out
     parameter-free buffers and a tied model's copy of the LM head."""
@@ -97,11 +118,12 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
     def fill(path, spec):
         parts = []
         for name, _, transpose in _hf_entries(cfg, path):
-            if name not in state_dict:
+            key = stored_name(name, state_dict)
+            if key is None:
                 raise ValueError(f"from_hf: missing key {name!r} for config {cfg.name!r}")
-            x = _as_numpy(state_dict[name])
+            x = _as_numpy(state_dict[key])
             parts.append(x.T if transpose else x)
-            used.add(name)
+            used.add(key)
         arr = np.stack(parts) if _names(path)[0] == "layers" else parts[0]
         if arr.shape != spec.shape:
             raise ValueError(
@@ -111,7 +133,8 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
         return jax.numpy.asarray(arr, spec.dtype)
 
     params = jax.tree_util.tree_map_with_path(fill, shapes)
-    head, embed = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
+    head = state_dict.get("lm_head.weight")
+    embed = state_dict.get(stored_name("model.embed_tokens.weight", state_dict) or "")
     if cfg.tie_word_embeddings and head is not None and embed is not None:
         if not np.array_equal(_as_numpy(head), _as_numpy(embed)):
             raise ValueError(
@@ -120,7 +143,7 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
             )
     extra = unexpected_keys(cfg, state_dict, used)
     if extra:
-        raise ValueError(f"from_hf: unexpected keys for config {cfg.name!r}: {extra[:8]}")
+        raise ValueError(f"from_hf: unexpected keys for config {cfg.name!r}: {listed(extra)}")
     return params
 
 
@@ -134,15 +157,43 @@ def _rope(hf_config) -> tuple[float, dict | None]:
     return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
 
 
+def _sliding_layers(hf_config) -> list[int]:
+    """The layers that attend through a sliding window: those ``layer_types`` names so
+    (transformers >= 4.54), else, with ``use_sliding_window``, those from ``max_window_layers``
+    on (Qwen2's rule before ``layer_types``)."""
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    if not getattr(hf_config, "use_sliding_window", False):
+        return []
+    start = getattr(hf_config, "max_window_layers", 0) or 0
+    return list(range(start, hf_config.num_hidden_layers))
+
+
 def config_from_hf(hf_config, **overrides) -> ModelConfig:
-    """A :class:`ModelConfig` from a ``transformers`` config (Llama, Qwen2, Qwen3, DeepseekV2)."""
+    """A :class:`ModelConfig` from a ``transformers`` config (Llama, Qwen2, Qwen3, DeepseekV2),
+    or from its dict (``config.json``'s content, with its ``model_type``)."""
+    if isinstance(hf_config, Mapping):
+        import transformers
+
+        fields = dict(hf_config)
+        if "model_type" not in fields:
+            raise ValueError("config_from_hf: a config dict needs its model_type (as config.json has)")
+        try:
+            hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        except ValueError as e:
+            raise ValueError(f"config_from_hf: {str(e).splitlines()[0]}") from None
     kind = hf_config.model_type
     if kind not in ("llama", "qwen2", "qwen3", "deepseek_v2"):
         raise ValueError(f"unsupported HF model_type {kind!r}")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported (use_sliding_window=True)")
+    sliding = _sliding_layers(hf_config)
+    if sliding:
+        raise ValueError(
+            f"sliding-window attention is not supported: layers {sliding} use it (use_sliding_window, "
+            "max_window_layers, layer_types)"
+        )
     act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
         raise ValueError(f"only the SiLU (SwiGLU) MLP is supported, got hidden_act={act!r}")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("MLP biases are not supported (mlp_bias=True)")
@@ -174,9 +225,12 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
     if kind == "deepseek_v2":
         for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             fields[f] = getattr(hf_config, f)
-        if getattr(hf_config, "first_k_dense_replace", 0) < hf_config.num_hidden_layers:
+        dense = getattr(hf_config, "first_k_dense_replace", 0)
+        if dense < hf_config.num_hidden_layers:
             raise ValueError(
-                "only the dense DeepSeek-V2 variant is supported (first_k_dense_replace >= num_hidden_layers)"
+                "only the dense DeepSeek-V2 variant is supported (first_k_dense_replace >= "
+                f"num_hidden_layers): this one has mixture-of-experts layers from layer {dense} "
+                f"(first_k_dense_replace={dense}, num_hidden_layers={hf_config.num_hidden_layers})"
             )
     return replace_config(ModelConfig(**fields), **overrides)
 

@@ -14,16 +14,18 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 from typing import Any
 
 import jax
 import numpy as np
 
 from models.configs import ModelConfig, replace_config
-from models.hf import _hf_entries, _names, config_from_hf, to_hf_config, unexpected_keys
+from models.hf import _hf_entries, _names, config_from_hf, listed, stored_name, to_hf_config, unexpected_keys
 from models.model import abstract_params
 
 WEIGHTS = "model.safetensors"
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 INDEX = "model.safetensors.index.json"
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -97,7 +99,9 @@ def write_hf_dir(
     """Writes ``params`` of ``cfg`` as a Hugging Face model directory: ``config.json``,
     ``generation_config.json`` and the weights (HF names and layouts, in ``dtype`` or each
     parameter's own dtype). ``token_ids``: ``bos_token_id``, ``eos_token_id``, ``pad_token_id``
-    for both configs. Returns ``{"files": [...], "tensors": n, "bytes": n}``.
+    for both configs (those not given are written as none: the model has no such token). The
+    weights of an earlier save in ``directory`` are removed, as ``save_pretrained`` does.
+    Returns ``{"files": [...], "tensors": n, "bytes": n}``.
 
     Needs ``safetensors`` and ``transformers`` (not torch)."""
     import transformers
@@ -126,6 +130,11 @@ def write_hf_dir(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
+    # The weights of an earlier save there go, as save_pretrained removes them: beside the new
+    # ones, a model.safetensors or an index would be read instead by one reader or another.
+    for stale in _weight_files_written(directory):
+        if stale.name not in names:
+            stale.unlink()
     weight_map = {}
     for file_name, entries in zip(names, shards, strict=True):
         tensors = {}
@@ -147,7 +156,8 @@ def write_hf_dir(
         if attr in hf_config.to_dict():
             setattr(hf_config, attr, stored)
             break
-    ids = dict(token_ids or {})  # None: the model has no such token (not the family's default)
+    # None: the model has no such token (not the family's default); ids not given are None too.
+    ids = {key: None for key in TOKEN_ID_KEYS} | dict(token_ids or {})
     for key, value in ids.items():
         setattr(hf_config, key, value)
     hf_config.save_pretrained(str(directory))
@@ -155,6 +165,16 @@ def write_hf_dir(
     transformers.GenerationConfig(**ids).save_pretrained(str(directory))
     files = names + ([INDEX] if len(names) > 1 else []) + ["config.json", "generation_config.json"]
     return {"files": files, "tensors": len(plan), "bytes": total}
+
+
+def _weight_files_written(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors weights of a model there as ``write_hf_dir`` and ``save_pretrained`` name
+    them: ``model.safetensors``, numbered shards and their index."""
+    return sorted(
+        p
+        for p in directory.iterdir()
+        if p.name in (WEIGHTS, INDEX) or re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", p.name)
+    )
 
 
 def _add_legacy_keys(path: pathlib.Path, cfg: ModelConfig, stored: str) -> None:
@@ -178,6 +198,13 @@ def read_hf_config(directory, **overrides) -> ModelConfig:
     import transformers
 
     directory = pathlib.Path(directory)
+    if directory.name == "config.json" and directory.is_file():
+        raise ValueError(f"{directory}: pass the model's directory, not its config.json")
+    if not directory.is_dir():
+        raise ValueError(
+            f"{directory} is not a directory: pass a local Hugging Face model directory (a Hub "
+            "model is downloaded first, e.g. `hf download ORG/NAME --local-dir DIR`)"
+        )
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory} holds no config.json (not a Hugging Face model directory)")
     try:
@@ -198,24 +225,28 @@ def weight_files(directory) -> dict[str, pathlib.Path]:
       ValueError: no safetensors weights in ``directory``.
     """
     directory = pathlib.Path(directory)
-    if (directory / INDEX).is_file():
-        try:
-            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{directory / INDEX} is not a safetensors index (no weight_map)") from None
-        found = {name: directory / file for name, file in weight_map.items()}
-    elif (directory / WEIGHTS).is_file():
+    # transformers' order: a model.safetensors beside an index is the one it reads.
+    if (directory / WEIGHTS).is_file():
         try:
             with _safetensors().safe_open(str(directory / WEIGHTS), framework="numpy") as f:
                 found = {name: directory / WEIGHTS for name in f.keys()}
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
             raise ValueError(f"{directory / WEIGHTS} cannot be read: {e}") from None
+    elif (directory / INDEX).is_file():
+        try:
+            weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{directory / INDEX} is not a safetensors index (no weight_map)") from None
+        found = {name: directory / file for name, file in weight_map.items()}
     else:
         other = sorted(p.name for p in directory.glob("*.bin")) + sorted(
             p.name for p in directory.glob("*.pt")
         )
         hint = (
-            f" (it has {', '.join(other[:3])}: save it again with safe_serialization=True)" if other else ""
+            f" (it has {', '.join(other[:3])}: load it with transformers and save_pretrained it again, "
+            "which writes safetensors)"
+            if other
+            else ""
         )
         raise ValueError(f"{directory} holds no {WEIGHTS} or {INDEX}{hint}")
     missing = sorted({str(p.name) for p in found.values() if not p.is_file()})
@@ -251,8 +282,10 @@ def load_hf_params(directory, cfg: ModelConfig, shardings=None) -> dict[str, Any
             held[f] = set(opened[f].keys())
 
         def tensor(name: str):
-            if name not in files:
+            key = stored_name(name, files)
+            if key is None:
                 raise ValueError(f"{directory}: missing tensor {name!r} for a {cfg.model_type} model")
+            name = key
             used.add(name)
             if name not in held[files[name]]:
                 raise ValueError(
@@ -291,12 +324,12 @@ def load_hf_params(directory, cfg: ModelConfig, shardings=None) -> dict[str, Any
         params = jax.tree_util.tree_map_with_path(load, shapes, shardings)
         if cfg.tie_word_embeddings and "lm_head.weight" in files:
             head = tensor("lm_head.weight")[:]
-            if not np.array_equal(head, tensor("model.embed_tokens.weight")[:]):
+            if not np.array_equal(head, tensor("model.embed_tokens.weight")[:]):  # either spelling
                 raise ValueError(
                     f"{directory}: the config ties the embeddings, but lm_head.weight differs from "
                     "model.embed_tokens.weight"
                 )
     extra = unexpected_keys(cfg, files, used)
     if extra:
-        raise ValueError(f"{directory}: unexpected tensors for a {cfg.model_type} model: {extra[:8]}")
+        raise ValueError(f"{directory}: unexpected tensors for a {cfg.model_type} model: {listed(extra)}")
     return params

@@ -80,13 +80,15 @@ def head_logits(x: jax.Array, kernel: jax.Array, dtype) -> jax.Array:
 
 class CausalLM(nn.Module):
     """Decoder-only LM with HF parameter names; logits are float32 (with ``head=False``: the
-    final norm's output, before the LM head)."""
+    final norm's output, before the LM head). ``tokens``: ``(batch, seq)`` ids, checked as
+    :func:`check_tokens` says; attention is causal, with no mask (pad on the right)."""
 
     cfg: ModelConfig
 
     @nn.compact
     def __call__(self, tokens, head: bool = True):
         cfg = self.cfg
+        check_tokens(cfg, tokens)
         embed = nn.Embed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -153,8 +155,38 @@ def logical_axes(cfg: ModelConfig) -> dict[str, Any]:
     return nn.get_partition_spec(boxed)
 
 
+def check_tokens(cfg: ModelConfig, tokens, what: str = "tokens") -> None:
+    """Refuses ``tokens`` that are not ``(batch, seq)`` integers and, when they are concrete (not
+    traced; read on the host), ids outside ``[0, vocab_size)``: the embedding's lookup would give
+    NaN for an id past the table (every position after it too, through attention) and wrap a
+    negative one (``transformers`` raises ``IndexError`` for both). Traced ids are not checked.
+
+    Raises:
+      ValueError: naming the shape, dtype or the ids out of range.
+    """
+    shape, dtype = jnp.shape(tokens), jnp.result_type(tokens)
+    if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"{what} must be (batch, seq) integers, got shape {shape} of {dtype}")
+    if isinstance(tokens, jax.core.Tracer) or not np.prod(shape):
+        return
+    if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+        return  # a multi-host batch: each process holds a part
+    ids = np.asarray(tokens)  # on the host: a concrete array captured by a traced function too
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= cfg.vocab_size:
+        raise ValueError(
+            f"{what} hold ids from {low} to {high}, outside the model's vocabulary [0, {cfg.vocab_size}): "
+            "pad with an id of the vocabulary (this model is causal and takes no attention mask: pad "
+            "on the right, and leave the padded positions out of the loss)"
+        )
+
+
 def forward(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
-    """Logits ``(batch, seq, vocab)`` in float32 for int tokens ``(batch, seq)``."""
+    """Logits ``(batch, seq, vocab)`` in float32 for int tokens ``(batch, seq)``.
+
+    Attention is causal over the whole sequence, with no attention mask or position ids: a
+    batch of sequences of unequal length is padded on the right (the real positions then see
+    only real ones), never on the left. Token ids are checked as :func:`check_tokens` says."""
     return build_model(cfg).apply({"params": params}, tokens)
 
 
@@ -186,7 +218,9 @@ def token_nll(cfg: ModelConfig, params: dict[str, Any], tokens: jax.Array, label
     them, which at a 32k vocabulary is most of a small model's activation memory. The head enters
     the scan in float32, so its gradient is summed over the chunks in float32 (a scan sums a
     loop-invariant input's gradient in that input's dtype) and rounded to bf16 parameters once.
-    The values equal the unchunked ones up to rounding."""
+    The values equal the unchunked ones up to rounding. ``labels`` are checked as the tokens are
+    (:func:`check_tokens`)."""
+    check_tokens(cfg, labels, "labels")
     seq = tokens.shape[1]
     if not cfg.loss_chunk or cfg.loss_chunk >= seq:
         return optax.softmax_cross_entropy_with_integer_labels(forward(cfg, params, tokens), labels)

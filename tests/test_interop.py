@@ -105,6 +105,33 @@ def test_every_family_writes_a_directory_transformers_loads(name, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_save_over_another_leaves_only_its_weights_and_both_readers_read_them(tmp_path):
+    """Saves of other shardings into one directory, one after the other: each removes the
+    earlier one's weights (as ``save_pretrained`` does), so this loader and transformers read the
+    last. Beside a model.safetensors, an index is what transformers passes over: so does this
+    loader. Token ids not given are written as none, in both configs."""
+    cfg = models.get_config("llama2-tiny")
+    first, second, third = (random_params(cfg, seed) for seed in (0, 1, 2))
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 9))
+    for params, shard in ((first, 60_000), (second, 10**9), (third, 60_000)):
+        written = write_hf_dir(tmp_path, cfg, params, max_shard_bytes=shard)
+        weights = sorted(p.name for p in tmp_path.iterdir() if "safetensors" in p.name)
+        assert weights == sorted(f for f in written["files"] if "safetensors" in f)
+        loaded = models.load_hf_params(tmp_path, cfg)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        close(hf_logits(tmp_path, tokens), models.forward(cfg, params, jnp.asarray(tokens)))
+    shutil.copy(tmp_path / written["files"][0], tmp_path / "stray.safetensors")
+    write_hf_dir(tmp_path / "one", cfg, second)
+    shutil.copy(tmp_path / "one" / "model.safetensors", tmp_path / "model.safetensors")
+    loaded = models.load_hf_params(tmp_path, cfg)  # the index's shards hold `third`
+    np.testing.assert_array_equal(*(np.asarray(jax.tree.leaves(t)[0]) for t in (second, loaded)))
+    assert (tmp_path / "stray.safetensors").is_file()  # a file of no save's naming is kept
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((tmp_path / name).read_text())
+        assert [ids.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [None] * 3, ids
+
+
 def test_bf16_export_stores_bf16_and_loads_as_bf16(tmp_path):
     cfg = models.get_config("qwen3-tiny")
     params = random_params(cfg)
@@ -147,6 +174,10 @@ def test_bad_directories_are_named(tmp_path):
     with pytest.raises(ValueError, match="holds no config.json"):
         models.read_hf_config(tmp_path)
     write_hf_dir(tmp_path, cfg, models.init_params(cfg, jax.random.PRNGKey(0)))
+    with pytest.raises(ValueError, match="pass the model's directory, not its config.json"):
+        models.read_hf_config(tmp_path / "config.json")
+    with pytest.raises(ValueError, match=r"is not a directory: .*hf download ORG/NAME --local-dir DIR"):
+        models.read_hf_config("meta-llama/Llama-3.2-1B")
     other = json.loads((tmp_path / "config.json").read_text()) | {"model_type": "gpt2"}
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
@@ -154,6 +185,9 @@ def test_bad_directories_are_named(tmp_path):
     with pytest.raises(ValueError, match="unsupported HF model_type 'gpt2'"):
         models.read_hf_config(gpt2)
     with pytest.raises(ValueError, match="holds no model.safetensors"):
+        models.load_hf_params(gpt2, cfg)
+    (gpt2 / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: load it with transformers and save_pretrained"):
         models.load_hf_params(gpt2, cfg)
     with pytest.raises(ValueError, match="missing tensor 'model.layers.0.self_attn.[qkv]_proj.bias'"):
         models.load_hf_params(tmp_path, cfg.replace(attention_bias=True))

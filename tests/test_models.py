@@ -152,6 +152,51 @@ def test_from_hf_takes_a_bf16_torch_state_dict_as_is():
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), embed, got))
 
 
+def test_a_base_model_state_dict_and_a_config_dict_load_as_transformers_loads_them():
+    """``LlamaModel``'s state dict names its tensors without the ``model.`` prefix (and has no LM
+    head): with the head added, it loads as the causal LM's does. A config may be given as the
+    dict ``config.json`` holds."""
+    cfg = CASES["llama2-mha-untied"]
+    sd = _state_dict(_hf_model(cfg, seed=3))
+    base = {k.removeprefix("model."): v for k, v in sd.items()}
+    got, want = models.from_hf(cfg, base), models.from_hf(cfg, sd)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    as_dict = models.to_hf_config(cfg).to_dict()
+    assert models.config_from_hf(as_dict, name=cfg.name) == models.config_from_hf(
+        models.to_hf_config(cfg), name=cfg.name
+    )
+    with pytest.raises(ValueError, match="a config dict needs its model_type"):
+        models.config_from_hf({k: v for k, v in as_dict.items() if k != "model_type"})
+    with pytest.raises(ValueError, match=r"unexpected keys for config .*\] and 2 more"):
+        models.from_hf(cfg, {**sd, **{f"extra.{i}": np.zeros(1) for i in range(10)}})
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_not_read_as_nan_or_wrapped():
+    """An id past the table gave NaN logits at every position (through attention) and a
+    negative one read the table's last row; both are refused when the ids are concrete, as
+    transformers refuses them. Traced ids (under jit) are not checked."""
+    cfg = models.get_config("llama2-tiny")
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    good = jnp.asarray([[1, 2, 3]])
+    for bad in (cfg.vocab_size, -1):
+        tokens = good.at[0, 2].set(bad)
+        with pytest.raises(
+            ValueError,
+            match=rf"tokens hold ids from {min(bad, 1)} to {max(bad, 2)}, outside the model's "
+            rf"vocabulary \[0, {cfg.vocab_size}\)",
+        ):
+            models.forward(cfg, params, tokens)
+        with pytest.raises(ValueError, match="labels hold ids"):
+            models.token_nll(cfg, params, good, tokens)
+    assert bool(
+        jnp.isnan(jax.jit(lambda t: models.forward(cfg, params, t))(good.at[0, 2].set(cfg.vocab_size))).any()
+    )
+    with pytest.raises(ValueError, match=r"tokens must be \(batch, seq\) integers, got shape \(3,\)"):
+        models.forward(cfg, params, good[0])
+    assert models.forward(cfg, params, good).shape == (1, 3, cfg.vocab_size)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -171,10 +216,29 @@ def test_bad_model_sizes_are_refused_with_the_config(override, message):
 
 
 def test_unsupported_hf_features_are_refused():
-    hf = models.to_hf_config(CASES["qwen2.5-gqa4-bias-tied"])
-    hf.use_sliding_window = True
-    with pytest.raises(ValueError, match="sliding"):
-        models.config_from_hf(hf)
+    # Qwen2's window from max_window_layers on: refused where a layer uses it, read where none does.
+    qwen = {k: v for k, v in models.to_hf_config(CASES["qwen2.5-gqa4-bias-tied"]).to_dict().items()}
+    qwen.pop("layer_types", None)  # made again from the settings below
+    layers = qwen["num_hidden_layers"]
+    windowed = transformers.Qwen2Config(
+        **{**qwen, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
+    )
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"sliding-window attention is not supported: layers {list(range(1, layers))}"),
+    ):
+        models.config_from_hf(windowed)
+    unused = transformers.Qwen2Config(
+        **{**qwen, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": layers}
+    )
+    assert models.config_from_hf(unused) == models.config_from_hf(transformers.Qwen2Config(**qwen))
+    # The dense DeepSeek-V2 only: the message says where the experts begin.
+    moe = models.to_hf_config(CASES["deepseek-v2-mla"])
+    moe.first_k_dense_replace = 1
+    with pytest.raises(
+        ValueError, match=r"mixture-of-experts layers from layer 1 \(first_k_dense_replace=1, num_hidden"
+    ):
+        models.config_from_hf(moe)
     with pytest.raises(ValueError, match="rope_scaling"):
         models.get_config("deepseek-v2-tiny", rope_scaling={"rope_type": "yarn", "factor": 4.0})
     # MLA's per-head keys: grouped heads were accepted, ignored, and the export failed in HF.
@@ -208,6 +272,11 @@ def test_unsupported_hf_features_are_refused():
         models.get_config(
             "llama3.2-tiny", rope_scaling={"rope_type": "llama3", **complete, "low_freq_factor": 4.0}
         )
+    swish = models.to_hf_config(CASES["llama2-mha-untied"])
+    swish.hidden_act = "swish"  # transformers' name for SiLU too
+    assert models.config_from_hf(swish) == models.config_from_hf(
+        models.to_hf_config(CASES["llama2-mha-untied"])
+    )
     gelu = models.to_hf_config(CASES["llama2-mha-untied"])
     gelu.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
