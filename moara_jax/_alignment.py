@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from moara_jax._decomposition import FAN_IN_AXIS, alignment, decompose_along, recompose_along
-from moara_jax._labels import OTHER, module_label, unboxed
+from moara_jax._labels import OTHER, label_tree, module_label, unboxed
 from moara_jax._matrices import MatrixAxesOrFn, matrix_view
 from moara_jax._projection import ProjectState, project_back, project_value, projection_side
 from moara_jax.hosts import HOSTS
@@ -110,6 +110,11 @@ def module_alignment(
       :func:`matrix_alignment` inside ``jit``).
     """
     per = matrix_alignment(grads, opt_state, block_size=block_size, matrix_axes=matrix_axes)
+    if not per and any(lab != OTHER for lab in jax.tree.leaves(label_tree(grads, label_fn))):
+        raise ValueError(
+            "module_alignment: opt_state holds no projection basis of these gradients' target "
+            "matrices: pass the state of the low-rank optimizer they were stepped with"
+        )
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     paths = {jax.tree_util.keystr(p): p for p in (unboxed(p) for p, _ in flat)}
     sums: dict[str, list] = defaultdict(list)

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label, warn_if_no_targets
+from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label, unboxed, warn_if_no_targets
 from moara_jax._matrices import MatrixAxesOrFn, leaf_views
 from moara_jax._projection import effective_rank
 from moara_jax._validate import is_int
@@ -28,6 +28,14 @@ def _check_known(name: str, group: tuple[str, ...], types: tuple[str, ...]) -> N
     unknown = [t for t in group if t not in types]
     if unknown:
         raise ValueError(f"{name}: unknown module types {unknown}; known: {list(types)}")
+
+
+def type_names(name: str, value: Iterable[str]) -> tuple[str, ...]:
+    """``value`` as a tuple of module type names; a string (whose characters a tuple would take
+    for names) refused, naming the argument."""
+    if isinstance(value, str):
+        raise ValueError(f"{name} must be module type names, e.g. ({value!r},), not the string {value!r}")
+    return tuple(value)
 
 
 def allocate_ranks(
@@ -57,8 +65,8 @@ def allocate_ranks(
       512
     """
     r_base = _positive_int("r_base", r_base)
-    types = tuple(dict.fromkeys(module_types))
-    donors, receivers = tuple(donors), tuple(receivers)
+    types = tuple(dict.fromkeys(type_names("module_types", module_types)))
+    donors, receivers = type_names("donors", donors), type_names("receivers", receivers)
     for name, group in (("donors", donors), ("receivers", receivers)):
         _check_known(name, group, types)
         if len(set(group)) != len(group):
@@ -111,10 +119,16 @@ def resolve_module_ranks(
     ``donors``/``receivers`` ``None``: the defaults (:func:`default_donors`, ``('down',)``).
     With the default donors and receivers, a tree that lacks all the donors or all the receivers
     moves no rank (every type keeps ``r_base``); ``warn=True`` says so with a warning. Donors or
-    receivers named by the caller must all be present (``ValueError`` otherwise).
+    receivers named by the caller must all be present (``ValueError`` otherwise). The rule's
+    settings (``donors``, ``receivers``, ``delta``) with no rule to apply them to
+    (``rank_allocation=False``, or ``ranks`` given) are refused: they would change no rank.
     """
-    types = tuple(t for t in dict.fromkeys(module_types) if t != OTHER)
+    types = tuple(t for t in dict.fromkeys(type_names("module_types", module_types)) if t != OTHER)
     r_base = _positive_int("r_base", r_base)
+    given = [k for k, v in (("donors", donors), ("receivers", receivers), ("delta", delta)) if v is not None]
+    if given and (ranks is not None or not rank_allocation):
+        instead = "ranks= gives every rank" if ranks is not None else "rank_allocation=False moves no rank"
+        raise ValueError(f"{', '.join(given)} set, but {instead}: leave {' and '.join(given)} unset")
     if ranks is not None:
         for t, r in ranks.items():
             _positive_int(f"ranks[{t!r}]", r)
@@ -126,7 +140,7 @@ def resolve_module_ranks(
         # The default set applies to the types the model has (a partial tree moves no rank).
         receivers = tuple(t for t in DEFAULT_RECEIVERS if t in types) if donors is None else DEFAULT_RECEIVERS
     else:
-        receivers = tuple(receivers)
+        receivers = type_names("receivers", receivers)
         _check_known("receivers", receivers, types)
     if donors is None:
         donors = tuple(t for t in default_donors(types) if t in types)
@@ -203,7 +217,7 @@ def rank_table(
         shape = tuple(int(s) for s in (x.shape if view is None else view.shape))
         rows.append(
             {
-                "path": jax.tree_util.keystr(path),
+                "path": jax.tree_util.keystr(unboxed(path)),  # a Flax box's .value is no name
                 "module": lab,
                 "shape": shape,
                 "requested": r,

@@ -84,6 +84,12 @@ def path_names(path: Any) -> tuple[str, ...]:
       >>> path_names("['q_proj']['kernel'].value")
       ('q_proj', 'kernel')
     """
+    if isinstance(path, (int, np.integer, np.ndarray, jax.Array)) and not isinstance(path, bool):
+        raise TypeError(
+            f"a parameter path was expected, got the number {path!r}: optax.inject_hyperparams "
+            "calls every callable argument (label_fn too) as a schedule of the step; pass "
+            "static_args=moara_jax.MOARA_ADAMW_STATIC_ARGS"
+        )
     if isinstance(path, str):
         if path.startswith("["):  # jax.tree_util.keystr: "['layers']['q_proj']['kernel']"
             parts = re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)", path)
@@ -146,7 +152,8 @@ def module_label(path: Any) -> str:
 
 
 def label_tree(params: Any, label_fn=module_label) -> Any:
-    """The label of every leaf; leaves with fewer than 2 dimensions are always ``'other'``."""
+    """The label of every leaf; leaves with fewer than 2 dimensions, or with no entries, are
+    always ``'other'``."""
 
     def f(path, x):
         label = label_fn(unboxed(path))
@@ -155,7 +162,8 @@ def label_tree(params: Any, label_fn=module_label) -> Any:
                 f"label_fn returned {label!r} for {jax.tree_util.keystr(path)}: a module type "
                 f"(a string), or {OTHER!r} for a parameter left to AdamW"
             )
-        return label if label != OTHER and getattr(x, "ndim", 0) >= 2 else OTHER
+        matrix = getattr(x, "ndim", 0) >= 2 and 0 not in x.shape
+        return label if label != OTHER and matrix else OTHER
 
     return jax.tree_util.tree_map_with_path(f, params)
 

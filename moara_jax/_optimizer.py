@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import optax
 
-from moara_jax._allocation import resolve_module_ranks, tree_ranks
+from moara_jax._allocation import resolve_module_ranks, tree_ranks, type_names
 from moara_jax._chain import direction_chain
 from moara_jax._labels import MODULE_TYPES, OTHER, label_tree, module_label
 from moara_jax._matrices import MatrixAxesOrFn, as_matrices
@@ -181,8 +181,8 @@ def moara_adamw(
         if block_size is None:
             raise ValueError("block_size is required when decompose=True")
         check_block_size(block_size)
-    donors = None if donors is None else tuple(donors)
-    receivers = None if receivers is None else tuple(receivers)
+    donors = None if donors is None else type_names("donors", donors)
+    receivers = None if receivers is None else type_names("receivers", receivers)
     allocation = dict(
         r_base=r_base,
         rank_allocation=rank_allocation,

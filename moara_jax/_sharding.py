@@ -204,6 +204,17 @@ def _numbers_as_arrays(tree):
     return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, (int, float, complex)) else x, tree)
 
 
+def _refuse_complex(params) -> None:
+    """A complex parameter refused, named: the moments, block norms and bases here are of real
+    numbers (a complex gradient would lose its imaginary part)."""
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        if jnp.issubdtype(jnp.result_type(x), jnp.complexfloating):
+            raise ValueError(
+                f"{jax.tree_util.keystr(path)} is {jnp.result_type(x)}: complex parameters are not "
+                "supported (optax.adamw takes them)"
+            )
+
+
 def follow_params(
     tx: optax.GradientTransformation,
     remake: Callable[[dict], optax.GradientTransformation] | None = None,
@@ -226,6 +237,7 @@ def follow_params(
 
     def init_fn(params):
         params = _numbers_as_arrays(params)
+        _refuse_complex(params)
         with _inputs_mesh(params):
             return placed_init(params)
 

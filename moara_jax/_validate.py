@@ -33,8 +33,11 @@ def check_block_size(block_size: int) -> int:
 
 
 def check_adam(b1: float, b2: float, eps: float) -> None:
-    """Validates Adam's ``b1``, ``b2``, ``eps`` when they are Python numbers (injected
-    hyperparameters arrive as arrays and are not checked)."""
+    """Validates Adam's ``b1``, ``b2``, ``eps`` when they are Python numbers. Injected
+    hyperparameters arrive as arrays (traced under ``jit``): their values are not checked, but a
+    ``b1`` or ``b2`` of a floating dtype narrower than float32 is refused, as its dtype says at
+    trace time: ``optax.inject_hyperparams`` makes them the parameters' dtype by default, and in
+    bfloat16 ``b2 = 0.999`` is 1, which leaves every update zero."""
     for name, value, ok in (
         ("b1", b1, lambda v: 0.0 <= v < 1.0),
         ("b2", b2, lambda v: 0.0 <= v < 1.0),
@@ -42,16 +45,28 @@ def check_adam(b1: float, b2: float, eps: float) -> None:
     ):
         if isinstance(value, (int, float)) and not ok(value):
             raise ValueError(f"{name} out of range: {value!r}")
+    for name, value in (("b1", b1), ("b2", b2)):
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+            raise ValueError(
+                f"{name} is a {dtype} array, in which Adam's decay rates round (b2 = 0.999 to 1, "
+                "leaving every update zero): inject hyperparameters in float32, "
+                "optax.inject_hyperparams(..., hyperparam_dtype=jnp.float32)"
+            )
 
 
 def dtype_arg(name: str, value: Any) -> jnp.dtype | None:
-    """``jnp.dtype(value)`` (``None`` stays ``None``), or a ``ValueError`` naming the argument."""
+    """``jnp.dtype(value)`` of a floating dtype (``None`` stays ``None``; moments are real
+    numbers), or a ``ValueError`` naming the argument."""
     if value is None:
         return None
     try:
-        return jnp.dtype(value)
+        dtype = jnp.dtype(value)
     except TypeError as err:
         raise ValueError(f"{name} must be a dtype, got {value!r}") from err
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype (moments), got {dtype}")
+    return dtype
 
 
 def fit_errors(tx: Any, init: Callable[[Any], Any], name: str) -> Any:
@@ -65,7 +80,8 @@ def fit_errors(tx: Any, init: Callable[[Any], Any], name: str) -> Any:
     def update_fn(updates, state, params=None, **extra):
         try:
             return tx.update(updates, state, params, **extra)
-        except (TypeError, ValueError, IndexError) as err:
+        # AttributeError, KeyError: a state of another kind of transform (decompose, host) there
+        except (TypeError, ValueError, IndexError, AttributeError, KeyError) as err:
             try:
                 problem = misfit(init, updates, state, params)
             except Exception:  # a diagnosis that fails must not hide the update's own error
@@ -120,12 +136,14 @@ def misfit(init: Callable[[Any], Any], updates: Any, state: Any, params: Any = N
         if [p for p, _ in there] == [p for p, _ in here]:  # a leaf of the same state: name it
             (leaf, was), (_, need) = next((a, b) for a, b in zip(there, here, strict=True) if a != b)
             detail = f"{leaf} has shape {was}; this update needs {need}"
+        elif [s for _, s in there] == [s for _, s in here]:  # the shapes fit: other kinds of state
+            detail = f"its state holds {there[0][0]}; these settings make {here[0][0]}"
         else:
             detail = f"shapes {[s for _, s in there]}; this update needs {[s for _, s in here]}"
         if fit_params:  # every update has its parameter's shape: the state is not these settings'
             return (
                 f"the state of {_key(path)} is not the one these settings make for its parameter "
-                f"({detail}): a state made with other settings (block_size, ranks, host) or for "
+                f"({detail}): a state made with other settings (block_size, ranks, decompose, host) or for "
                 "other parameters"
             )
         return (
@@ -136,8 +154,9 @@ def misfit(init: Callable[[Any], Any], updates: Any, state: Any, params: Any = N
     paths = lambda tree: [_key(path) for path, _ in flat(tree)]  # noqa: E731
     if paths(implied) != paths(state):
         return (
-            "the updates' tree is not the one its state was made for (a parameter added, "
-            "removed or renamed since init)"
+            "the updates' tree is not the one its state was made for: a parameter removed or "
+            "renamed since init, or a state made with other settings (weight_decay zero or not, "
+            "decompose, host) or by another optimizer"
         )
     return None
 

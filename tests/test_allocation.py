@@ -200,6 +200,8 @@ def test_flax_nnx_state_and_optimizer_get_low_rank_state():
     labels = _labels_by_path(mj.label_tree(nnx.state(model, nnx.Param)))
     assert labels["['q_proj']['kernel'].value"] == "q" and labels["['down_proj']['kernel'].value"] == "down"
     assert labels["['q_proj']['bias'].value"] == "other"
+    rows = mj.rank_table(nnx.state(model, nnx.Param), r_base=8)  # paths as the arrays' own
+    assert sorted(r["path"] for r in rows) == ["['down_proj']['kernel']", "['q_proj']['kernel']"], rows
     tx = mj.moara_adamw(0.01, r_base=8, decompose=False)
     assert _basis_shapes(tx.init(nnx.state(model, nnx.Param))) == BOXED_BASES
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)

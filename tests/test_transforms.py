@@ -2,6 +2,7 @@
 ``_common_test.py``): jit, no recompilation, convergence, dtypes, MultiSteps, inject_hyperparams,
 zero gradients, checkpoint round trip, and argument errors."""
 
+import functools
 import warnings
 
 import chex
@@ -465,6 +466,66 @@ def test_argument_errors_name_the_argument():
         mj.moara_adamw(0.1, r_base=8, block_size=8, mag_dtype="floot32")
     with pytest.raises(ValueError, match="mu_dtype"):
         mj.moara_adamw(0.1, r_base=8, block_size=8, mu_dtype="bf61")
+    # Accepted before, and run: moments of an integer dtype, a fractional seed, a string read as
+    # its characters (receivers="o" was the type 'o'), allocation settings that moved nothing.
+    with pytest.raises(ValueError, match="mu_dtype must be a floating dtype"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, mu_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="mag_dtype must be a floating dtype"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, mag_dtype=jnp.bool_)
+    with pytest.raises(ValueError, match="seed must be an integer, got 1.5"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, seed=1.5)
+    for name in ("donors", "receivers"):
+        with pytest.raises(
+            ValueError, match=rf"{name} must be module type names, e.g. \('o',\), not the string"
+        ):
+            mj.moara_adamw(0.1, r_base=8, block_size=8, **{name: "o"})
+    with pytest.raises(ValueError, match="module_types must be module type names"):
+        mj.allocate_ranks(8, "qkvo")
+    with pytest.raises(ValueError, match="delta set, but rank_allocation=False moves no rank"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, rank_allocation=False, delta=2)
+    with pytest.raises(ValueError, match="donors, receivers set, but ranks= gives every rank"):
+        mj.moara_adamw(0.1, r_base=8, block_size=8, ranks={"q": 4}, donors=("q",), receivers=("down",))
+
+
+def test_api_misuse_found_by_a_probe_is_named_in_one_line():
+    """Each of these ran into an AttributeError, a TypeError deep in the labels, JAX's many-line
+    structure error, a ZeroDivisionError, a silently real update of a complex parameter, an
+    empty alignment, or (bf16 injected decay rates) updates that were all zero."""
+    params = {
+        "self_attn": {"q_proj": {"kernel": jnp.ones((16, 16))}},
+        "mlp": {"down_proj": {"kernel": jnp.ones((32, 16))}},
+        "norm": jnp.ones(16),
+    }
+    make = lambda **kw: mj.moara_adamw(1e-3, r_base=8, block_size=8, **kw)  # noqa: E731
+    # A state of another kind of transform: decomposition or host changed since init.
+    for made, stepped in (({}, {"decompose": False}), ({"decompose": False}, {}), ({}, {"host": "fira"})):
+        with pytest.raises(ValueError, match=r"^moara_adamw: the state of \['mlp'\]\['down_proj'\]"):
+            make(**stepped).update(params, make(**made).init(params), params)
+    with pytest.raises(ValueError, match=r"a state made with other settings \(weight_decay zero or not"):
+        jax.jit(make(weight_decay=0.1).update)(params, make().init(params), params)
+    # No static_args: optax calls label_fn with the step count.
+    with pytest.raises(TypeError, match="pass static_args=moara_jax.MOARA_ADAMW_STATIC_ARGS"):
+        optax.inject_hyperparams(mj.moara_adamw)(learning_rate=1e-3, r_base=8, block_size=8).init(params)
+    # Injected in the parameters' bf16, b2 = 0.999 was 1: every update zero.
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    injected = functools.partial(optax.inject_hyperparams, static_args=mj.MOARA_ADAMW_STATIC_ARGS)
+    with pytest.raises(ValueError, match=r"b1 is a bfloat16 array.*hyperparam_dtype=jnp.float32"):
+        injected(mj.moara_adamw)(learning_rate=1e-3, r_base=8, block_size=8).init(bf16)
+    tx = injected(mj.moara_adamw, hyperparam_dtype=jnp.float32)(learning_rate=1e-3, r_base=8, block_size=8)
+    updates, _ = tx.update(bf16, tx.init(bf16), bf16)
+    assert all(bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates))
+    with pytest.raises(
+        ValueError, match=r"weight_decay_mask: not the parameters' tree nor a prefix of it \(its top"
+    ):
+        make(weight_decay=0.1, weight_decay_mask={"norm": False}).init(params)
+    with pytest.raises(ValueError, match=r"\['c'\] is complex64: complex parameters are not supported"):
+        make().init({**params, "c": jnp.ones(4, jnp.complex64)})
+    with pytest.raises(ValueError, match="module_alignment: opt_state holds no projection basis"):
+        mj.module_alignment(params, optax.adam(1e-3).init(params))
+    # A target with no entries is left to AdamW, as a non-matrix is.
+    empty = {**params, "x": {"q_proj": {"kernel": jnp.ones((0, 16))}}}
+    updates, _ = jax.jit(make().update)(empty, make().init(empty), empty)
+    assert updates["x"]["q_proj"]["kernel"].shape == (0, 16)
 
 
 def test_numpy_integers_are_accepted_where_integers_are():

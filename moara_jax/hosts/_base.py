@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -51,7 +51,16 @@ def decay_mask_fn(mask: Any) -> DecayMask | None:
             mask(tree) if callable(mask) else mask,
             is_leaf=is_box,
         )
-        return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), given, tree)
+        try:
+            return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: m, sub), given, tree)
+        except ValueError:  # JAX's many-line structure error
+            top = lambda t: sorted(map(str, t)) if isinstance(t, Mapping) else type(t).__name__  # noqa: E731
+            levels = f" (its top level {top(given)}, the parameters' {top(tree)})"
+            raise ValueError(
+                "weight_decay_mask: not the parameters' tree nor a prefix of it"
+                f"{levels if top(given) != top(tree) else ''}: give a boolean for each parameter, "
+                "or for a subtree of them"
+            ) from None
 
     return fn
 
@@ -120,6 +129,8 @@ class StageOptions:
         dtype_arg("mag_dtype", self.mag_dtype)
         if self.svd not in SVD_METHODS:
             raise ValueError(f"svd must be one of {SVD_METHODS}, got {self.svd!r}")
+        if not isinstance(self.seed, (jax.Array, np.ndarray)) and not is_int(self.seed, minimum=-(2**63)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def basis(self) -> dict[str, Any]:
