@@ -46,6 +46,7 @@ import dataclasses
 import datetime
 import glob
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -95,6 +96,9 @@ WHEELS_SCRIPT = CODE / "benchmarks" / "gpu_wheels.sh"  # the GPU sessions' one w
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint")
 VERSIONS += ("grain", "numpy", "sentencepiece", "protobuf")  # grain's generated code checks protobuf's
 TRAVEL_LIMIT_MIB = 64
+# Installed distributions the carried wheel replaces (in the runs' path, ahead of the machine's)
+# when older than this: grain's generated protobuf code refuses a runtime older than its own.
+FLOORS = {"protobuf": "5.28.3"}
 ORIGINAL_ENV: dict = {}  # the environment before main() set JAX_PLATFORMS for this process
 TAIL_BYTES = 200_000
 # Duration estimates: a margin for a run of another kind than the measured one (mode, optimizer,
@@ -371,15 +375,41 @@ def versions() -> dict:
     return found
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version (``5.28.3`` of ``5.28.3.post1``, ``6.33`` of ``6.33rc1``)."""
+    numbers = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if digits != part:
+            break
+    return tuple(numbers)
+
+
+def _losses(run_dir: pathlib.Path) -> list[dict]:
+    """The training rows of a run's metrics.jsonl (none when it has none or is unreadable)."""
+    try:
+        return dedupe_by_step(read_metrics(run_dir / METRICS), "loss")
+    except (OSError, ValueError):
+        return []
+
+
 def install_wheels(wheels: pathlib.Path, site: pathlib.Path, say) -> bool:
-    """Installs the carried wheels whose distribution is not installed (``--no-deps``: the
-    wheel set is complete); returns whether any was."""
+    """Installs the carried wheels whose distribution is not installed, or is installed older than
+    ``FLOORS`` asks (``--no-deps``: the wheel set is complete); returns whether any was."""
     missing = []
     for wheel in sorted(wheels.glob("*.whl")) if wheels.is_dir() else []:
         dist = wheel.name.split("-")[0]
         try:
-            importlib.metadata.version(dist)
+            have = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
+            missing.append(wheel)
+            continue
+        floor = FLOORS.get(dist.lower().replace("-", "_"))
+        if floor and _release(have) < _release(floor):
+            say(f"wheels: {dist} {have} is older than the {floor} grain needs: the carried one goes first")
             missing.append(wheel)
     if not missing:
         say(f"wheels: nothing to install from {wheels}")
@@ -561,7 +591,9 @@ class Runner:
         if not resumed and run_dir.exists():
             shutil.rmtree(run_dir)  # an attempt that saved nothing to resume from
         run_dir.mkdir(parents=True, exist_ok=True)
-        args = sweep.train_args(self.plan.base, planned.run, run_dir, [], resumed) + ["--quiet"]
+        # Not --quiet: the set-up lines and about 20 progress lines, so that the tail the log shows
+        # of a run stopped at the budget's end says how far it got.
+        args = sweep.train_args(self.plan.base, planned.run, run_dir, [], resumed)
         log = (run_dir / TRAIN_LOG).open("ab")
         env = child_env(self.site, level, self.xla_cache)
         proc = subprocess.Popen(
@@ -601,6 +633,8 @@ class Runner:
             "final_eval_ppl": summary.get("final_eval_ppl"),
             "tokens_per_s": summary.get("tokens_per_s"),
             "steps": summary.get("steps"),
+            # How far it got: the last step whose loss metrics.jsonl holds.
+            "last_logged_step": max((row["step"] for row in _losses(r.run_dir)), default=None),
         }
         (r.run_dir / RUNNER_FILE).write_text(json.dumps(record, indent=1) + "\n")
         self.session["runs"].append(record)
@@ -608,6 +642,7 @@ class Runner:
         self.say(
             f"{r.planned.name}: {record['status']}, exit {r.proc.returncode}, {wall:.1f}s"
             + (f", final eval ppl {ppl:.3f}" if ppl is not None else "")
+            + (f", last logged step {record['last_logged_step']}" if state not in FINISHED else "")
         )
         if state not in FINISHED:
             tail = (r.run_dir / TRAIN_LOG).read_text(errors="replace").strip().splitlines()[-15:]

@@ -7,8 +7,14 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-session-out}"
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
+  # The carried protobuf only where the machine's is older than grain's generated code needs
+  # (5.28.3): ahead of a newer one it would break the machine's packages generated with that.
+  wheels=(.whl/*.whl)
+  if python3 -c "import sys, google.protobuf as p; sys.exit(tuple(map(int, p.__version__.split('.')[:3])) < (5, 28, 3))" 2>/dev/null; then
+    wheels=($(printf '%s\n' "${wheels[@]}" | grep -v '/protobuf-'))
+  fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
+    "${wheels[@]}" || exit 1
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

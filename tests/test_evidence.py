@@ -87,25 +87,33 @@ def test_the_safety_factor_applies_to_the_plans_estimate_too():
     assert est == pytest.approx(300 * 2 * 1.5) and "x 1.5" in basis
 
 
-def test_carried_wheels_install_offline_into_the_site_and_installed_ones_are_left(tmp_path):
-    """The bare GPU machine's step: each carried wheel whose distribution is not installed goes
-    into the site folder, without the package index (``--no-index``) or its requirements; one
-    whose distribution is installed is left (this one would not install: it is no wheel)."""
+def _probe_wheel(directory: pathlib.Path, dist: str, version: str = "0.1") -> pathlib.Path:
+    """A pure-Python wheel of ``dist`` that requires a package no index has."""
     import zipfile
 
-    wheels = tmp_path / "whl"
-    wheels.mkdir()
-    dist, info = "moara_carried_probe", "moara_carried_probe-0.1.dist-info"
+    info = f"{dist}-{version}.dist-info"
     files = {
         f"{dist}/__init__.py": "VALUE = 7\n",
-        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n"
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
         "Requires-Dist: not-on-any-index\n",
         f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         f"{info}/RECORD": "",
     }
-    with zipfile.ZipFile(wheels / f"{dist}-0.1-py3-none-any.whl", "w") as z:
+    directory.mkdir(exist_ok=True)
+    path = directory / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
         for name, text in files.items():
             z.writestr(name, text)
+    return path
+
+
+def test_carried_wheels_install_offline_into_the_site_and_installed_ones_are_left(tmp_path):
+    """The bare GPU machine's step: each carried wheel whose distribution is not installed goes
+    into the site folder, without the package index (``--no-index``) or its requirements; one
+    whose distribution is installed is left (this one would not install: it is no wheel)."""
+    wheels = tmp_path / "whl"
+    dist = "moara_carried_probe"
+    _probe_wheel(wheels, dist)
     (wheels / "numpy-0.0-py3-none-any.whl").write_bytes(b"not a wheel")
     said = []
     assert evidence.install_wheels(wheels, tmp_path / "site", said.append)
@@ -115,6 +123,26 @@ def test_carried_wheels_install_offline_into_the_site_and_installed_ones_are_lef
     (wheels / f"{dist}-0.1-py3-none-any.whl").unlink()
     assert not evidence.install_wheels(wheels, tmp_path / "site2", said.append)
     assert said[-1] == f"wheels: nothing to install from {wheels}"
+
+
+@pytest.mark.parametrize("installed, replaced", [("5.27.9", True), ("5.28.3", False), ("6.33.0rc1", False)])
+def test_a_carried_wheel_replaces_an_installed_one_older_than_its_floor(
+    installed, replaced, tmp_path, monkeypatch
+):
+    """protobuf on the GPU machine: grain's generated code refuses a runtime older than 5.28.3,
+    so the carried protobuf goes into the site (ahead of the machine's in the runs' path) only
+    when the installed one is older; a newer one is left, as the machine's packages need it."""
+    wheels = tmp_path / "whl"
+    _probe_wheel(wheels, "moara_floor_probe", "5.29.6")
+    monkeypatch.setattr(evidence, "FLOORS", {"moara_floor_probe": "5.28.3"})
+    real = evidence.importlib.metadata.version
+    monkeypatch.setattr(
+        evidence.importlib.metadata, "version", lambda d: installed if d == "moara_floor_probe" else real(d)
+    )
+    said = []
+    assert evidence.install_wheels(wheels, tmp_path / "site", said.append) == replaced
+    assert (tmp_path / "site" / "moara_floor_probe").is_dir() == replaced
+    assert ("older than the 5.28.3 grain needs" in said[0]) == replaced, said
 
 
 def test_unpack_refuses_members_outside_the_results(tmp_path):
@@ -209,7 +237,8 @@ class FakeRun:
     """A ``python -m train`` process that ends once it has done ``seconds`` of work alone (as the
     clock's device gives it): completed (a summary, a config and metrics of its time per step, as
     ``measure`` reads them) or crashed (exit 1, nothing written). SIGTERM ends it at once,
-    unfinished. ``fraction``: the device memory its environment lets it take (None: unset)."""
+    unfinished, with the two steps it logged. ``fraction``: the device memory its environment lets
+    it take (None: unset)."""
 
     def __init__(
         self, clock: FakeClock, run_dir: pathlib.Path, seconds: float, completes: bool, fraction=None
@@ -226,6 +255,8 @@ class FakeRun:
     def poll(self):
         if self.returncode is None and self.signals:
             self.returncode = -signal.SIGTERM
+            rows = [{"step": s, "loss": 1.0, "wall_s": float(s)} for s in (1, 2)]
+            (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         elif self.returncode is None and self.done >= self.work - 1e-9:
             self.returncode = 0 if self.completes else 1
             if self.completes:
@@ -416,7 +447,7 @@ def test_after_two_crashes_no_run_starts_and_the_running_ones_finish(tmp_path, m
 def test_an_error_in_the_loop_stops_and_records_the_runs_and_packs_what_finished(tmp_path, monkeypatch):
     plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
     script = {"profile-seed0": (1, True), "full-seed0": (5, True)}
-    runner, procs, _ = fake_runner(monkeypatch, plan_path, root, script, concurrent=2)
+    runner, procs, lines = fake_runner(monkeypatch, plan_path, root, script, concurrent=2)
     estimate, calls = runner.estimate, []
 
     def failing(planned, measured, level):  # the third run's estimate fails, profile ended, full runs
@@ -432,6 +463,10 @@ def test_an_error_in_the_loop_stops_and_records_the_runs_and_packs_what_finished
     assert full.signals == [signal.SIGTERM] and full.returncode is not None
     record = runner_record(root, "full-seed0")
     assert record["stopped_at_deadline"] and record["status"].startswith("unfinished")
+    assert record["last_logged_step"] == 2 and runner_record(root, "profile-seed0")["last_logged_step"] == 4
+    assert any(
+        line.startswith("tiny/full-seed0: unfinished") and "last logged step 2" in line for line in lines
+    )
     with tarfile.open(root / "out" / evidence.ARCHIVE) as tar:
         names = tar.getnames()
         session = next(n for n in names if n.startswith("results/sessions/") and n.endswith(".json"))
