@@ -534,3 +534,31 @@ def test_banner_warns_when_the_embedding_and_head_hold_most_parameters(tmp_path)
     assert "98% in the embedding and LM head" in lines[0]
     assert lines[-1].startswith("warning: the embedding and LM head hold 98% of the parameters")
     assert not banner(params=133_568, embedding_params=32_896, **common)[-1].startswith("warning")
+
+
+def test_the_banner_names_the_mesh_and_the_dimensions_its_axes_do_not_divide(tmp_path):
+    """A mesh axis that does not divide a dimension the rules put on it leaves that dimension
+    whole on every device (right numbers, none of the memory the axis was for): said at start,
+    beside the mesh as made (``mesh.data: -1`` takes what is left)."""
+    import jax
+
+    import models
+    from train.rundir import banner
+    from train.sharding import whole_dims
+
+    cfg = models.get_config("tiny")
+    logical, abstract = models.logical_axes(cfg), models.abstract_params(cfg)
+    mesh = jax.sharding.AbstractMesh((1, 2, 3), ("data", "fsdp", "tensor"))
+    whole = whole_dims(logical, abstract, mesh)
+    assert f"['embed_tokens']['embedding'] ({cfg.vocab_size}, 64) dim 0 over tensor=3" in whole, whole
+    assert all(" over tensor=3" in w for w in whole)  # hidden 64 divides by fsdp=2
+    assert not whole_dims(logical, abstract, jax.sharding.AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor")))
+    common = dict(model="tiny", optimizer="adamw", ranks=None, data="data: x", tokens_per_step=256)
+    lines = banner(
+        params=133_568, embedding_params=32_896, run_dir=tmp_path, mesh="mesh: m", whole=whole, **common
+    )
+    assert lines[3] == "mesh: m" and lines[4].startswith("tokens per step")
+    assert lines[-1].startswith(
+        f"warning: {len(whole)} parameter dimension(s) the mesh would shard stay whole"
+    )
+    assert lines[-1].endswith(f"and {len(whole) - 2} more")

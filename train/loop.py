@@ -46,6 +46,7 @@ from train.sharding import (
     param_shardings,
     process_rows,
     state_shardings,
+    whole_dims,
 )
 from train.step import (
     Allocation,
@@ -309,7 +310,17 @@ def banner_lines(setup: Setup, run: RunDir) -> list[str]:
         data=describe_data(setup.data),
         tokens_per_step=setup.tokens_per_step,
         run_dir=run,
+        mesh=describe_mesh(setup.mesh),
+        whole=whole_dims(models.logical_axes(setup.model_cfg), setup.abstract_params, setup.mesh),
     )
+
+
+def describe_mesh(mesh) -> str:
+    """The mesh as made (``mesh.data: -1`` takes the devices fsdp x tensor leave)."""
+    sizes = " x ".join(f"{name} {size}" for name, size in mesh.shape.items())
+    first = mesh.devices.flat[0]
+    kind = f" ({first.device_kind})" if first.device_kind.lower() != first.platform.lower() else ""
+    return f"mesh: {sizes} over {mesh.devices.size} {first.platform} device(s){kind}"
 
 
 def rank_summary(setup: Setup) -> dict | None:

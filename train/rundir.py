@@ -400,9 +400,12 @@ def banner(
     data: str,
     tokens_per_step: int,
     run_dir,
+    mesh: str | None = None,
+    whole: list[str] = (),
 ) -> list[str]:
     """The lines printed when a run starts (a warning when the embedding and LM head hold most
-    of the parameters: the step's cost is then mostly theirs, not the blocks')."""
+    of the parameters: the step's cost is then mostly theirs, not the blocks'). ``mesh``: the
+    mesh as made; ``whole``: parameter dimensions a mesh axis does not divide, left whole."""
     share = embedding_params / params
     lines = [
         f"model: {model}, {params:,} parameters ({share:.0%} in the embedding and LM head)",
@@ -410,6 +413,14 @@ def banner(
         data,
         f"tokens per step: {tokens_per_step:,}; run dir: {run_dir}",
     ]
+    if mesh is not None:
+        lines.insert(3, mesh)
+    if whole:
+        more = f" and {len(whole) - 2} more" if len(whole) > 2 else ""
+        lines.append(
+            f"warning: {len(whole)} parameter dimension(s) the mesh would shard stay whole on every "
+            f"device, their mesh axis not dividing them: {'; '.join(whole[:2])}{more}"
+        )
     if share > 0.5:
         lines.append(
             f"warning: the embedding and LM head hold {share:.0%} of the parameters, so they dominate "
