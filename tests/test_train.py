@@ -81,7 +81,8 @@ def test_cli_end_to_end_loss_falls_and_outputs_are_complete(tmp_path):
     banner = proc.stdout.splitlines()
     assert banner[0].startswith("model: tiny, ") and "in the embedding and LM head" in banner[0]
     assert banner[1].startswith("optimizer: moara on galore, r_base 16") and "'down': 32" in banner[1]
-    assert banner[2].startswith("data: ") and banner[3].startswith("tokens per step: 256; run dir: ")
+    assert banner[2].startswith("data: ") and banner[3].startswith("mesh: data 1 x fsdp 1 x tensor 1 over 1 ")
+    assert banner[4].startswith("tokens per step: 256; run dir: ")
     assert "step 30: eval loss" in proc.stderr and (tmp_path / "run" / "curves.png").stat().st_size > 0
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     steps = [r for r in rows if "loss" in r]
