@@ -46,7 +46,6 @@ import dataclasses
 import datetime
 import glob
 import importlib.metadata
-import itertools
 import json
 import math
 import os
@@ -375,19 +374,6 @@ def versions() -> dict:
     return found
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """The leading numbers of a version (``5.28.3`` of ``5.28.3.post1``, ``6.33`` of ``6.33rc1``)."""
-    numbers = []
-    for part in version.split("."):
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if digits != part:
-            break
-    return tuple(numbers)
-
-
 def _losses(run_dir: pathlib.Path) -> list[dict]:
     """The training rows of a run's metrics.jsonl (none when it has none or is unreadable)."""
     try:
@@ -399,6 +385,8 @@ def _losses(run_dir: pathlib.Path) -> list[dict]:
 def install_wheels(wheels: pathlib.Path, site: pathlib.Path, say) -> bool:
     """Installs the carried wheels whose distribution is not installed, or is installed older than
     ``FLOORS`` asks (``--no-deps``: the wheel set is complete); returns whether any was."""
+    from packaging.version import Version  # pip's and pytest's requirement; on the GPU image too
+
     missing = []
     for wheel in sorted(wheels.glob("*.whl")) if wheels.is_dir() else []:
         dist = wheel.name.split("-")[0]
@@ -408,7 +396,7 @@ def install_wheels(wheels: pathlib.Path, site: pathlib.Path, say) -> bool:
             missing.append(wheel)
             continue
         floor = FLOORS.get(dist.lower().replace("-", "_"))
-        if floor and _release(have) < _release(floor):
+        if floor and Version(have) < Version(floor):
             say(f"wheels: {dist} {have} is older than the {floor} grain needs: the carried one goes first")
             missing.append(wheel)
     if not missing:

@@ -68,18 +68,24 @@ def _fit(spec: tuple, shape: tuple, mesh: Mesh) -> P:
     return P(*axes)
 
 
+def _mesh_axes(spec: P, x) -> tuple:
+    """The mesh axis the rules give each dimension of parameter ``x`` (None: none)."""
+    names = tuple(LOGICAL_RULES.get(a) if a is not None else None for a in tuple(spec))
+    return names + (None,) * (x.ndim - len(names))
+
+
 def whole_dims(logical, abstract_params, mesh) -> list[str]:
-    """The parameter dimensions the rules put on a mesh axis of more than one device that the
-    axis does not divide: ``_fit`` leaves them whole on every device (memory the axis was meant
-    to split). One ``'PATH (SHAPE) dim D over AXIS=N'`` each."""
+    """The parameter dimensions the rules put on a mesh axis that does not divide them, which
+    ``_fit`` leaves whole on every device (memory the axis was meant to split). One
+    ``'PATH (SHAPE) dim D over AXIS=N'`` each."""
     found = []
 
     def one(path, spec, x):
-        for d, (axis, size) in enumerate(zip(tuple(spec), x.shape, strict=False)):
-            name = LOGICAL_RULES.get(axis) if axis is not None else None
-            if name is not None and mesh.shape[name] > 1 and size % mesh.shape[name]:
+        wanted = _mesh_axes(spec, x)
+        for d, (axis, placed) in enumerate(zip(wanted, _fit(wanted, x.shape, mesh), strict=True)):
+            if axis is not None and placed is None:
                 found.append(
-                    f"{jax.tree_util.keystr(path)} {tuple(x.shape)} dim {d} over {name}={mesh.shape[name]}"
+                    f"{jax.tree_util.keystr(path)} {tuple(x.shape)} dim {d} over {axis}={mesh.shape[axis]}"
                 )
 
     jax.tree_util.tree_map_with_path(one, logical, abstract_params, is_leaf=lambda s: isinstance(s, P))
@@ -88,9 +94,7 @@ def whole_dims(logical, abstract_params, mesh) -> list[str]:
 
 def param_shardings(logical, abstract_params, mesh: Mesh):
     def one(spec, x):
-        names = tuple(LOGICAL_RULES.get(a) if a is not None else None for a in tuple(spec))
-        names = names + (None,) * (x.ndim - len(names))
-        return NamedSharding(mesh, _fit(names, x.shape, mesh))
+        return NamedSharding(mesh, _fit(_mesh_axes(spec, x), x.shape, mesh))
 
     return jax.tree.map(one, logical, abstract_params, is_leaf=lambda s: isinstance(s, P))
 
