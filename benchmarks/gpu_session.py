@@ -30,24 +30,27 @@ log to ``session.log``. ``--smoke`` runs the same phases at tiny sizes on any ma
 check of this script without a GPU).
 
 Usage (see gpu_session.sh, which installs the carried wheels first):
-  python benchmarks/gpu_session.py --out DIR [--budget-s 570] [--phases env gpu_tests ...]
+  python benchmarks/gpu_session.py --out DIR [--budget-s 560] [--phases env gpu_tests ...]
       [--jax-args "--remat dots"] [--variant-steps 5] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -57,8 +60,10 @@ sys.path.insert(0, str(BENCH))
 from train.rundir import RunDir  # noqa: E402  (neither starts a JAX backend)
 from train.xla_flags import GPU_FLAG_SETS  # noqa: E402
 
-# Parameters of the Llama 2 presets with the T5 vocabulary (models.param_count), for estimates.
-PARAMS = {"llama2-350m": 367_980_544, "llama2-1b": 1_339_299_840}
+# Parameters of the Llama 2 presets with the T5 vocabulary (models.param_count, which would start a
+# JAX backend in this driver), for estimates.
+PARAMS = {"llama2-350m": 367_969_280, "llama2-1b": 1_339_082_752}
+TAIL = 20_000  # characters of a captured child's output printed to the log
 VS_TORCH_ORDER = ("galore_torch", "moara_full", "galore_vanilla", "adamw_torch", "adamw")
 
 
@@ -102,33 +107,43 @@ class Session:
         """Runs a child (its output goes to ours) within the time left; its exit, time and whether it
         was stopped at the deadline."""
         timeout = max(1.0, min(timeout or self.left(), self.left()))
-        print(f"\n$ {shlex.join(cmd)}", flush=True)
         t0 = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, timeout=timeout).returncode
-            stopped = False
-        except subprocess.TimeoutExpired:
-            rc, stopped = None, True
-        return {"rc": rc, "seconds": time.perf_counter() - t0, "stopped_at_deadline": stopped}
+        rc, _ = self._child(cmd, env, timeout, capture=False)
+        return {"rc": rc, "seconds": time.perf_counter() - t0, "stopped_at_deadline": rc is None}
 
     def capture(self, cmd: list[str], env: dict | None = None) -> tuple[int | None, str]:
-        """Runs a child within the time left and returns its exit code and output (also printed)."""
+        """Runs a child within the time left and returns its exit code (None: stopped at the
+        deadline) and output (its last ``TAIL`` characters also printed)."""
+        rc, text = self._child(cmd, env, max(1.0, self.left()), capture=True)
+        print(text[-TAIL:], flush=True)
+        return rc, text
+
+    @staticmethod
+    def _child(cmd: list[str], env: dict | None, timeout: float, capture: bool) -> tuple[int | None, str]:
+        """A child in a process group of its own: at the deadline the whole group is killed, so
+        its helpers (torch.compile's workers, pytest-xdist's) cannot keep the log's pipe open and
+        the call running past its limit."""
         print(f"\n$ {shlex.join(cmd)}", flush=True)
+        pipe = subprocess.PIPE if capture else None
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=pipe,
+            stderr=subprocess.STDOUT if capture else None,
+            text=True,
+            start_new_session=True,
+        )
         try:
-            done = subprocess.run(
-                cmd,
-                cwd=ROOT,
-                env={**os.environ, **(env or {})},
-                timeout=max(1.0, self.left()),
-                capture_output=True,
-                text=True,
-            )
-        except subprocess.TimeoutExpired as e:
-            text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            print(text[-4000:], flush=True)
-            return None, text
-        print((done.stdout + done.stderr)[-4000:], flush=True)
-        return done.returncode, done.stdout + done.stderr
+            out, _ = proc.communicate(timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+        with contextlib.suppress(ProcessLookupError):  # at the deadline, or helpers it left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        if rc is None:
+            out, _ = proc.communicate()
+        return rc, out or ""
 
 
 def shapes(s: Session, model: str) -> dict:
@@ -205,7 +220,7 @@ def phase_gpu_tests(s: Session) -> dict:
         "-q",
         "-m",
         "gpu",
-        "-rs",
+        "-rfEs",  # failures and errors named in the summary, skips with their reasons
         "-p",
         "no:cacheprovider",
         "tests/test_gpu.py",
@@ -237,6 +252,7 @@ def phase_vs_torch(s: Session, model: str) -> dict:
     if s.smoke:
         args.append("--no-compile")
     step_s = _step_estimate(s, sh["model"])
+    phase = f"vs_torch_{model.split('-')[-1]}"
     merged, runs, skipped = None, {}, []
     for name in VS_TORCH_ORDER:
         estimate = _run_estimate(name, sh, step_s, s.smoke)
@@ -249,10 +265,15 @@ def phase_vs_torch(s: Session, model: str) -> dict:
             [sys.executable, "benchmarks/vs_torch.py", *args, *ours, "--only", name, "--out", str(out)]
         )
         data = _json(out)
+        runs[name] = (
+            {"error": "no result", **run}
+            if data is None
+            else {**data["runs"][name], "wall_s": run["seconds"]}
+        )
+        s.results["phases"][phase] = {"runs": runs, "skipped": skipped}  # so far, should the call end
+        s.save()
         if data is None:
-            runs[name] = {"error": "no result", **run}
             continue
-        runs[name] = {**data["runs"][name], "wall_s": run["seconds"]}
         merged = merged or {k: v for k, v in data.items() if k != "runs"}
         if "jax_model" in data:
             merged["jax_model"], merged["device"] = data["jax_model"], data["device"]
@@ -264,7 +285,7 @@ def phase_vs_torch(s: Session, model: str) -> dict:
         for key in ("tokens_per_s", "tokens_per_s_refresh_amortized"):
             merged[f"moara_over_peer_{key}"] = done["moara_full"][key] / done["galore_torch"][key]
     if "moara_full" in done and "galore_vanilla" in done:
-        merged["moara_over_galore_refresh_amortized"] = (
+        merged["moara_step_time_over_galore_refresh_amortized"] = (
             done["galore_vanilla"]["tokens_per_s_refresh_amortized"]
             / done["moara_full"]["tokens_per_s_refresh_amortized"]
         )
@@ -274,7 +295,7 @@ def phase_vs_torch(s: Session, model: str) -> dict:
     )
     merged["skipped"] = skipped
     merged["errors"] = {k: v for k, v in runs.items() if "plain_ms" not in v}
-    path = s.out / f"vs_torch_{model.split('-')[-1]}.json"
+    path = s.out / f"{phase}.json"
     path.write_text(json.dumps(merged, indent=2))
     if merged["runs"]:
         from vs_torch import plot
@@ -515,8 +536,8 @@ PHASES = {
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-session-out")
-    parser.add_argument("--budget-s", type=float, default=570.0, help="stop starting work after this")
-    parser.add_argument("--phases", nargs="+", default=["env", "gpu_tests", "vs_torch_350m", "train_loop"])
+    parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting work after this")
+    parser.add_argument("--phases", nargs="+", default=["env", "gpu_tests", "vs_torch_350m"])
     parser.add_argument("--variant-steps", type=int, default=5)
     parser.add_argument(
         "--jax-args",
@@ -550,7 +571,11 @@ def run_phases(s: Session, phases: list[str]) -> None:
             continue
         print(f"\n=== {name} ({s.left():.0f}s left)", flush=True)
         t0 = time.perf_counter()
-        s.results["phases"][name] = PHASES[name][1](s)
+        try:
+            s.results["phases"][name] = PHASES[name][1](s)
+        except Exception as e:  # a phase's fault is recorded; the phases after it still run
+            traceback.print_exc()
+            s.results["phases"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         s.results["phases"][name]["phase_s"] = time.perf_counter() - t0
         s.save()
     s.results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

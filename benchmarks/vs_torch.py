@@ -34,6 +34,7 @@ CPU smoke run: --model llama2-tiny --batch 8 --micro-batch 4 --seq-len 32 --step
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import importlib.util
 import json
@@ -90,6 +91,26 @@ def galore_adamw():
 
 
 def torch_peer(cfg, optimizer: str, args) -> dict:
+    """The PyTorch peer at ``--micro-batch``, or where that runs out of device memory (the peer has
+    no remat) at the largest half of it that fits: the row says which (``micro_batch``)."""
+    import torch
+
+    micro_batch = args.micro_batch
+    while True:
+        try:
+            return _torch_peer_at(cfg, optimizer, args, micro_batch)
+        except torch.OutOfMemoryError:
+            if micro_batch % 2:
+                raise
+        # Outside the handler, whose traceback held the failed attempt's model and optimizer.
+        print(f"{optimizer}: out of memory at micro-batch {micro_batch}, trying {micro_batch // 2}")
+        micro_batch //= 2
+        torch.compiler.reset()  # the compiled graphs of the failed attempt
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _torch_peer_at(cfg, optimizer: str, args, micro_batch: int) -> dict:
     """Median plain-step and refresh-step ms, peak memory of the PyTorch peer."""
     import torch
     import transformers
@@ -97,6 +118,7 @@ def torch_peer(cfg, optimizer: str, args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf_config = models.to_hf_config(cfg)
     hf_config._attn_implementation = "sdpa"
+    hf_config.use_cache = False  # training: no key/value cache returned
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=torch.bfloat16)
     low_rank, rest = paper_groups(model)
@@ -118,7 +140,7 @@ def torch_peer(cfg, optimizer: str, args) -> dict:
             model.parameters(), lr=0.01, eps=1e-6, weight_decay=0.0, fused=device == "cuda"
         )
     forward = torch.compile(model) if args.compile else model
-    micro = args.batch // args.micro_batch
+    micro = args.batch // micro_batch
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=g).to(device)
 
@@ -161,7 +183,13 @@ def torch_peer(cfg, optimizer: str, args) -> dict:
     refresh = statistics.median(timed(args.refresh_steps, due)) if optimizer == "galore_torch" else plain
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     n_params = sum(p.numel() for p in model.parameters())
-    return {"plain_ms": plain, "refresh_ms": refresh, "peak_memory_bytes": peak, "params": n_params}
+    return {
+        "plain_ms": plain,
+        "refresh_ms": refresh,
+        "peak_memory_bytes": peak,
+        "params": n_params,
+        "micro_batch": micro_batch,
+    }
 
 
 def jax_side(cfg, name: str, tx, args) -> dict:

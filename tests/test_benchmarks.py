@@ -5,7 +5,9 @@ readers."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -355,6 +357,93 @@ def test_vs_torch_cpu_smoke_run_writes_both_sides(tmp_path):
     assert result["moara_over_peer_tokens_per_s"] > 0
 
 
+def test_vs_torch_peer_halves_its_micro_batch_where_the_device_runs_out_of_memory(monkeypatch):
+    """The peer has no remat: out of device memory at ``--micro-batch``, it runs at the largest half
+    that fits and its row says which; at an odd micro-batch the error stands."""
+    torch = pytest.importorskip("torch")
+    tried = []
+
+    def at(cfg, optimizer, args, micro_batch):
+        tried.append(micro_batch)
+        if micro_batch > 32:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"micro_batch": micro_batch}
+
+    monkeypatch.setattr(vs_torch, "_torch_peer_at", at)
+    args = SimpleNamespace(micro_batch=128)
+    assert vs_torch.torch_peer(None, "galore_torch", args) == {"micro_batch": 32}
+    assert tried == [128, 64, 32]
+    tried.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        vs_torch.torch_peer(None, "galore_torch", SimpleNamespace(micro_batch=96 + 3))
+    assert tried == [99]
+
+
+def test_gpu_session_kills_a_childs_whole_process_group_at_the_deadline(tmp_path):
+    """A child stopped at the deadline takes the processes it started along (torch.compile's
+    workers held the log's pipe open past the call's limit): the call returns at the deadline."""
+    import gpu_session
+
+    session = gpu_session.Session(tmp_path, budget_s=3, smoke=True)
+    pid_file = tmp_path / "grandchild"
+    code = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
+    t0 = time.monotonic()
+    rc, text = session.capture([sys.executable, "-c", code])
+    assert rc is None and time.monotonic() - t0 < 60
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{grandchild}").exists():
+        state = Path(f"/proc/{grandchild}/stat").read_text().split(")")[-1].split()[0]
+        if state == "Z":  # killed, not yet reaped by its (killed) parent's reaper
+            break
+        time.sleep(0.1)
+    else:
+        assert not Path(f"/proc/{grandchild}").exists(), "the child's own child outlived the deadline"
+
+
+def test_gpu_session_records_a_phases_fault_and_goes_on(tmp_path, monkeypatch):
+    """A phase that raises is recorded with its error; the phases after it still run."""
+    import gpu_session
+
+    def broken(s):
+        raise KeyError("plain_ms")
+
+    phases = dict(gpu_session.PHASES)
+    phases["vs_torch_350m"] = (lambda s: 0.0, broken)
+    phases["env"] = (lambda s: 0.0, lambda s: {"ok": True})
+    monkeypatch.setattr(gpu_session, "PHASES", phases)
+    session = gpu_session.Session(tmp_path, budget_s=60, smoke=True)
+    gpu_session.run_phases(session, ["vs_torch_350m", "env"])
+    saved = json.loads((tmp_path / "session.json").read_text())
+    assert saved["phases"]["vs_torch_350m"]["error"] == "KeyError: 'plain_ms'"
+    assert saved["phases"]["env"]["ok"] is True and "finished" in saved
+
+
+def test_gpu_session_names_the_gpu_tests_that_fail(tmp_path, monkeypatch):
+    """The GPU tests' phase lists each failing test (pytest's summary names failures only when
+    asked to alongside the skips)."""
+    import gpu_session
+
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_gpu.py").write_text(
+        "import pytest\n"
+        "pytestmark = pytest.mark.gpu\n"
+        "def test_ok():\n    pass\n"
+        "def test_wrong():\n    assert 1 == 2\n"
+        "def test_elsewhere():\n    pytest.skip('needs a GPU')\n"
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
+    monkeypatch.setattr(gpu_session, "ROOT", tmp_path)
+    result = gpu_session.phase_gpu_tests(gpu_session.Session(tmp_path, budget_s=120, smoke=True))
+    assert result["failures"] == ["tests/test_gpu.py::test_wrong"]
+    assert result["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+
+
 def test_gpu_session_reads_pytest_counts_and_loop_step_times():
     import gpu_session
 
@@ -376,6 +465,11 @@ def test_gpu_session_reads_pytest_counts_and_loop_step_times():
 
 def test_gpu_session_variants_run_over_the_paper_settings():
     import gpu_session
+
+    import models
+
+    for name, n in gpu_session.PARAMS.items():  # the estimates' parameter counts are the presets'
+        assert n == models.param_count(models.get_config(name)), name
 
     from train.xla_flags import GPU_FLAG_SETS
 
