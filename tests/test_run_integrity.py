@@ -262,6 +262,57 @@ def test_an_unreadable_checkpoint_without_checksums_is_refused(finished_run, tmp
     ckpt.close()
 
 
+@pytest.mark.slow
+def test_a_truncated_checkpoint_without_checksums_is_one_line_not_a_flood(finished_run, tmp_path):
+    """A truncated array file in the newest checkpoint, whose checksums were never written: the
+    resume says in one line that it is not usable and goes on from the one before; the reads
+    orbax left pending, calling back into its closed event loop, print nothing (they printed
+    tens to hundreds of tracebacks after that line)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "checksums" / "8.json").unlink()
+    truncate(run / "checkpoints" / "8")
+    proc = run_cli(
+        run,
+        *FAST,
+        "train.steps=10",
+        "checkpoint.every=2",
+        "checkpoint.keep=3",
+        extra=["--resume"],
+        quiet=False,
+        in_process=False,
+    )  # Python's own reporting
+    assert "checkpoint 8 is not usable: unreadable (" in proc.stdout
+    assert "resuming from step 6" in proc.stdout
+    for noise in ("Traceback", "Event loop is closed"):
+        assert noise not in proc.stderr, proc.stderr[:3000]
+
+
+def test_only_a_failed_reads_leftovers_are_dropped(monkeypatch):
+    """The hook drops the closed event loop's callbacks and orbax's read coroutines; any other
+    unraisable report (a coroutine of another module's) reaches the hook before it, installed once."""
+    from types import SimpleNamespace
+
+    from train import checkpoint
+
+    got = []
+    monkeypatch.setattr(sys, "unraisablehook", got.append)
+    checkpoint._drop_failed_read_leftovers()
+    hook = sys.unraisablehook
+    checkpoint._drop_failed_read_leftovers()
+
+    async def read_elsewhere():
+        pass
+
+    coroutine = read_elsewhere()
+    hook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object=None))
+    hook(SimpleNamespace(exc_value=ValueError("other"), object=None))
+    hook(SimpleNamespace(exc_value=Exception("not orbax's"), object=coroutine))
+    coroutine.close()
+    assert [u.exc_value.args[0] for u in got] == ["other", "not orbax's"]
+    assert sys.unraisablehook is hook  # the second call added no second layer
+
+
 def test_in_a_multi_process_run_an_unreadable_checkpoint_without_checksums_is_reported(
     finished_run, tmp_path, monkeypatch
 ):

@@ -663,6 +663,33 @@ def test_a_resume_refuses_settings_the_state_or_data_order_depend_on(key, value)
     check_resumable(saved, to_dict(load_config(TINY)))
 
 
+def test_a_resume_takes_stated_defaults_as_no_change_and_keeps_how_a_profile_records():
+    """A host option or model override stated at the value it had by default changes nothing;
+    a profiling run keeps how often and how smoothly it records (not how long it runs)."""
+    from train.config import check_resumable, to_dict
+
+    fira = to_dict(load_config(TINY, ["optimizer.host=fira"]))
+    check_resumable(
+        fira, to_dict(load_config(TINY, ["optimizer.host=fira", "optimizer.host_options.growth_limit=1.01"]))
+    )
+    check_resumable(
+        fira, to_dict(load_config(TINY, ["optimizer.host=fira", "model.overrides.scan_layers=false"]))
+    )
+    with pytest.raises(UserError, match=r"optimizer.host_options.growth_limit: 1.01 -> 1.5"):
+        check_resumable(
+            fira,
+            to_dict(load_config(TINY, ["optimizer.host=fira", "optimizer.host_options.growth_limit=1.5"])),
+        )
+    profile = ["mode=profile", "profile.steps=8", "profile.every=2"]
+    saved = to_dict(load_config(TINY, profile))
+    check_resumable(saved, to_dict(load_config(TINY, [*profile, "profile.steps=12"])))
+    for key, value in (("profile.every", 4), ("profile.ema", 0.5)):
+        with pytest.raises(UserError, match=rf"\({key}: "):
+            check_resumable(saved, to_dict(load_config(TINY, [*profile, f"{key}={value}"])))
+    train = to_dict(load_config(TINY))
+    check_resumable(train, to_dict(load_config(TINY, ["profile.every=4"])))  # not profiling
+
+
 @pytest.mark.parametrize("name,scan_layers", [("moara", False), ("moara", True), ("adamw", True)])
 def test_weight_decay_mask_matrices_leaves_norms_undecayed_in_a_train_step(name, scan_layers):
     """``optimizer.weight_decay_mask: matrices``: a trainer step decays the matrices as ``all``
@@ -740,19 +767,24 @@ def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path)
     assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
 
 
-def test_a_signal_after_the_last_step_waits_for_the_summary(tmp_path, monkeypatch):
-    """SIGTERM while a run that finished its steps writes its summary (a scheduler's deadline
-    a moment late): the run is recorded as completed and exits 0, not killed half-written."""
+@pytest.mark.parametrize("during", ["the last evaluation", "the summary"])
+def test_a_signal_after_the_last_step_waits_for_the_summary(tmp_path, monkeypatch, during):
+    """SIGTERM while a run that finished its steps evaluates or writes its summary (a
+    scheduler's deadline a moment late): the run is recorded as completed and exits 0, not
+    stopped as interrupted nor killed half-written."""
     import train.loop
 
-    summarize = train.loop.make_summary
+    owner, name = (
+        (train.loop.StepLoop, "evaluate") if during == "the last evaluation" else (train.loop, "make_summary")
+    )
+    original = getattr(owner, name)
 
     def signalled(*args, **kwargs):
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None), "SIGTERM would kill"
         os.kill(os.getpid(), signal.SIGTERM)
-        return summarize(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(train.loop, "make_summary", signalled)
+    monkeypatch.setattr(owner, name, signalled)
     proc = run_cli(tmp_path / "run", *FAST, "train.steps=3", check=False)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -795,6 +827,81 @@ def test_an_interrupted_run_says_which_checkpoint_a_resume_continues_from(
     monkeypatch.undo()
     resumed = run_cli(tmp_path / "run", *FAST, extra=["--resume"])
     assert f"resuming from step {summary['last_checkpoint']}" in resumed.stdout
+
+
+def test_a_resume_to_the_checkpoints_step_ends_there_and_to_fewer_steps_is_refused(tmp_path, monkeypatch):
+    """Stopped at step 4 (its checkpoint; no evaluation there), resumed with train.steps 3: refused in
+    one line, nothing changed; with train.steps 4: the run ends at its checkpoint with the
+    evaluation a 4-step run makes, and damaged lines in metrics.jsonl and a summary.json that
+    is not UTF-8 do not stop it."""
+    from train.metrics import DivergenceGuard
+
+    check = DivergenceGuard.check
+
+    def check_then_signal(self, step, *args):
+        stop = check(self, step, *args)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stop
+
+    monkeypatch.setattr(DivergenceGuard, "check", check_then_signal)
+    run = tmp_path / "run"
+    assert run_cli(run, *FAST, check=False).returncode == EXIT_PREEMPTED
+    monkeypatch.undo()
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 3, "loss": \xff\xfe}\n5\n["a row?"]\n')  # not UTF-8; not rows of a step
+    (run / "summary.json").write_bytes(b"\xff\xfe{}")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    fewer = run_cli(run, *FAST, "train.steps=3", extra=["--resume"], check=False)
+    assert fewer.returncode == 2, fewer.stderr
+    assert fewer.stderr.strip().splitlines()[-1] == (
+        f"error: {run}'s newest usable checkpoint is of step 4, past this run's last step (3): "
+        "resume with train.steps of at least 4, or choose another run dir"
+    )
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    ended = run_cli(run, *FAST, "train.steps=4", extra=["--resume"])
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [4]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 4
+    assert summary["final_eval_ppl"] == pytest.approx(rows[-1]["eval_ppl"])
+    assert "resuming from step 4" in ended.stdout
+
+
+def test_a_checkpoint_without_its_data_order_is_refused_and_a_lost_metrics_file_is_said(tmp_path):
+    """metrics.jsonl gone: the resume says so and goes on. A checkpoint whose data item lacks
+    the iterator (another version's, or damaged, here without checksums): refused in one line
+    and kept, never resumed with the data from their start."""
+    run = tmp_path / "run"
+    sets = [*FAST, "train.steps=4", "checkpoint.every=2"]
+    run_cli(run, *sets)
+    (run / "metrics.jsonl").unlink()
+    longer = run_cli(run, *[*sets, "train.steps=6"], extra=["--resume"])
+    assert f"warning: {run / 'metrics.jsonl'} is missing: the record of steps 1-4 is lost" in longer.stderr
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [5, 6]
+    item = run / "checkpoints" / "6" / "data" / "metadata"
+    data = json.loads(item.read_text())
+    del data["iterator"]
+    item.write_text(json.dumps(data))
+    (run / "checksums" / "6.json").unlink()
+    refused = run_cli(run, *[*sets, "train.steps=8"], extra=["--resume"], check=False)
+    assert refused.returncode == 2, refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: checkpoint {run / 'checkpoints' / '6'} lacks iterator in its data item")
+    assert last.endswith("it is kept") and item.is_file()
+
+
+def test_run_dir_files_that_are_not_utf8_are_one_line(tmp_path):
+    from train.rundir import RunDir, write_atomically
+
+    (tmp_path / "config.yaml").write_bytes(b"train: {steps: 4}\n# \xe9t\xe9\n")
+    with pytest.raises(UserError, match=r"config.yaml is not UTF-8 text \(byte 20\)$"):
+        RunDir(tmp_path).config()
+    damaged = tmp_path / "summary.json"
+    damaged.write_bytes(b"\xff{}")
+    write_atomically(damaged, '{"status": "completed"}')  # replaced, not compared as text
+    assert damaged.read_text() == '{"status": "completed"}'
 
 
 SIGINT_IN_STARTUP = textwrap.dedent("""

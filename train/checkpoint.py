@@ -19,6 +19,7 @@ import logging
 import pathlib
 import re
 import shutil
+import sys
 from collections.abc import Callable
 
 import jax
@@ -32,6 +33,30 @@ from train.rundir import CHECKPOINTS, CONFIG, MODEL, RunDir, write_atomically
 # content: the checkpoint's verification names the file (then it is moved aside), or, with no
 # checksums, its arrays are read as written (orbax does not need that file to read them).
 _DAMAGED_METADATA = ("Failed to json parse Metadata file", "Failed to read Metadata file")
+
+
+_ORBAX_DIR = str(pathlib.Path(ocp.__file__).parent)
+
+
+def _drop_failed_read_leftovers() -> None:
+    """Drops, from now on in this process, Python's reports of what a checkpoint read that failed
+    part-way (a truncated file in a checkpoint without checksums) leaves behind: orbax's read
+    coroutines that raise as they are discarded, and tensorstore's callbacks into the event loop
+    orbax has closed. Each was reported as unraisable: tens to hundreds of tracebacks after the
+    line that says what happened. Every other report goes to the hook before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_failed_read_leftovers", False):
+        return
+
+    def hook(unraisable) -> None:
+        error, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
+        closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+        orbax_read = code is not None and code.co_filename.startswith(_ORBAX_DIR) and "read" in code.co_name
+        if not (closed_loop or orbax_read):
+            previous(unraisable)
+
+    hook.drops_failed_read_leftovers = True
+    sys.unraisablehook = hook
 
 
 class _OrbaxRecords(logging.Filter):
@@ -276,9 +301,10 @@ class Checkpointer:
         reach (they end with the lost-peer error when it exits). Checksums refuse a checkpoint
         in every process together; one without them is refused there by hand."""
         path = self.directory / str(step)
+        _drop_failed_read_leftovers()  # of a read that fails part-way, reported after it
         try:
             # Shapes first, from the metadata: a read that fails part-way leaves orbax's reads
-            # calling back into a closed event loop (tracebacks after the error line).
+            # calling back into a closed event loop.
             found = None if abstract_state is None else _first_difference(stored_state(path), abstract_state)
             if found is not None:  # (None: as stored)
                 raise UserError(

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+import models
 from moara_jax import MODULE_TYPES
 from moara_jax.hosts import host_class
 from train.errors import UserError
@@ -446,6 +447,11 @@ _FIXED_ON_RESUME = (
     "train.grad_clip",
     "train.param_dtype",
 )
+# A profiling run's records: how often and how smoothly it records (profile.steps may change, as
+# train.steps may; the donors and receivers only read the records at the end).
+_FIXED_ON_PROFILE_RESUME = ("profile.every", "profile.ema")
+# Fields of a model preset the trainer sets itself (the tokenizer's vocabulary, train's dtypes).
+_TRAINER_SET_MODEL_FIELDS = ("name", "vocab_size", "param_dtype", "dtype")
 # How the model computes, not what it is: a resume may take less memory or another attention.
 _FREE_ON_RESUME = (
     "optimizer.svd",
@@ -478,6 +484,7 @@ def changed_settings(
     for flat in (old_flat, new_flat):  # an unnamed model is the default one
         if flat.get("model.name") is None and flat.get("model.init_from") is None:
             flat["model.name"] = DEFAULT_MODEL
+        _fill_defaults(flat)
     changed = sorted(
         k
         for k in set(old_flat) | set(new_flat)
@@ -489,10 +496,29 @@ def changed_settings(
     return [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed]
 
 
+def _fill_defaults(flat: dict) -> None:
+    """Fills in a flattened config the defaults it leaves to its host (``host_options``) and to
+    its model preset (``model.overrides``): an option stated at its default changes nothing."""
+    try:
+        host = host_class(flat.get("optimizer.host"))
+    except ValueError:  # (refused by the config's own checks)
+        host = None
+    for f in dataclasses.fields(host) if host is not None else ():
+        if f.default is not dataclasses.MISSING:
+            flat.setdefault(f"optimizer.host_options.{f.name}", f.default)
+    if flat.get("model.init_from") is None and flat.get("model.name") in models.list_configs():
+        preset = models.get_config(flat["model.name"])
+        for f in dataclasses.fields(preset):
+            if f.name not in _TRAINER_SET_MODEL_FIELDS:
+                flat.setdefault(f"model.overrides.{f.name}", getattr(preset, f.name))
+
+
 def check_resumable(saved: dict, new: dict) -> None:
     """Refuses a resume whose config (``new``, a mapping) changes, against the run's ``saved``
-    one, what the checkpoint or the data order depend on."""
-    changed = changed_settings(saved, new, _FIXED_ON_RESUME)
+    one, what the checkpoint or the data order depend on (a profiling run's: also how it
+    records)."""
+    fixed = _FIXED_ON_RESUME + (_FIXED_ON_PROFILE_RESUME if new.get("mode") == "profile" else ())
+    changed = changed_settings(saved, new, fixed)
     if changed:
         raise UserError(
             f"--resume: the run's {CONFIG} differs in settings a resume cannot change ({', '.join(changed)})"

@@ -100,7 +100,15 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             )
     ckpt = Checkpointer(run, cfg.checkpoint.keep, cfg.checkpoint.every, enabled=main)
     start = restore_or_init(setup, ckpt, resume, main, say)
-    if start.step >= setup.total_steps and run.status() == "completed":
+    if start.step > setup.total_steps:
+        ckpt.close()
+        steps = "train.steps and profile.steps" if setup.profiling else "train.steps"
+        raise UserError(
+            f"{run}'s newest usable checkpoint is of step {start.step}, past this run's last step "
+            f"({setup.total_steps}): resume with {steps} of at least {start.step}, or choose "
+            "another run dir"
+        )
+    if start.step == setup.total_steps and run.status() == "completed":
         ckpt.close()
         if main:
             print(f"{run} is already complete at step {start.step}; nothing to do")
@@ -243,6 +251,11 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock) -> Setup:
 # ----------------------------------------------------------------------------- 2. restore or init
 
 
+# What a checkpoint saves beside the state (``StepLoop.save``) for the run to go on exactly: the
+# data order, the divergence guard's history and the data's hash (a profiling run: its recorder).
+RESUME_ITEMS = ("iterator", "guard", "data_sha256")
+
+
 @dataclass(frozen=True)
 class Start:
     state: TrainState
@@ -263,7 +276,15 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
         restored = ckpt.restore_latest(abstract, usable, say=print if main else _silent)
         if restored is not None:
             step, state, extra = restored
-            if extra.get("data_sha256", setup.data_sha256) != setup.data_sha256:
+            missing = [k for k in RESUME_ITEMS + ("recorder",) * setup.profiling if k not in extra]
+            if missing:
+                raise UserError(
+                    f"checkpoint {ckpt.directory / str(step)} lacks {', '.join(missing)} in its data "
+                    "item (made by another version of moara-jax, or damaged): the run cannot go on "
+                    "exactly from it; move it out of checkpoints/ to resume from the one before, "
+                    "or start a new run dir; it is kept"
+                )
+            if extra["data_sha256"] != setup.data_sha256:
                 raise UserError(
                     f"the token store {setup.data.store.directory} holds other data than the one "
                     f"checkpoint {step} trained on (data files added, removed or changed since): "
@@ -440,15 +461,18 @@ class StepLoop:
             run, setup.total_steps, start.resumed_from, quiet, enabled=main, sinks=sinks
         )
         self.recorder = profiling.AlignmentRecorder(cfg.profile.ema) if setup.profiling else None
-        if self.recorder is not None and "recorder" in start.extra:
+        resumed = start.resumed_from is not None  # its extra holds RESUME_ITEMS (restore_or_init)
+        if self.recorder is not None and resumed:
             self.recorder.load(start.extra["recorder"])
         self.guard = DivergenceGuard(t.divergence_factor, t.zero_grad_steps)
-        self.guard.load(start.extra.get("guard", {}))
-        self.batches = Batches(setup, start.extra.get("iterator"))
+        if resumed:
+            self.guard.load(start.extra["guard"])
+        self.batches = Batches(setup, start.extra["iterator"] if resumed else None)
         # A resumed run's last evaluation so far (the writer has dropped the rows after its
         # checkpoint): the final one when no step is left to run.
-        evals = run.evals() if start.resumed_from is not None else []
+        evals = run.evals() if resumed else []
         self.last_eval: float | None = evals[-1]["eval_loss"] if evals else None
+        self.last_eval_step: int | None = evals[-1]["step"] if evals else None
         self.last_done = 0.0  # when the metrics of the last step read became available
         self._cpu = jax.local_devices(backend="cpu")[0]
         # One program for the schedule (tiny.yaml's, on a 2-core CPU): a call takes 0.02 ms, its
@@ -483,6 +507,8 @@ class StepLoop:
         total, t = self.setup.total_steps, self.setup.cfg.train
         stop, pending = None, None  # pending: (step, metrics) not read yet
         batch = self.batches.next() if self.step < total else None
+        if self.step == total and self.last_eval_step != total:  # resumed at the last step
+            self.evaluate(total, state.params)
         self.last_done = time.perf_counter()  # the first step's time includes its compilation
         while self.step < total:
             self.clock.mark("first_step_s")  # everything before it but its compilation
@@ -511,7 +537,7 @@ class StepLoop:
             why = signals.at_step(self._held() is not None)  # the same step in every process
             if why == signals.FAULT:  # held by a process: nothing saved after it
                 return Outcome("io_error", self.checked, None)
-            if why:
+            if why and step < total:  # after the last step it waits for the wrap-up (finish)
                 if pending is not None:
                     stop, pending = self.read_metrics(*pending), None
                 if stop is None and not saving:  # the steps done so far are saved, then it stops
@@ -570,7 +596,7 @@ class StepLoop:
 
     def evaluate(self, step: int, params) -> None:
         loss = mean_nll(self.eval_fn, params, self.val_batches)
-        self.last_eval = loss
+        self.last_eval, self.last_eval_step = loss, step
         self.writer.write(
             {"step": step, "eval_loss": loss, "eval_ppl": ppl(loss), "wall_s": self.writer.wall()}
         )

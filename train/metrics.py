@@ -144,6 +144,12 @@ class MetricsWriter:
         self.quiet = quiet
         self.t0 = time.perf_counter()
         self.wall_offset = 0.0
+        if enabled and resume_step is not None and not self.path.exists():
+            print(
+                f"warning: {self.path} is missing: the record of steps 1-{resume_step} is lost "
+                "(the run goes on from its checkpoint)",
+                file=sys.stderr,
+            )
         if not enabled or not self.path.exists():
             return
         with io_operation("writing metrics to", self.path):

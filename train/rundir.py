@@ -53,15 +53,16 @@ RECORD_FILES = (CONFIG, MODEL, METRICS, SUMMARY, CURVES, ALIGNMENT, ALLOCATION, 
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl``; a line cut short (a process killed while writing it) is
-    left out."""
+    """The rows of a ``metrics.jsonl``; a damaged line (cut short by a process killed while
+    writing it, bytes that are not UTF-8, JSON that is not a row of a step) is left out."""
     rows = []
-    for line in pathlib.Path(path).read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
+    for line in pathlib.Path(path).read_bytes().splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:  # (UnicodeDecodeError among them)
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
     return rows
 
 
@@ -139,7 +140,9 @@ class RunDir:
         if not self.config_file.is_file():
             raise UserError(f"{self.path} holds no {CONFIG}: not a run dir of python -m train")
         try:
-            config = yaml.safe_load(self.config_file.read_text()) or {}
+            config = yaml.safe_load(self.config_file.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise UserError(f"{self.config_file} is not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             line = f" (line {where.line + 1})" if where is not None else ""
@@ -297,11 +300,11 @@ def write_atomically(path: pathlib.Path, text: str, if_changed: bool = True) -> 
     """``path`` holds ``text``, or (a write cut short: a full disk, a kill) what it held before:
     never a torn file. Unchanged text is not written again (a resume on a full disk keeps going)
     unless ``if_changed`` is False: then the file is always a new one (a new inode)."""
-    if if_changed and path.is_file() and path.read_text() == text:
+    if if_changed and path.is_file() and path.read_bytes() == text.encode():
         return
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
