@@ -164,7 +164,6 @@ def _warn_no_allocation(
         f"{' and none of the default '.join(missing)}, so no rank moves: the module types present, "
         f"{list(types)}, all keep r_base = {r_base}. Pass donors= and receivers= naming types "
         "present, ranks=, or rank_allocation=False.",
-        stacklevel=5,
     )
 
 

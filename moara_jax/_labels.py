@@ -200,5 +200,4 @@ def warn_if_no_targets(tree: Any, labels: Any, label_fn=module_label) -> None:
     warn(
         f"moara_adamw: no parameter is a target matrix, so every parameter gets plain AdamW; the "
         f"matrices left to AdamW include {shown}{more}. {how}.",
-        stacklevel=4,
     )

@@ -222,7 +222,6 @@ def rank_warning(path, shape: tuple[int, ...], requested: int, rank: int, module
         warn(
             f"projection rank {requested} for {what}{_path_str(path)} (Flax shape "
             f"{tuple(shape)}) exceeds min(fan_in, fan_out) = {rank}; clipped to {rank}",
-            stacklevel=4,
         )
 
 

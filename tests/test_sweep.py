@@ -218,6 +218,7 @@ def test_report_statistics_on_hand_made_runs(tmp_path):
         in text
     )
     assert "- galore-seed2: failed" in text
+    assert "- galore: seed 0: ppl 20.000, 30 steps, 30.0 s; seed 1: ppl 22.000, target not reached" in text
     assert (tmp_path / "report.png").stat().st_size > 0
     with pytest.raises(UserError, match="--baseline nope is not a grid point"):
         sweep.report(tmp_path, runs, baseline="nope")
@@ -258,6 +259,7 @@ def test_report_without_a_completed_baseline_gives_the_final_ppl_and_says_so(tmp
     text = (tmp_path / "report.md").read_text()
     assert text.startswith("No target: the baseline `galore` has no completed run yet")
     assert "| full | 2 (0 reached) | 19.000 ± 1.414 | - | - | - | - | - | - |" in text
+    assert "- full: seed 0: ppl 18.000, no target; seed 1: ppl 20.000, no target" in text
     assert result["points"]["full"]["mean_curve"] == {"steps_to_target": None, "time_to_target_s": None}
     assert "- galore-seed0: resumable" in text and "- galore-seed1: new, no evaluation" in text
     assert "ran at the same time" in text and (tmp_path / "report.png").stat().st_size > 0
@@ -355,4 +357,4 @@ def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypa
         [*argv, "--set", "train.lr=0.001", "--report-only"], monkeypatch, capsys
     )
     assert started == [] and "- tiny: " in text and not any("differs" in line for line in err), err
-    assert ("- tiny: seed 0: 20.000" in text) == (state == "completed"), text
+    assert ("- tiny: seed 0: ppl 20.000" in text) == (state == "completed"), text

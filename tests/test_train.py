@@ -855,10 +855,11 @@ def test_a_resume_to_the_checkpoints_step_ends_there_and_to_fewer_steps_is_refus
     fewer = run_cli(run, *FAST, "train.steps=3", extra=["--resume"], check=False)
     assert fewer.returncode == 2, fewer.stderr
     assert fewer.stderr.strip().splitlines()[-1] == (
-        f"error: {run}'s newest usable checkpoint is of step 4, past this run's last step (3): "
-        "resume with train.steps of at least 4, or choose another run dir"
+        f"error: checkpoint {run / 'checkpoints' / '4'}, the newest usable, is past this run's last "
+        "step (3): resume with train.steps of at least 4, or choose another run dir"
     )
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert "resuming" not in fewer.stdout
     ended = run_cli(run, *FAST, "train.steps=4", extra=["--resume"])
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]

@@ -3,6 +3,7 @@
 zero gradients, checkpoint round trip, and argument errors."""
 
 import functools
+import inspect
 import warnings
 
 import chex
@@ -806,14 +807,37 @@ def test_init_traced_again_repeats_no_warning_and_leaves_other_threads_warnings_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with _warnings.quiet():
-            _warnings.warn("held back", stacklevel=1)
-            other = threading.Thread(target=_warnings.warn, args=("from another thread", 1))
+            _warnings.warn("held back")
+            other = threading.Thread(target=_warnings.warn, args=("from another thread",))
             other.start()
             other.join()
             inside = list(warnings.filters)
-        _warnings.warn("given", stacklevel=1)
+        _warnings.warn("given")
     assert inside == [("always", None, Warning, None, 0), *filters]
     assert [str(w.message) for w in caught] == ["from another thread", "given"]
+
+
+def test_warnings_point_at_the_callers_line_however_the_optimizer_is_wrapped():
+    """The clipped-rank and no-target warnings name the line of the user's code that made the
+    state, directly, in an optax chain, under jit and through optax.MultiSteps (not a line of
+    JAX's tree maps or of this package)."""
+    params = {"mlp": {"down_proj": {"kernel": jnp.ones((40, 6))}}, "norm": {"scale": jnp.ones(4)}}
+    tx = mj.moara_adamw(0.1, r_base=8, block_size=2, rank_allocation=False)
+    for made in (tx, optax.chain(optax.clip_by_global_norm(1.0), tx), optax.MultiSteps(tx, 2)):
+        for init in (made.init, jax.jit(made.init)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                line = inspect.currentframe().f_lineno + 1
+                init(params)
+            clipped = [w for w in caught if "clipped to 6" in str(w.message)]
+            assert clipped and all((w.filename, w.lineno) == (__file__, line) for w in clipped), [
+                (w.filename, w.lineno, str(w.message)[:40]) for w in caught
+            ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1
+        mj.moara_adamw(0.1, r_base=8, block_size=2).init({"dense": {"kernel": jnp.ones((8, 8))}})
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)], [str(w.message) for w in caught]
 
 
 @pytest.mark.parametrize("host", ["galore", "fira", "osd", "ldadam", "subtrack_pp", "q_galore"])

@@ -155,7 +155,7 @@ def _plot(runs, target, path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m train.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=pathlib.Path)
     parser.add_argument("--out", type=pathlib.Path, default=None, help="where compare.md/png go")
     parser.add_argument("--force", action="store_true", help="compare runs that do not compare, marked")

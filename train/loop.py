@@ -100,14 +100,6 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             )
     ckpt = Checkpointer(run, cfg.checkpoint.keep, cfg.checkpoint.every, enabled=main)
     start = restore_or_init(setup, ckpt, resume, main, say)
-    if start.step > setup.total_steps:
-        ckpt.close()
-        steps = "train.steps and profile.steps" if setup.profiling else "train.steps"
-        raise UserError(
-            f"{run}'s newest usable checkpoint is of step {start.step}, past this run's last step "
-            f"({setup.total_steps}): resume with {steps} of at least {start.step}, or choose "
-            "another run dir"
-        )
     if start.step == setup.total_steps and run.status() == "completed":
         ckpt.close()
         if main:
@@ -283,6 +275,13 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
                     "item (made by another version of moara-jax, or damaged): the run cannot go on "
                     "exactly from it; move it out of checkpoints/ to resume from the one before, "
                     "or start a new run dir; it is kept"
+                )
+            if int(state.step) > setup.total_steps:
+                steps = "train.steps and profile.steps" if setup.profiling else "train.steps"
+                raise UserError(
+                    f"checkpoint {ckpt.directory / str(step)}, the newest usable, is past this "
+                    f"run's last step ({setup.total_steps}): resume with {steps} of at least "
+                    f"{int(state.step)}, or choose another run dir"
                 )
             if extra["data_sha256"] != setup.data_sha256:
                 raise UserError(

@@ -385,10 +385,18 @@ def markdown(result: dict) -> str:
             f"{num(curve['time_to_target_s'], '.1f')} | {pct(row['time_reduction_pct'])} | "
             f"{_pm(row['time_to_target_s'], '.1f')} |"
         )
-    lines += ["", "Per seed (final ppl; steps and seconds to the target):", ""]
+    lines += ["", "Per seed (final ppl, steps and seconds to the target):", ""]
     for point, row in result["points"].items():
-        per = ", ".join(
-            f"seed {s['seed']}: {s['final_ppl']:.3f}; {s['steps']}; {s['time_s']}" for s in row["seeds"]
+        per = "; ".join(
+            f"seed {s['seed']}: ppl {s['final_ppl']:.3f}, "
+            + (
+                f"{s['steps']} steps, {s['time_s']:.1f} s"
+                if s["steps"] is not None
+                else "no target"
+                if result["target_ppl"] is None
+                else "target not reached"
+            )
+            for s in row["seeds"]
         )
         lines.append(f"- {point}: {per or 'none completed'}")
     if result["excluded"]:
