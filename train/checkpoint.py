@@ -20,6 +20,7 @@ import pathlib
 import re
 import shutil
 import sys
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -35,7 +36,7 @@ from train.rundir import CHECKPOINTS, CONFIG, MODEL, RunDir, write_atomically
 _DAMAGED_METADATA = ("Failed to json parse Metadata file", "Failed to read Metadata file")
 
 
-_ORBAX_DIR = str(pathlib.Path(ocp.__file__).parent)
+_ORBAX_DIR = str(pathlib.Path(ocp.__file__).parent.parent) + "/"  # the orbax package
 
 
 def _drop_failed_read_leftovers() -> None:
@@ -51,8 +52,8 @@ def _drop_failed_read_leftovers() -> None:
     def hook(unraisable) -> None:
         error, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
         closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-        orbax_read = code is not None and code.co_filename.startswith(_ORBAX_DIR) and "read" in code.co_name
-        if not (closed_loop or orbax_read):
+        orbax_coroutine = code is not None and code.co_filename.startswith(_ORBAX_DIR)
+        if not (closed_loop or orbax_coroutine):
             previous(unraisable)
 
     hook.drops_failed_read_leftovers = True
@@ -75,6 +76,22 @@ class _OrbaxRecords(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_OrbaxRecords())
+
+
+class _OrbaxLeftovers(logging.Filter):
+    """Drops asyncio's records of an orbax task or gathering whose exception nobody retrieved
+    (``_GatheringFuture exception was never retrieved``, with its traceback): what a read that
+    failed part-way leaves, reported by the trainer in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or "exception was never retrieved" not in record.getMessage():
+            return True
+        frames = traceback.extract_tb(error.__traceback__)
+        return not any(frame.filename.startswith(_ORBAX_DIR) for frame in frames)
+
+
+logging.getLogger("asyncio").addFilter(_OrbaxLeftovers())
 
 
 def _file_sums(directory: pathlib.Path) -> dict[str, str]:

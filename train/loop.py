@@ -268,7 +268,8 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
         restored = ckpt.restore_latest(abstract, usable, say=print if main else _silent)
         if restored is not None:
             step, state, extra = restored
-            missing = [k for k in RESUME_ITEMS + ("recorder",) * setup.profiling if k not in extra]
+            wanted = RESUME_ITEMS + (("recorder",) if setup.profiling else ())
+            missing = [k for k in wanted if k not in extra]
             if missing:
                 raise UserError(
                     f"checkpoint {ckpt.directory / str(step)} lacks {', '.join(missing)} in its data "
@@ -506,7 +507,9 @@ class StepLoop:
         total, t = self.setup.total_steps, self.setup.cfg.train
         stop, pending = None, None  # pending: (step, metrics) not read yet
         batch = self.batches.next() if self.step < total else None
-        if self.step == total and self.last_eval_step != total:  # resumed at the last step
+        # Resumed at the last step: its evaluation, unless the record has it (every process
+        # evaluates where any finds it missing: a collective).
+        if self.step == total and any_process(self.last_eval_step != total):
             self.evaluate(total, state.params)
         self.last_done = time.perf_counter()  # the first step's time includes its compilation
         while self.step < total:
