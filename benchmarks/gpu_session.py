@@ -280,15 +280,9 @@ def phase_vs_torch(s: Session, model: str) -> dict:
     if merged is None:
         return {"runs": runs, "skipped": skipped}
     merged["runs"] = {k: v for k, v in runs.items() if "plain_ms" in v}
-    done = merged["runs"]
-    if "moara_full" in done and "galore_torch" in done:
-        for key in ("tokens_per_s", "tokens_per_s_refresh_amortized"):
-            merged[f"moara_over_peer_{key}"] = done["moara_full"][key] / done["galore_torch"][key]
-    if "moara_full" in done and "galore_vanilla" in done:
-        merged["moara_step_time_over_galore_refresh_amortized"] = (
-            done["galore_vanilla"]["tokens_per_s_refresh_amortized"]
-            / done["moara_full"]["tokens_per_s_refresh_amortized"]
-        )
+    from vs_torch import plot, ratios  # (imports JAX: only once a run has come back)
+
+    merged.update(ratios(merged["runs"]))
     ours = shlex.join(paper_args(sh["model"]) + s.jax_args)
     merged["command"] = (
         f"python benchmarks/vs_torch.py {shlex.join(args)} [{ours}] --only NAME (one process each)"
@@ -298,8 +292,6 @@ def phase_vs_torch(s: Session, model: str) -> dict:
     path = s.out / f"{phase}.json"
     path.write_text(json.dumps(merged, indent=2))
     if merged["runs"]:
-        from vs_torch import plot
-
         plot(merged, path.with_suffix(".png"))
     return merged
 

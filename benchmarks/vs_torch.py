@@ -223,6 +223,22 @@ def derive(row: dict, tokens: int, peak_tflops: float, gap: int = 200) -> dict:
     }
 
 
+def ratios(runs: dict) -> dict:
+    """Issue 22's figures from the runs there are: MoARa Full's tokens/s over the peer's GaLore
+    (plain steps, and the refresh amortized), and its step time over this project's vanilla
+    GaLore with the refresh amortized."""
+    out = {}
+    if "moara_full" in runs and "galore_torch" in runs:
+        for key in ("tokens_per_s", "tokens_per_s_refresh_amortized"):
+            out[f"moara_over_peer_{key}"] = runs["moara_full"][key] / runs["galore_torch"][key]
+    if "moara_full" in runs and "galore_vanilla" in runs:
+        key = "tokens_per_s_refresh_amortized"
+        out["moara_step_time_over_galore_refresh_amortized"] = (
+            runs["galore_vanilla"][key] / runs["moara_full"][key]
+        )
+    return out
+
+
 def plot(result: dict, path: pathlib.Path) -> None:
     plt = pyplot("chart")
     if plt is None:
@@ -295,10 +311,7 @@ def main() -> None:
         result["device"] = jax.devices()[0].device_kind
     else:
         result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    runs = result["runs"]
-    if "moara_full" in runs and "galore_torch" in runs:
-        for key in ("tokens_per_s", "tokens_per_s_refresh_amortized"):
-            result[f"moara_over_peer_{key}"] = runs["moara_full"][key] / runs["galore_torch"][key]
+    result.update(ratios(result["runs"]))
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2))

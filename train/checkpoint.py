@@ -43,8 +43,10 @@ def _drop_failed_read_leftovers() -> None:
     """Drops, from now on in this process, Python's reports of what a checkpoint read that failed
     part-way (a truncated file in a checkpoint without checksums) leaves behind: orbax's read
     coroutines that raise as they are discarded, and tensorstore's callbacks into the event loop
-    orbax has closed. Each was reported as unraisable: tens to hundreds of tracebacks after the
-    line that says what happened. Every other report goes to the hook before."""
+    orbax has closed, each reported as unraisable, and asyncio's records of orbax's gatherings
+    whose exception nobody retrieved (``_OrbaxLeftovers``): tens to hundreds of tracebacks after
+    the line that says what happened. Every other report goes to the hook before."""
+    logging.getLogger("asyncio").addFilter(_ORBAX_LEFTOVERS)  # (once: logging keeps no duplicate)
     previous = sys.unraisablehook
     if getattr(previous, "drops_failed_read_leftovers", False):
         return
@@ -91,7 +93,7 @@ class _OrbaxLeftovers(logging.Filter):
         return not any(frame.filename.startswith(_ORBAX_DIR) for frame in frames)
 
 
-logging.getLogger("asyncio").addFilter(_OrbaxLeftovers())
+_ORBAX_LEFTOVERS = _OrbaxLeftovers()
 
 
 def _file_sums(directory: pathlib.Path) -> dict[str, str]:
