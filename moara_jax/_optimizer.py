@@ -177,10 +177,10 @@ def moara_adamw(
     host = resolve_host(host).with_learning_rate(learning_rate, update_proj_gap)
     # With no weight decay a mask changes nothing (a host written before masks then takes one).
     decay_mask = None if is_zero(weight_decay) else decay_mask_fn(weight_decay_mask)
-    if decompose:
-        if block_size is None:
-            raise ValueError("block_size is required when decompose=True")
+    if block_size is not None:  # checked whether or not it is used
         check_block_size(block_size)
+    elif decompose:
+        raise ValueError("block_size is required when decompose=True")
     donors = None if donors is None else type_names("donors", donors)
     receivers = None if receivers is None else type_names("receivers", receivers)
     allocation = dict(

@@ -171,6 +171,11 @@ def basis_shape(stage: str, path, u: Any, requested: int, module: str | None) ->
             f"{stage}: parameter {_path_str(path)} has shape {m.shape}; only matrices "
             "(..., fan_in, fan_out) can be projected (label it as a non-target)"
         )
+    if 0 in m.shape:
+        raise ValueError(
+            f"{stage}: parameter {_path_str(path)} has shape {m.shape}: an empty matrix has "
+            "nothing to project (moara_adamw leaves it to AdamW; label it as a non-target)"
+        )
     if not is_int(requested):
         raise ValueError(f"rank must be a positive integer, got {requested!r}")
     r = effective_rank(m.shape, requested)

@@ -88,6 +88,30 @@ def test_osd_host_matches_the_pytorch_rendering(torch_shape):
     assert not np.allclose(basis.T @ basis, np.eye(rank), atol=1e-6)  # it moved off the SVD basis
 
 
+def test_an_injected_schedule_steps_the_basis_as_the_schedule_itself():
+    """Under ``optax.inject_hyperparams`` the optimizer sees each update's learning rate only at
+    that update; the basis's step on update ``t``'s loss, taken at update ``t + 1``, still takes
+    ``lr_t`` (it took ``lr_{t+1}``: twice the step at the warmup's second update)."""
+    rng = np.random.default_rng(0)
+    params, *grads = (
+        {"q_proj": {"kernel": jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)}} for _ in range(7)
+    )
+    kw = dict(r_base=8, decompose=False, host=mj.OSD(peak_lr=PEAK))
+    injected = optax.inject_hyperparams(mj.moara_adamw, static_args=mj.MOARA_ADAMW_STATIC_ARGS)
+
+    def bases(tx):
+        state, out = tx.init(params), []
+        for g in grads:
+            _, state = jax.jit(tx.update)(g, state, params)
+            out.append(np.asarray(find_state(state, mj.OSDProjectState).basis["q_proj"]["kernel"]))
+        return out
+
+    direct, via = bases(mj.moara_adamw(_schedule, **kw)), bases(injected(learning_rate=_schedule, **kw))
+    assert not np.allclose(direct[2], direct[1], atol=1e-4)  # the basis moves
+    for t, (a, b) in enumerate(zip(direct, via, strict=True)):
+        np.testing.assert_allclose(b, a, atol=1e-6, err_msg=f"update {t}")
+
+
 def test_osd_basis_descends_the_online_pca_loss():
     """With a fixed gradient the basis steps lower the online-PCA loss toward the SVD optimum."""
     rng = np.random.default_rng(1)

@@ -408,6 +408,9 @@ def test_q_galore_state_accounting():
         jax.eval_shape(mj.moara_adamw(LR, r_base=r, decompose=False, rank_allocation=False).init, params)
     )
     assert got["direction_moments"] < 0.51 * galore["direction_moments"]  # bf16 moments: 2 bytes
+    # The bases of an abstract state are its shapes, as GaLore's are (they were dequantized).
+    (basis,) = mj.projection_bases(state).values()
+    assert isinstance(basis, jax.ShapeDtypeStruct) and (basis.shape, basis.dtype) == ((d, r), jnp.bfloat16)
 
 
 def test_projection_bases_are_dequantized_for_the_alignment_diagnostic():
@@ -526,3 +529,28 @@ def test_q_galore_errors_name_the_argument():
     tx = mj.moara_adamw(LR, r_base=8, decompose=False, host="q_galore", rank_allocation=False)
     with pytest.raises(ValueError, match="group_size=256"):
         tx.init({"q_proj": {"kernel": jnp.zeros((48, 48))}})  # a 48 x 4 basis: 192 entries
+
+
+def test_a_gamma_other_than_two_grows_the_interval_as_the_reference():
+    """The interval grows to ``int(gap * gamma)`` in float64, as q-galore-torch computes it:
+    float32 made 90 x 1.3 = 116 (not 117) and the schedule drifted from there (150, not 152)."""
+    from q_galore_torch.q_galore_projector_simulate import GaLoreProjector
+
+    rng = np.random.default_rng(0)
+    seq = [rng.standard_normal((24, 16)).astype(np.float32) for _ in range(120)]
+    ref = GaLoreProjector(
+        4, update_proj_gap=90, quant=False, cos_threshold=-1.0, gamma_proj=1.3, queue_size=1
+    )
+    tx = mj.q_galore_project(4, 90, bits=None, cos_threshold=-1.0, gamma=1.3, queue_size=1)
+    state, update, ours = tx.init({"w": jnp.zeros((16, 24))}), jax.jit(tx.update), []
+    for t, g in enumerate(seq):
+        ref.project(torch.from_numpy(g), t)
+        _, state = update({"w": jnp.asarray(g.T)}, state)
+        ours.append(int(state.gap["w"]))
+    assert int(state.refreshes["w"]) == ref.svd_count == 3  # steps 0, 90 and 117
+    assert ours[-1] == ref.update_proj_gap == 152
+    assert list(mj.hosts.q_galore.refresh_intervals(90, 1.3)[:4]) == [90, 117, 152, 197]
+    assert list(mj.hosts.q_galore.refresh_intervals(8, 1.0)) == [8]  # no growth
+    assert list(mj.hosts.q_galore.refresh_intervals(2**30, 3.0)) == [2**30, 2**31 - 1]  # past int32: never
+    with pytest.raises(ValueError, match="gamma=1.00001 with update_proj_gap=100000 .* larger gamma"):
+        mj.q_galore_project(4, 100_000, gamma=1.00001)

@@ -4,6 +4,7 @@ zero gradients, checkpoint round trip, and argument errors."""
 
 import functools
 import inspect
+import re
 import warnings
 
 import chex
@@ -527,6 +528,16 @@ def test_api_misuse_found_by_a_probe_is_named_in_one_line():
     empty = {**params, "x": {"q_proj": {"kernel": jnp.ones((0, 16))}}}
     updates, _ = jax.jit(make().update)(empty, make().init(empty), empty)
     assert updates["x"]["q_proj"]["kernel"].shape == (0, 16)
+    # ... and a projection handed one names it (a ZeroDivisionError in a reshape).
+    with pytest.raises(ValueError, match=r"project: parameter \['w'\] has shape \(0, 8\): an empty"):
+        mj.scale_by_galore(4).init({"w": jnp.ones((0, 8))})
+    # A scale that is not a number failed at the first update; an unused block_size passed unchecked.
+    for scale in ("a", -0.25, float("nan")):
+        message = f"scale must be a non-negative number, got {scale!r}"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            make(scale=scale)
+    with pytest.raises(ValueError, match="block_size must be a positive integer, got -5"):
+        mj.moara_adamw(1e-3, r_base=8, decompose=False, block_size=-5)
 
 
 def test_numpy_integers_are_accepted_where_integers_are():

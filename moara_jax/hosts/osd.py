@@ -52,6 +52,9 @@ class OSDProjectState(NamedTuple):
     # AdamW first moments of the basis (its dtype; float32 for float16), with the last update's loss.
     basis_mu: Any
     basis_nu: Any  # AdamW second moments of the basis.
+    # shape=(), float32: the step size of the basis's pending step, ``basis_lr`` at the last update
+    # (an injected learning rate is known only at its own update).
+    basis_lr: jax.Array
 
 
 def pca_loss(basis: jax.Array, g: jax.Array, side: str) -> jax.Array:
@@ -115,12 +118,12 @@ def osd_project(
         basis = zero_bases("osd_project", params, rank_fn, name_fn)
         # Two trees of their own: a state whose leaves share a buffer cannot be donated.
         mu, nu = (jax.tree.map(lambda b: jnp.zeros_like(b, _moment_dtype(b.dtype)), basis) for _ in range(2))
-        return OSDProjectState(jnp.zeros([], jnp.int32), basis, mu, nu)
+        return OSDProjectState(jnp.zeros([], jnp.int32), basis, mu, nu, jnp.zeros([], jnp.float32))
 
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
-        old, mus, nus = (treedef.flatten_up_to(f) for f in state[1:])
+        old, mus, nus = (treedef.flatten_up_to(f) for f in (state.basis, state.basis_mu, state.basis_nu))
         ranks = state_ranks("osd_project", updates, old, rank_fn)
         mats = [_matrix_of(u) for u in leaves]
 
@@ -133,8 +136,7 @@ def osd_project(
         def later():
             # The basis's step on the last update's loss, taken now, so that the state holds the
             # basis each update used (step 1 has none: step 0's SVD has no loss to step on).
-            last = jnp.maximum(state.count - 1, 1)
-            lr = jnp.asarray(lr_fn(state.count - 1), jnp.float32)
+            last, lr = jnp.maximum(state.count - 1, 1), state.basis_lr
             return [
                 jnp.where(state.count >= 2, _adamw_step(b, mu, nu, last, lr, b1, b2, eps, weight_decay), b)
                 for b, mu, nu in zip(old, mus, nus, strict=True)
@@ -155,6 +157,7 @@ def osd_project(
         new_state = OSDProjectState(
             optax.safe_increment(state.count),
             *(treedef.unflatten(x) for x in (bases, new_mus, new_nus)),
+            jnp.asarray(lr_fn(state.count), jnp.float32),
         )
         return jax.tree.unflatten(treedef, out), new_state
 

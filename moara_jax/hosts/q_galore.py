@@ -23,6 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from moara_jax._adam import decay_after_step
@@ -86,9 +87,14 @@ class QuantizedBasis:
         return f"QuantizedBasis(shape={self.shape}, bits={self.bits})"
 
 
-def dequantized(basis: Any) -> jax.Array:
-    """The float basis of a stored one (a :class:`QuantizedBasis`, or an array as it is)."""
-    return basis.dequantize() if isinstance(basis, QuantizedBasis) else basis
+def dequantized(basis: Any) -> jax.Array | jax.ShapeDtypeStruct:
+    """The float basis of a stored one (a :class:`QuantizedBasis`, or an array as it is); of an
+    abstract one (``jax.eval_shape``'s), its shape and dtype."""
+    if not isinstance(basis, QuantizedBasis):
+        return basis
+    if isinstance(basis.codes, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(basis.shape, basis.dtype)
+    return basis.dequantize()
 
 
 class QGaLoreProjectState(NamedTuple):
@@ -105,6 +111,28 @@ class QGaLoreProjectState(NamedTuple):
 def _cosine(a: jax.Array, b: jax.Array) -> jax.Array:
     dot = jnp.sum(a * b, axis=-1)
     return dot / jnp.maximum(jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1), 1e-8)
+
+
+MAX_INTERVALS = 1 << 16
+_INT32_MAX = 2**31 - 1
+
+
+def refresh_intervals(update_proj_gap: int, gamma: float) -> np.ndarray:
+    """The refresh intervals a matrix goes through: ``T``, then ``int(gap * gamma)`` at each
+    growth, in float64 as q-galore-torch computes it (float32 rounds some products down: 90 x 1.3
+    gave 116, not 117, and the schedule drifted from there), until the interval stops growing or
+    passes the int32 step counter (then the counter's largest value: no refresh again)."""
+    gaps = [update_proj_gap]
+    while len(gaps) < MAX_INTERVALS:
+        grown = int(gaps[-1] * gamma)
+        if grown == gaps[-1] or grown >= _INT32_MAX:
+            gaps += [_INT32_MAX] * (grown != gaps[-1])
+            return np.asarray(gaps, np.int32)
+        gaps.append(grown)
+    raise ValueError(
+        f"gamma={gamma!r} with update_proj_gap={update_proj_gap} grows the refresh interval so "
+        f"slowly that it takes more than {MAX_INTERVALS} intervals to pass 2^31 steps; take a larger gamma"
+    )
 
 
 def q_galore_project(
@@ -139,6 +167,7 @@ def q_galore_project(
         raise ValueError(f"gamma must be >= 1, got {gamma!r}")
     rank_fn = rank if callable(rank) else (lambda path: rank)
     name_fn = name if callable(name) else (lambda path: name)
+    intervals = jnp.asarray(refresh_intervals(update_proj_gap, gamma))
 
     def store(basis: jax.Array, side: str):
         return basis if bits is None else QuantizedBasis.quantize(basis, side, bits, group_size)
@@ -180,7 +209,8 @@ def q_galore_project(
         cos_new = jnp.where((refreshes > 0)[..., None], pushed, cos)
         full = refreshes >= queue_size  # queue_size cosines recorded
         grow = full & (jnp.mean(cos_new, axis=-1) >= cos_threshold)
-        gap_new = jnp.where(grow, (gap.astype(jnp.float32) * gamma).astype(jnp.int32), gap)
+        grown = intervals[jnp.minimum(jnp.searchsorted(intervals, gap, side="right"), len(intervals) - 1)]
+        gap_new = jnp.where(grow, grown, gap)
 
         def pick(a, b):  # the due matrices take the new value
             return jnp.where(due.reshape(due.shape + (1,) * (a.ndim - due.ndim)), a, b)
