@@ -51,9 +51,12 @@ def _scores(samples: list[dict]) -> list[list[float]]:
     return [[float(r[0]) for r in s["filtered_resps"]] for s in sorted(samples, key=lambda s: s["doc_id"])]
 
 
-def harness_scores(model_dir, task: pathlib.Path, work: pathlib.Path, monkeypatch) -> tuple[list, dict]:
+def harness_scores(
+    model_dir, task: pathlib.Path, work: pathlib.Path, monkeypatch, tokenizer=None
+) -> tuple[list, dict]:
     """Each example's choice log-likelihoods and the ``acc``/``acc_norm`` of the harness' ``HFLM``
-    on ``model_dir`` (its Python API: ``simple_evaluate`` with a task manager of this task only)."""
+    on ``model_dir`` (its Python API: ``simple_evaluate`` with a task manager of this task only),
+    with the tokenizer of ``model_dir`` or of the directory ``tokenizer``."""
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
     lm_eval = pytest.importorskip("lm_eval")
@@ -62,7 +65,7 @@ def harness_scores(model_dir, task: pathlib.Path, work: pathlib.Path, monkeypatc
     manager = TaskManager(include_path=str(harness_task(work, task)), include_defaults=False)
     out = lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={model_dir}",
+        model_args=f"pretrained={model_dir}" + (f",tokenizer={tokenizer}" if tokenizer else ""),
         tasks=[NAME],
         task_manager=manager,
         batch_size=4,

@@ -338,7 +338,7 @@ def test_export_of_a_tokenizer_json_run_encodes_as_the_run_did(hf_run, llama_lik
 
 
 @pytest.mark.slow
-def test_continued_pretraining_of_a_checkpoint_with_its_tokenizer_json(llama_like, tmp_path):
+def test_continued_pretraining_of_a_checkpoint_with_its_tokenizer_json(llama_like, tmp_path, capsys):
     """The README's recipe: ``model.init_from=DIR`` and ``data.tokenizer=DIR`` on a checkpoint
     whose vocabulary is larger than its tokenizer's; the first step's loss is the checkpoint's
     loss (computed here by transformers) on the first batch of the tokenizer's ids."""
@@ -374,6 +374,18 @@ def test_continued_pretraining_of_a_checkpoint_with_its_tokenizer_json(llama_lik
     want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
     assert first["step"] == 1 and first["loss"] == pytest.approx(want, rel=1e-5)
     assert json.loads((tmp_path / "run" / "model.json").read_text())["vocab_size"] == tok.vocab_size + 24
+    # An export over the checkpoint would replace the tokenizer the run reads (it removed it, then
+    # failed to copy it: a traceback, and the run's tokenizer gone): refused, nothing touched.
+    from train import export as exporting
+
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
+    argv = ["--run-dir", str(tmp_path / "run"), "--out", str(checkpoint), "--overwrite"]
+    capsys.readouterr()
+    assert exporting.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--out {checkpoint} holds the run's tokenizer ({checkpoint / 'tokenizer.json'})" in err, err
+    assert len(err.splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
 
 
 @pytest.mark.slow

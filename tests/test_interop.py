@@ -348,8 +348,11 @@ def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, caps
         ),
         (
             ["--out", str(run["root"] / "t"), "--tokenizer", str(run["root"] / "nope.model")],
-            "error: --tokenizer: sentencepiece model not found",
+            "error: --tokenizer: " + str(run["root"] / "nope.model") + ": no such file or directory",
         ),
+        # a place no directory can be made, a run dir that is not there: one line (tracebacks)
+        (["--out", "/proc/export"], "--out /proc/export: cannot create it ("),
+        (["--out", str(run["root"] / "x"), "--run-dir", "nowhere"], "run dir nowhere: no such directory"),
     ]:
         assert exporting.main(["--run-dir", str(run["dir"]), *argv]) == 2
         err = capsys.readouterr().err.strip()
@@ -721,6 +724,30 @@ def test_evaluate_hf_reads_a_sentencepiece_only_directory_as_auto_tokenizer_does
     assert bare.bos_id is None and bare.encode("the fox") == hf.encode("the fox")[1:]
 
 
+def test_evaluate_counts_skipped_records_and_keeps_an_earlier_evaluation(run, tmp_path, capsys):
+    """Records that hold no text are skipped and counted, as a token store counts them (they were
+    dropped unsaid); an evaluation already in ``--out`` stays unless ``--overwrite`` (a second
+    evaluation replaced the first and left its per-example scores beside the new report)."""
+    texts = [json.dumps({"text": f"the quick brown fox {i} is lazy"}) for i in range(20)]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join([*texts[:10], '{"text": "cut sh', '{"title": "no text"}', *texts[10:]]) + "\n")
+    task = lm_harness.write_task(tmp_path / "toy.jsonl")
+    out, base = tmp_path / "eval", ["--run-dir", str(run["dir"]), "--out", str(tmp_path / "eval")]
+    capsys.readouterr()
+    assert evaluation.main([*base, "--tasks", f"{NAME}={task}"]) == 0
+    assert evaluation.main([*base, "--ppl-files", f"mixed={mixed}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {out} holds an evaluation (eval.json); choose another --out or pass --overwrite"
+    assert json.loads((out / "eval.json").read_text())["tasks"]  # the first one, kept
+    assert evaluation.main([*base, "--ppl-files", f"mixed={mixed}", "--overwrite"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["perplexity"]["mixed"]["documents"] == 20 and not report["tasks"]
+    assert report["perplexity"]["mixed"]["skipped"] == {"broken_json": 1, "missing_text": 1}
+    said = "mixed: 2 input records skipped: {'broken_json': 1, 'missing_text': 1}"
+    assert said in capsys.readouterr().out and said in (out / "eval.md").read_text()
+    assert not list(out.glob("scores-*.jsonl"))
+
+
 def test_evaluate_errors_name_the_problem(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
@@ -773,6 +800,41 @@ def test_lm_eval_harness_scores_the_export_as_train_evaluate_does(run, exported,
     assert_same_scores(harness_scores(exported, task, tmp_path / "harness", monkeypatch), want)
     run_dir = ["--run-dir", str(run["dir"]), "--seq-len", "256"]  # the export's length, as the harness'
     assert_same_scores(evaluate_scores([*run_dir, *tasks], tmp_path / "run"), want, tol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_qwen2_export_puts_a_tokenizer_transformers_would_rebuild_apart(run, tmp_path, monkeypatch, capsys):
+    """transformers reads a ``qwen2`` directory's tokenizer with ``Qwen2Tokenizer``, which puts
+    Qwen's normalizer and pre-tokenizer in place of the file's: the export of a qwen2.5 run on a
+    sentencepiece model wrote none and the harness failed (an IndexError). Its files now go to
+    ``tokenizer/``, which the harness takes as ``tokenizer=`` and ``train.evaluate --hf`` finds:
+    the same scores. The run's ``data.tokenizer`` is relative to where it started; export and
+    evaluate find it from another directory (they looked for it there)."""
+    shutil.copy(run["tokenizer"], tmp_path / "sp.model")
+    relative = os.path.relpath(tmp_path / "sp.model", ROOT)  # the trainer runs from ROOT (run_cli)
+    sets = [s for s in run["sets"] if not s.startswith("data.tokenizer=")]
+    run_cli(tmp_path / "qwen", *sets, f"data.tokenizer={relative}", "model.name=qwen2.5-tiny")
+    monkeypatch.chdir(run["root"])
+    out = tmp_path / "hf"
+    capsys.readouterr()
+    assert exporting.main(["--run-dir", str(tmp_path / "qwen"), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    apart = out / "tokenizer"
+    assert f"lm-evaluation-harness takes --model_args pretrained={out},tokenizer={apart}" in said, said
+    assert sorted(p.name for p in apart.iterdir()) == [
+        "spiece.model",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert not (out / "tokenizer.json").exists()
+    ours, hf = SentencePieceTokenizer(str(tmp_path / "sp.model")), transformers.AutoTokenizer
+    for text in ["the quick brown fox 12 jumps", "  lazy\tdog  ", ""]:
+        assert hf.from_pretrained(str(apart)).encode(text) == ours.encode(text)
+    task = lm_harness.write_task(tmp_path / "toy.jsonl")
+    want = evaluate_scores(["--hf", str(out), "--tasks", f"{NAME}={task}"], tmp_path / "ours")
+    assert_same_scores(harness_scores(out, task, tmp_path / "harness", monkeypatch, tokenizer=apart), want)
+    run_dir = ["--run-dir", str(tmp_path / "qwen"), "--seq-len", "256", "--tasks", f"{NAME}={task}"]
+    assert_same_scores(evaluate_scores(run_dir, tmp_path / "run"), want, tol=1e-4)
 
 
 def readme_command(program: str) -> list[str]:

@@ -115,6 +115,13 @@ def test_verification_names_each_kind_of_damage(finished_run, tmp_path):
     )
     assert ckpt.verify(6) == reasons[6] and ckpt.verify(8) == reasons[8]
     ckpt.close()
+    # Export and evaluation read the newest checkpoint, refuse a damaged one and name the next.
+    from train.checkpoint import read_params
+
+    with pytest.raises(UserError, match=re.escape(f"{reasons[8]}; --step 6 reads the one before")):
+        read_params(run)
+    with pytest.raises(UserError, match="fails verification: files changed since it was written: [^;]*$"):
+        read_params(run, 4)  # none before it
 
 
 @pytest.mark.parametrize("checksums", [True, False])

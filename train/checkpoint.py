@@ -428,7 +428,9 @@ def read_params(
             raise UserError(f"{ckpt_dir} has no checkpoint of step {step} (it has steps {steps})")
         reason = _verify(ckpt_dir / str(step), run.checksums / f"{step}.json")
         if reason is not None:
-            raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}")
+            older = [s for s in steps if s < step]
+            other = f"; --step {older[-1]} reads the one before" if older else ""
+            raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}{other}")
         meta = stored_state(ckpt_dir / str(step))["params"]
         found = None if expected is None else _first_difference(meta, expected)
         if found is not None:

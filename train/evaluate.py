@@ -37,9 +37,10 @@ import numpy as np
 import models
 from train.config import MeshSection
 from train.errors import UserError, cli, io_operation
-from train.rundir import EVAL, RunDir, check_directory_path
+from train.rundir import EVAL, RunDir, check_directory_path, make_directory
 from train.sharding import make_mesh, param_shardings
 from train.sources import (
+    TOKENIZER_SUBDIR,
     Counts,
     check_file,
     document_tokens,
@@ -124,12 +125,13 @@ def packed_rows(stream: np.ndarray, window: int) -> list[tuple[np.ndarray, np.nd
     return rows
 
 
-def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, int]:
-    """Every document's tokens followed by EOS, as one stream; and the document count."""
+def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, Counts]:
+    """Every document's tokens followed by EOS, as one stream; and the documents read and the
+    records skipped (``Counts``)."""
     counts = Counts()
     for p in paths:
         check_file(pathlib.Path(p))
-    parts, documents, batch = [], 0, []
+    parts, batch = [], []
 
     def flush():
         parts.extend(document_tokens(tokenizer, batch))
@@ -137,15 +139,17 @@ def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, int]:
 
     for text in file_documents(paths, counts):
         batch.append(text)
-        documents += 1
+        counts.documents += 1
         if len(batch) == 256:
             flush()
     flush()
-    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), documents
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), counts
 
 
 def perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
-    stream, documents = token_stream(paths, tokenizer)
+    """Perplexity of the texts of ``paths`` (``skipped``: the records that held no text, by
+    reason, as a token store counts them)."""
+    stream, counts = token_stream(paths, tokenizer)
     rows = packed_rows(stream, scorer.max_len)
     if not rows:
         raise UserError(f"{', '.join(paths)}: no tokens to score")
@@ -156,7 +160,8 @@ def perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
         "ppl": math.exp(loss),
         "loss": loss,
         "tokens": count,
-        "documents": documents,
+        "documents": counts.documents,
+        "skipped": counts.skipped,
         "windows": len(rows),
     }
 
@@ -286,8 +291,9 @@ def _hf_tokenizer(directory: pathlib.Path, override: str | None):
     lm-evaluation-harness, reads), else its sentencepiece model."""
     if override:
         return tokenizer_option(override)
-    if (directory / "tokenizer.json").is_file():
-        return make_tokenizer(str(directory / "tokenizer.json"))
+    for place in (directory, directory / TOKENIZER_SUBDIR):  # the second: train.export's, see there
+        if (place / "tokenizer.json").is_file():
+            return make_tokenizer(str(place / "tokenizer.json"))
     for name in ("spiece.model", "tokenizer.model"):
         if (directory / name).is_file():
             return _converted(directory) or make_tokenizer(str(directory / name))
@@ -361,6 +367,9 @@ def markdown(report: dict) -> str:
         for name, r in report["perplexity"].items():
             lines.append(f"| {name} | {r['tokens']:,} | {r['loss']:.4f} | {r['ppl']:.2f} |")
         lines.append("")
+        for name, r in report["perplexity"].items():
+            if r["skipped"]:
+                lines += [f"{name}: {sum(r['skipped'].values()):,} input records skipped: {r['skipped']}", ""]
     if report["tasks"]:
         lines += ["| task | n | acc | acc_norm |", "|---|---:|---:|---:|"]
         for name, r in report["tasks"].items():
@@ -388,6 +397,8 @@ def evaluate(args) -> dict:
         read_task(paths[0])  # a bad task file fails before the model loads
     out = pathlib.Path(args.out or (pathlib.Path(args.run_dir) / EVAL if args.run_dir else EVAL))
     check_directory_path(out, "--out")
+    if (out / "eval.json").exists() and not args.overwrite:
+        raise UserError(f"{out} holds an evaluation (eval.json); choose another --out or pass --overwrite")
     mesh = make_mesh(MeshSection(data=-1, fsdp=args.fsdp, tensor=args.tensor))
     model_cfg, params, tokenizer, seq_len, source = load_model(args, mesh)
     seq_len = seq_len if args.seq_len is None else args.seq_len
@@ -396,8 +407,10 @@ def evaluate(args) -> dict:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids, the model {model_cfg.vocab_size}")
     scorer = Scorer(model_cfg, params, mesh, args.batch_size, seq_len + 1)
-    with io_operation("writing the evaluation to", out):
-        out.mkdir(parents=True, exist_ok=True)
+    make_directory(out, "--out", "writing the evaluation to")
+    with io_operation("writing the evaluation to", out):  # --overwrite: no file of the last one stays
+        for stale in [out / "eval.json", out / "eval.md", *out.glob("scores-*.jsonl")]:
+            stale.unlink(missing_ok=True)
     report = {
         "model": source,
         "seq_len": seq_len,
@@ -446,6 +459,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fsdp", type=int, default=1, help="mesh fsdp axis (the rest is data)")
     parser.add_argument("--tensor", type=int, default=1, help="mesh tensor axis")
     parser.add_argument("--out", default=None, help="output directory (default: RUN_DIR/eval or ./eval)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an evaluation in --out")
     args = parser.parse_args(argv)
     return cli(lambda: _evaluate_and_report(args))
 

@@ -17,8 +17,14 @@ import sys
 import models
 from train.checkpoint import read_params
 from train.errors import IOFault, UserError, cli, io_operation
-from train.rundir import RunDir, check_directory_path
-from train.sources import TOKENIZER_CONFIG, TOKENIZER_JSON, HFTokenizer, SentencePieceTokenizer
+from train.rundir import RunDir, check_directory_path, make_directory
+from train.sources import (
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    TOKENIZER_SUBDIR,
+    HFTokenizer,
+    SentencePieceTokenizer,
+)
 
 # transformers' generic tokenizer class: it encodes as tokenizer.json says (a model's own class may
 # rebuild the pipeline, e.g. T5Tokenizer appends EOS to every encoding).
@@ -51,28 +57,46 @@ def write_tokenizer(tok, out: pathlib.Path, max_length: int) -> tuple[list[str],
     ``AutoTokenizer.from_pretrained(out).encode(text)`` gives the ids the run trained on for
     ``text``, with no EOS appended (the EOS after each document is the store's packing, not part of
     a text's encoding), so lm-evaluation-harness scores the run's tokens. Checked here on a few
-    texts; files that would encode otherwise are removed. Returns the files and a line for the user."""
-    if isinstance(tok, HFTokenizer):
-        files = _write_hf(tok, out)
-    elif isinstance(tok, SentencePieceTokenizer):
-        files, why = _write_sentencepiece(tok, out, max_length)
-        if not files:
-            return [], f"none written ({why})"
-    else:
+    texts; files that would encode otherwise are removed.
+
+    transformers reads some model types' tokenizers with a class of its own whatever the files say
+    (``qwen2``: ``Qwen2Tokenizer``, which puts Qwen's normalizer and pre-tokenizer in place of the
+    file's): then, where that class would encode otherwise, the files go to ``out/tokenizer``
+    (``TOKENIZER_SUBDIR``), a directory without the model's ``config.json``, which
+    ``AutoTokenizer`` reads as the files say (the harness: ``tokenizer=out/tokenizer``). Returns
+    the files (relative to ``out``) and a line for the user."""
+    if not isinstance(tok, (HFTokenizer, SentencePieceTokenizer)):
         return [], "none written (the run used the byte tokenizer: ids are UTF-8 bytes, EOS 256)"
+    files, why = _write_tokenizer_files(tok, out, max_length)
+    if not files:
+        return [], f"none written ({why})"
     differs = _first_difference(tok, out)
-    if differs is not None:
-        for name in files:
-            (out / name).unlink(missing_ok=True)
+    if differs is None:
+        return files, f"{', '.join(files)} (transformers.AutoTokenizer loads them and encodes as the run did)"
+    for name in files:
+        (out / name).unlink()
+    apart = out / TOKENIZER_SUBDIR
+    apart.mkdir()
+    files, _ = _write_tokenizer_files(tok, apart, max_length)
+    if _first_difference(tok, apart) is not None:
+        shutil.rmtree(apart)
         return [], f"none written (transformers would encode {differs!r} otherwise than the run did)"
-    return files, f"{', '.join(files)} (transformers.AutoTokenizer loads them and encodes as the run did)"
+    return [f"{TOKENIZER_SUBDIR}/{name}" for name in files], (
+        f"in {apart} (transformers.AutoTokenizer loads them from there and encodes as the run did; "
+        f"from {out} it reads them with this model type's own tokenizer class, which would encode "
+        f"{differs!r} otherwise): lm-evaluation-harness takes --model_args pretrained={out},tokenizer={apart}"
+    )
+
+
+def _write_tokenizer_files(tok, out: pathlib.Path, max_length: int) -> tuple[list[str], str]:
+    if isinstance(tok, HFTokenizer):
+        return _write_hf(tok, out), ""
+    return _write_sentencepiece(tok, out, max_length)
 
 
 def _first_difference(tok, out: pathlib.Path) -> str | None:
     """The first probe text that ``AutoTokenizer`` on ``out`` encodes otherwise than ``tok``."""
-    import transformers
-
-    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    hf = _transformers().AutoTokenizer.from_pretrained(str(out))
     probes = list(PROBES)
     if isinstance(tok, HFTokenizer):  # special tokens inside a text are matched whole by both
         probes += [f"a{t}b {t}" for t in tok.settings["special_tokens"].values()]
@@ -82,6 +106,17 @@ def _first_difference(tok, out: pathlib.Path) -> str | None:
     if hf.eos_token_id != tok.eos_id or hf.bos_token_id != tok.bos_id:
         return "<the EOS or BOS token>"
     return None
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError(
+            "the export checks its tokenizer files with transformers, which is not installed: "
+            "pip install 'moara-jax[hf]'"
+        ) from None
+    return transformers
 
 
 def _write_hf(tok: HFTokenizer, out: pathlib.Path) -> list[str]:
@@ -225,6 +260,14 @@ def export(
     run = RunDir(run_dir)
     model_cfg = run.model_config()
     tok = run.tokenizer(tokenizer)
+    source = getattr(tok, "path", None)
+    if source is not None and out.is_dir() and source.resolve().parent == out.resolve():
+        raise UserError(
+            f"--out {out} holds the run's tokenizer ({source}), which an export there would replace: "
+            "choose another --out"
+        )
+    if isinstance(tok, (HFTokenizer, SentencePieceTokenizer)):
+        _transformers()  # before anything is written
     step, params = read_params(run_dir, step, expected=models.abstract_params(model_cfg))
     try:
         with io_operation("exporting to", out):
@@ -246,11 +289,13 @@ def _write_model(
     out: pathlib.Path, run: RunDir, model_cfg, tok, step: int, params, dtype, max_shard_bytes: int
 ):
     """The weights, configs and provenance (an earlier export's weights and tokenizer removed)."""
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out, "--out", "exporting to")
     for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
         stale.unlink()  # --overwrite: no weights or tokenizer file of an earlier export may stay
     for name in TOKENIZER_FILES:
         (out / name).unlink(missing_ok=True)
+    if (out / TOKENIZER_SUBDIR).is_dir():
+        shutil.rmtree(out / TOKENIZER_SUBDIR)
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": _pad_id(tok)}
     try:
         written = models.write_hf_dir(

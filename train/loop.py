@@ -48,6 +48,7 @@ from train.sharding import (
     state_shardings,
     whole_dims,
 )
+from train.sources import tokenizer_path
 from train.step import (
     Allocation,
     TrainState,
@@ -731,7 +732,7 @@ def make_summary(setup: Setup, run: RunDir, start: Start, loop: StepLoop, outcom
         "param_count": models.param_count(setup.model_cfg),
         "optimizer_state_bytes": mj.state_bytes(setup.abstract_opt),
         "ranks": rank_summary(setup),
-        "data": setup.data.summary(),
+        "data": {**setup.data.summary(), "tokenizer_path": tokenizer_path(cfg.data.tokenizer)},
         "startup": clock.startup,
         "devices": len(setup.mesh.devices.flat),
         "device_kind": jax.devices()[0].device_kind,

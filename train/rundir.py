@@ -205,7 +205,17 @@ class RunDir:
         from train.sources import describe_tokenizer, make_tokenizer, tokenizer_option
 
         spec = override or self.setting("data", "tokenizer") or "bytes"
-        tok = (tokenizer_option if override else make_tokenizer)(spec)
+        if override:
+            tok = tokenizer_option(spec)
+        else:
+            # data.tokenizer is relative to where the run started; its summary has the full path.
+            recorded_path = ((self.summary() or {}).get("data") or {}).get("tokenizer_path")
+            if recorded_path and not pathlib.Path(spec).expanduser().exists():
+                spec = recorded_path
+            try:
+                tok = make_tokenizer(spec)
+            except UserError as e:
+                raise UserError(f"{e}; pass --tokenizer with the run's tokenizer") from None
         recorded = self.recorded_tokenizer()
         if recorded and {**recorded, "name": None} != {**tok.identity(), "name": None}:
             raise UserError(
@@ -222,6 +232,8 @@ class RunDir:
         from train.config import load_config
         from train.model import model_config
 
+        if not self.path.exists():
+            raise UserError(f"run dir {self.path}: no such directory")
         if self.model_file.is_file():
             try:
                 return models.ModelConfig(**json.loads(self.model_file.read_text()))
@@ -294,6 +306,17 @@ def check_directory_path(path: pathlib.Path, flag: str) -> None:
             if not where.is_dir():
                 raise UserError(f"{flag} {path}: {where} is not a directory")
             return
+
+
+def make_directory(path: pathlib.Path, flag: str, operation: str) -> None:
+    """Creates ``path`` (given as ``flag``) and its parents: a machine fault is an ``IOFault``
+    naming ``operation``; any other refusal (a place no directory can be made, e.g. under
+    ``/proc``) one line naming ``flag``."""
+    try:
+        with io_operation(operation, path):
+            path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot create it ({e.strerror or e})") from None
 
 
 def write_atomically(path: pathlib.Path, text: str, if_changed: bool = True) -> None:

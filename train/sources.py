@@ -93,6 +93,9 @@ class SentencePieceTokenizer:
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# Where an export puts tokenizer files that transformers would read with a model type's own class
+# from the model's directory (train.export.write_tokenizer); train.evaluate --hf looks there too.
+TOKENIZER_SUBDIR = "tokenizer"
 # tokenizer_config.json keys naming special tokens, in the order transformers adds the missing ones.
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -266,9 +269,19 @@ def make_tokenizer(spec: str):
     if not spec:
         raise UserError("data.tokenizer is empty: give bytes, a sentencepiece model or a tokenizer.json")
     path = pathlib.Path(spec).expanduser()
+    if not path.exists():
+        where = "" if path.is_absolute() else f" (a relative path, from {pathlib.Path.cwd()})"
+        raise UserError(f"data.tokenizer: {spec}: no such file or directory{where}")
     if path.is_dir() or path.name.endswith(".json"):
         return HFTokenizer(spec)
     return SentencePieceTokenizer(spec)
+
+
+def tokenizer_path(spec: str) -> str | None:
+    """The absolute path of a tokenizer ``spec`` (None for ``bytes``), which a run's summary
+    records: its commands find the tokenizer from any directory, whatever ``data.tokenizer``
+    was relative to."""
+    return None if spec == "bytes" else str(pathlib.Path(spec).expanduser().resolve())
 
 
 def describe_tokenizer(identity: dict) -> str:
