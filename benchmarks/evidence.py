@@ -36,7 +36,8 @@ finished run. The log ends with a table: each run's status, wall time, final ppl
 
 ``unpack`` puts an archive's runs into ``RESULTS`` (a run already finished there is kept) and
 writes the reports: ``train.sweep``'s report (``report.md``, ``report.json``, ``report.png``) per
-experiment, and ``profile.md`` (``S_tau`` order against the paper's Table 9) for profiling runs.
+experiment, and ``profile.md`` (``S_tau`` order against the paper's Table 5,
+``tab:profiling_length``) for profiling runs.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ RESERVE_S = 15.0
 LEVELS = (1, 2, 4)
 PAYS = 1.1
 MEMORY = 0.9
-# Table 9 of the paper (Llama 2 350M, 1k-step profile; `tab:profiling_length` in its source):
+# Table 5 of the paper (Llama 2 350M, 1k-step profile; `tab:profiling_length` in its source):
 # S_tau per module type, highest first.
 PAPER_S_TAU = {"v": 0.959, "o": 0.932, "up": 0.922, "gate": 0.921, "q": 0.899, "k": 0.885, "down": 0.819}
 
@@ -962,8 +963,9 @@ def spearman(a: list[str], b: list[str]) -> float:
 
 
 def profile_report(run_dir: pathlib.Path) -> str:
-    """``S_tau`` per module type of a profiling run against the paper's Table 9, and its allocation
-    against the default one (donors q, k; receiver down) that the +Rank and Full runs use."""
+    """``S_tau`` per module type of a profiling run against the paper's Table 5
+    (``tab:profiling_length``), and its allocation against the default one (donors q, k; receiver
+    down) that the +Rank and Full runs use."""
     alignment = json.loads((run_dir / ALIGNMENT).read_text())
     allocation = json.loads((run_dir / ALLOCATION).read_text())
     s_tau = alignment["s_tau"]
@@ -976,7 +978,7 @@ def profile_report(run_dir: pathlib.Path) -> str:
         f"`S_tau` per module type: the mean of `S(W, t) = cos(G, G_recon)` over the type's matrices "
         f"and the {len(steps)} recorded steps ({steps[0]} to {steps[-1]}), block size "
         f"{alignment['block_size']}, rank {alignment['r_base']}; highest first, against the paper's "
-        "Table 9 (Llama 2 350M, 1k-step profile).",
+        "Table 5 (`tab:profiling_length`: Llama 2 350M, 1k-step profile).",
         "",
         "| rank | this run | S_tau | paper | paper S_tau |",
         "|---:|---|---:|---|---:|",

@@ -229,6 +229,40 @@ def test_profile_writes_allocation_that_training_reads(tmp_path):
     assert used == allocation["ranks"]
 
 
+def test_an_allocation_profiled_at_another_r_base_moves_that_r_base_s_rank(tmp_path):
+    """The paper profiles 350M once and keeps which module types donate and receive at 1B and
+    7B, whose ranks follow their own r_base: a file profiled at r_base 16 read at 32 gives q/k
+    16 and its receiver 64 (its ranks, for r_base 16, were taken as they were: half the budget)."""
+    from train.labels import describe
+    from train.step import read_allocation
+
+    types = ["q", "k", "v", "o", "up", "gate", "down"]
+    profiled = {"r_base": 16, "donors": ["q", "k"], "receivers": ["up"], "ranks": {t: 16 for t in types}}
+    profiled["ranks"].update(q=8, k=8, up=32)
+    path = tmp_path / "allocation.json"
+    path.write_text(json.dumps(profiled))
+    assert read_allocation(str(path), 16) == profiled["ranks"]
+    assert read_allocation(str(path), 32) == {**dict.fromkeys(types, 32), "q": 16, "k": 16, "up": 64}
+    lines = describe(load_config(TINY, [f"optimizer.rank_allocation={path}", "optimizer.r_base=32"]))
+    assert next(line for line in lines.splitlines() if "up_proj" in line).split()[-3:] == ["up", "64", "-"]
+    path.write_text(json.dumps({"ranks": profiled["ranks"], "r_base": 16}))
+    with pytest.raises(UserError, match="profiled at r_base 16, this run's is 32, and it names no donors"):
+        read_allocation(str(path), 32)
+
+
+def test_labels_of_a_profile_config_are_what_profiling_runs():
+    """A profiling run measures uniform-rank GaLore without decomposition whatever the condition
+    it inherits; labels said the condition's ranks (q 128, down 512) and state."""
+    from train.labels import describe
+
+    paper = ROOT / "configs" / "paper"
+    lines = describe(load_config(paper / "llama2-350m-profile.yaml", ["data.tokenizer=bytes"])).splitlines()
+    assert lines[0].endswith("(profiling: uniform ranks, no decomposition)")
+    ranks = {line.split()[-3]: line.split()[-2] for line in lines[2:-1] if "proj" in line}
+    assert set(ranks.values()) == {"256"} and len(ranks) == 7
+    assert "magnitude_moments 0.00" in lines[-1]
+
+
 @pytest.mark.slow
 def test_sweep_then_compare(tmp_path):
     """A two-point sweep over condition layers (layered over tiny.yaml), run again (nothing to

@@ -35,12 +35,14 @@ def describe(cfg, vocab_size: int | None = None) -> str:
     model_cfg = model_config(cfg, tokenizer_vocab(cfg) if vocab_size is None else vocab_size)
     params = models.abstract_params(model_cfg)
     opt = cfg.optimizer
+    profiling = cfg.mode == "profile"  # what it measures: uniform ranks, no decomposition
     rows = {}
     if opt.name != "adamw":
-        rows = {r["path"]: r for r in Allocation.of(opt).table(opt, params)}
+        rows = {r["path"]: r for r in Allocation.of(opt, profiling).table(opt, params)}
     lines = [
         f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}"
-        + ("" if opt.name == "adamw" or opt.host == "galore" else f" on {opt.host}"),
+        + ("" if opt.name == "adamw" or opt.host == "galore" else f" on {opt.host}")
+        + (" (profiling: uniform ranks, no decomposition)" if profiling and opt.name != "adamw" else ""),
         f"{'parameter':64s} {'shape':>22s} {'label':>6s} {'rank':>11s} {'decay':>5s}",
     ]
     # Whether optimizer.weight_decay applies (optimizer.weight_decay_mask); "-": no weight decay.
@@ -59,7 +61,7 @@ def describe(cfg, vocab_size: int | None = None) -> str:
         label = row["module"] if row else "adamw"
         decay = "-" if decays is None else ("yes" if decays else "no")
         lines.append(f"{key:64s} {str(tuple(x.shape)):>22s} {label:>6s} {rank:>11s} {decay:>5s}")
-    state = jax.eval_shape(make_optimizer(opt, 0.01, cfg.train.grad_clip).init, params)
+    state = jax.eval_shape(make_optimizer(opt, 0.01, cfg.train.grad_clip, profiling=profiling).init, params)
     sizes = mj.state_bytes(state)
     lines.append(
         "optimizer state (MiB): "

@@ -15,6 +15,7 @@ from train.config import RunConfig
 from train.errors import io_operation
 from train.plots import pyplot
 from train.rundir import ALIGNMENT, ALIGNMENT_PLOT, ALLOCATION
+from train.step import transfer
 
 
 class AlignmentRecorder:
@@ -65,9 +66,7 @@ def choose_allocation(s_tau: dict[str, float], cfg: RunConfig) -> dict:
         )
     receivers = candidates[: cfg.profile.num_receivers]
     r_base = cfg.optimizer.r_base
-    delta = r_base // 2
-    while delta and (delta * len(donors)) % max(len(receivers), 1):
-        delta -= 1
+    delta = transfer(r_base, len(donors), len(receivers))
     ranks = mj.allocate_ranks(r_base, list(s_tau), donors, receivers, delta)
     return {
         "r_base": r_base,

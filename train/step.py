@@ -37,14 +37,40 @@ def schedule(cfg: RunConfig) -> optax.Schedule:
     )
 
 
-def read_allocation(path: str) -> dict[str, int]:
-    """Per-module ranks from a profiling run's ``allocation.json``."""
+def transfer(r_base: int, donors: int, receivers: int) -> int:
+    """The rank each donor gives (``delta``): ``r_base // 2``, lowered until the receivers share
+    ``delta * donors`` evenly."""
+    delta = r_base // 2
+    while delta and (delta * donors) % max(receivers, 1):
+        delta -= 1
+    return delta
+
+
+def read_allocation(path: str, r_base: int) -> dict[str, int]:
+    """Per-module ranks from a profiling run's ``allocation.json``: its ranks where it was profiled
+    at this ``r_base``; at another (the paper profiles 350M once and keeps which module types
+    donate and receive at 1B and 7B, whose ranks follow their own ``r_base``), its donors and
+    receivers with this ``r_base``'s transfer."""
     try:
         data = json.loads(pathlib.Path(path).read_text())
         ranks = {str(k): int(v) for k, v in data["ranks"].items()}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        profiled = int(data.get("r_base", r_base))
+        donors, receivers = ([str(t) for t in data.get(key) or ()] for key in ("donors", "receivers"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"optimizer.rank_allocation: {path} is not a valid allocation file ({e})") from None
-    return ranks
+    if profiled == r_base:
+        return ranks
+    if not donors or not receivers:
+        raise UserError(
+            f"optimizer.rank_allocation: {path} was profiled at r_base {profiled}, this run's is "
+            f"{r_base}, and it names no donors and receivers to move rank between at {r_base}"
+        )
+    try:
+        return mj.allocate_ranks(
+            r_base, list(ranks), donors, receivers, transfer(r_base, len(donors), len(receivers))
+        )
+    except ValueError as e:
+        raise UserError(f"optimizer.rank_allocation: {path}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -62,7 +88,7 @@ class Allocation:
             return cls(False, None)
         if opt.rank_allocation == "default":
             return cls(True, None)
-        return cls(False, read_allocation(opt.rank_allocation))
+        return cls(False, read_allocation(opt.rank_allocation, opt.r_base))
 
     def table(self, opt: OptimizerSection, abstract_params) -> list[dict]:
         """``moara_jax.rank_table`` of a model's parameters under this allocation."""
