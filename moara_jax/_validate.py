@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moara_jax._labels import find_param, path_key
 from moara_jax._warnings import quiet
@@ -23,6 +24,12 @@ def is_int(value, minimum: int = 1) -> bool:
 def real(value) -> bool:
     """A finite int or float (not a bool)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def real_number(value) -> bool:
+    """A finite real number of any numeric type, NumPy's scalars included (not a bool)."""
+    real_type = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    return real_type and math.isfinite(value)
 
 
 def check_block_size(block_size: int) -> int:

@@ -835,6 +835,17 @@ def test_a_qwen2_export_puts_a_tokenizer_transformers_would_rebuild_apart(run, t
     assert_same_scores(harness_scores(out, task, tmp_path / "harness", monkeypatch, tokenizer=apart), want)
     run_dir = ["--run-dir", str(tmp_path / "qwen"), "--seq-len", "256", "--tasks", f"{NAME}={task}"]
     assert_same_scores(evaluate_scores(run_dir, tmp_path / "run"), want, tol=1e-4)
+    # data.tokenizer=DIR reads them there too (continued pretraining of the export); an export over
+    # DIR would then remove the tokenizer it reads: refused, nothing touched.
+    from train.sources import make_tokenizer
+
+    assert make_tokenizer(str(out)).encode("the quick brown fox") == ours.encode("the quick brown fox")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    argv = ["--run-dir", str(tmp_path / "qwen"), "--out", str(out), "--overwrite"]
+    capsys.readouterr()
+    assert exporting.main([*argv, "--tokenizer", str(apart / "spiece.model")]) == 2
+    assert f"--out {out} holds the run's tokenizer ({apart / 'spiece.model'})" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def readme_command(program: str) -> list[str]:

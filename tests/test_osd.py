@@ -91,7 +91,7 @@ def test_osd_host_matches_the_pytorch_rendering(torch_shape):
 def test_an_injected_schedule_steps_the_basis_as_the_schedule_itself():
     """Under ``optax.inject_hyperparams`` the optimizer sees each update's learning rate only at
     that update; the basis's step on update ``t``'s loss, taken at update ``t + 1``, still takes
-    ``lr_t`` (it took ``lr_{t+1}``: twice the step at the warmup's second update)."""
+    ``lr_t`` (it took ``lr_{t+1}``: here 1.5 times the step at update 2)."""
     rng = np.random.default_rng(0)
     params, *grads = (
         {"q_proj": {"kernel": jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)}} for _ in range(7)

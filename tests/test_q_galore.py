@@ -554,3 +554,5 @@ def test_a_gamma_other_than_two_grows_the_interval_as_the_reference():
     assert list(mj.hosts.q_galore.refresh_intervals(2**30, 3.0)) == [2**30, 2**31 - 1]  # past int32: never
     with pytest.raises(ValueError, match="gamma=1.00001 with update_proj_gap=100000 .* larger gamma"):
         mj.q_galore_project(4, 100_000, gamma=1.00001)
+    with pytest.raises(ValueError, match="gamma must be a finite number >= 1, got inf"):
+        mj.q_galore_project(4, 90, gamma=float("inf"))

@@ -544,6 +544,8 @@ def test_numpy_integers_are_accepted_where_integers_are():
     params = {"q_proj": {"kernel": jnp.ones((16, 16))}, "down_proj": {"kernel": jnp.ones((32, 16))}}
     a = mj.moara_adamw(0.1, r_base=np.int64(8), block_size=np.int32(4), ranks={"down": np.int64(12)})
     b = mj.moara_adamw(0.1, r_base=8, block_size=4, ranks={"down": 12})
+    for scale in (np.float32(0.25), np.int64(1)):  # and NumPy numbers where numbers are
+        mj.moara_adamw(0.1, r_base=8, block_size=4, scale=scale)
     chex.assert_trees_all_equal_shapes_and_dtypes(a.init(params), b.init(params))
 
 

@@ -291,12 +291,13 @@ def _hf_tokenizer(directory: pathlib.Path, override: str | None):
     lm-evaluation-harness, reads), else its sentencepiece model."""
     if override:
         return tokenizer_option(override)
-    for place in (directory, directory / TOKENIZER_SUBDIR):  # the second: train.export's, see there
-        if (place / "tokenizer.json").is_file():
-            return make_tokenizer(str(place / "tokenizer.json"))
+    if (directory / "tokenizer.json").is_file():
+        return make_tokenizer(str(directory / "tokenizer.json"))
     for name in ("spiece.model", "tokenizer.model"):
         if (directory / name).is_file():
             return _converted(directory) or make_tokenizer(str(directory / name))
+    if (directory / TOKENIZER_SUBDIR / "tokenizer.json").is_file():  # where train.export put one apart
+        return make_tokenizer(str(directory / TOKENIZER_SUBDIR / "tokenizer.json"))
     raise UserError(
         f"{directory} holds no tokenizer (tokenizer.json, spiece.model or tokenizer.model): pass "
         "--tokenizer PATH (or bytes)"
@@ -399,6 +400,7 @@ def evaluate(args) -> dict:
     check_directory_path(out, "--out")
     if (out / "eval.json").exists() and not args.overwrite:
         raise UserError(f"{out} holds an evaluation (eval.json); choose another --out or pass --overwrite")
+    make_directory(out, "--out", "writing the evaluation to")
     mesh = make_mesh(MeshSection(data=-1, fsdp=args.fsdp, tensor=args.tensor))
     model_cfg, params, tokenizer, seq_len, source = load_model(args, mesh)
     seq_len = seq_len if args.seq_len is None else args.seq_len
@@ -407,7 +409,6 @@ def evaluate(args) -> dict:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids, the model {model_cfg.vocab_size}")
     scorer = Scorer(model_cfg, params, mesh, args.batch_size, seq_len + 1)
-    make_directory(out, "--out", "writing the evaluation to")
     with io_operation("writing the evaluation to", out):  # --overwrite: no file of the last one stays
         for stale in [out / "eval.json", out / "eval.md", *out.glob("scores-*.jsonl")]:
             stale.unlink(missing_ok=True)

@@ -261,7 +261,7 @@ def export(
     model_cfg = run.model_config()
     tok = run.tokenizer(tokenizer)
     source = getattr(tok, "path", None)
-    if source is not None and out.is_dir() and source.resolve().parent == out.resolve():
+    if source is not None and out.resolve() in source.resolve().parents:  # DIR/tokenizer/ too
         raise UserError(
             f"--out {out} holds the run's tokenizer ({source}), which an export there would replace: "
             "choose another --out"
@@ -269,6 +269,7 @@ def export(
     if isinstance(tok, (HFTokenizer, SentencePieceTokenizer)):
         _transformers()  # before anything is written
     step, params = read_params(run_dir, step, expected=models.abstract_params(model_cfg))
+    make_directory(out, "--out", "exporting to")
     try:
         with io_operation("exporting to", out):
             written = _write_model(out, run, model_cfg, tok, step, params, dtype, max_shard_bytes)
@@ -289,7 +290,6 @@ def _write_model(
     out: pathlib.Path, run: RunDir, model_cfg, tok, step: int, params, dtype, max_shard_bytes: int
 ):
     """The weights, configs and provenance (an earlier export's weights and tokenizer removed)."""
-    make_directory(out, "--out", "exporting to")
     for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
         stale.unlink()  # --overwrite: no weights or tokenizer file of an earlier export may stay
     for name in TOKENIZER_FILES:

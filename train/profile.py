@@ -15,7 +15,7 @@ from train.config import RunConfig
 from train.errors import io_operation
 from train.plots import pyplot
 from train.rundir import ALIGNMENT, ALIGNMENT_PLOT, ALLOCATION
-from train.step import transfer
+from train.step import donor_delta
 
 
 class AlignmentRecorder:
@@ -66,7 +66,7 @@ def choose_allocation(s_tau: dict[str, float], cfg: RunConfig) -> dict:
         )
     receivers = candidates[: cfg.profile.num_receivers]
     r_base = cfg.optimizer.r_base
-    delta = transfer(r_base, len(donors), len(receivers))
+    delta = donor_delta(r_base, len(donors), len(receivers))
     ranks = mj.allocate_ranks(r_base, list(s_tau), donors, receivers, delta)
     return {
         "r_base": r_base,

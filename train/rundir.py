@@ -184,9 +184,13 @@ class RunDir:
         """The ``(start, end, host)`` of the run's earlier sessions, for overlap checks."""
         return list((self.summary() or {}).get("sessions", []))
 
+    def recorded_data(self, key: str):
+        """``key`` of the data section of the run's summary (None without one)."""
+        return ((self.summary() or {}).get("data") or {}).get(key)
+
     def recorded_tokenizer(self) -> dict | None:
         """The tokenizer identity the run's summary records (None without one)."""
-        return ((self.summary() or {}).get("data") or {}).get("tokenizer")
+        return self.recorded_data("tokenizer")
 
     def rows(self, key: str | None) -> list[dict]:
         """The ``metrics.jsonl`` rows that hold ``key``, one per step (``None``: every row as
@@ -208,13 +212,17 @@ class RunDir:
         if override:
             tok = tokenizer_option(spec)
         else:
-            # data.tokenizer is relative to where the run started; its summary has the full path.
-            recorded_path = ((self.summary() or {}).get("data") or {}).get("tokenizer_path")
-            if recorded_path and not pathlib.Path(spec).expanduser().exists():
+            # A relative data.tokenizer is relative to where the run started: the path its summary
+            # records (written as each session ends) where that is there.
+            recorded_path = self.recorded_data("tokenizer_path")
+            relative = spec != "bytes" and not pathlib.Path(spec).expanduser().is_absolute()
+            if relative and recorded_path and pathlib.Path(recorded_path).exists():
                 spec = recorded_path
             try:
                 tok = make_tokenizer(spec)
             except UserError as e:
+                if pathlib.Path(spec).expanduser().exists():  # there, but not a tokenizer
+                    raise
                 raise UserError(f"{e}; pass --tokenizer with the run's tokenizer") from None
         recorded = self.recorded_tokenizer()
         if recorded and {**recorded, "name": None} != {**tok.identity(), "name": None}:

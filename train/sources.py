@@ -159,6 +159,12 @@ class HFTokenizer:
                 "installed: pip install 'moara-jax[tokenizers]'"
             ) from None
         p = pathlib.Path(path).expanduser()
+        if (
+            p.is_dir()
+            and not (p / TOKENIZER_JSON).is_file()
+            and (p / TOKENIZER_SUBDIR / TOKENIZER_JSON).is_file()
+        ):
+            p = p / TOKENIZER_SUBDIR  # an export's, put apart (train.export.write_tokenizer)
         if p.is_dir():
             p = p / TOKENIZER_JSON
         if not p.is_file():

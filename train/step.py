@@ -37,7 +37,7 @@ def schedule(cfg: RunConfig) -> optax.Schedule:
     )
 
 
-def transfer(r_base: int, donors: int, receivers: int) -> int:
+def donor_delta(r_base: int, donors: int, receivers: int) -> int:
     """The rank each donor gives (``delta``): ``r_base // 2``, lowered until the receivers share
     ``delta * donors`` evenly."""
     delta = r_base // 2
@@ -67,7 +67,7 @@ def read_allocation(path: str, r_base: int) -> dict[str, int]:
         )
     try:
         return mj.allocate_ranks(
-            r_base, list(ranks), donors, receivers, transfer(r_base, len(donors), len(receivers))
+            r_base, list(ranks), donors, receivers, donor_delta(r_base, len(donors), len(receivers))
         )
     except ValueError as e:
         raise UserError(f"optimizer.rank_allocation: {path}: {e}") from None

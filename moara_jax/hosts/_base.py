@@ -24,7 +24,8 @@ from moara_jax._validate import (
     check_adam,
     dtype_arg,
     is_int,
-    real,
+    real,  # noqa: F401 - the hosts' settings checks
+    real_number,
 )
 
 
@@ -124,7 +125,8 @@ class StageOptions:
     def __post_init__(self):
         if not isinstance(self.update_proj_gap, (jax.Array, np.ndarray)) and not is_int(self.update_proj_gap):
             raise ValueError(f"update_proj_gap must be a positive integer, got {self.update_proj_gap!r}")
-        if not isinstance(self.scale, (jax.Array, np.ndarray)) and not (real(self.scale) and self.scale >= 0):
+        injected = isinstance(self.scale, (jax.Array, np.ndarray))
+        if not injected and not (real_number(self.scale) and self.scale >= 0):
             raise ValueError(f"scale must be a non-negative number, got {self.scale!r}")
         check_adam(self.b1, self.b2, self.eps)
         dtype_arg("mu_dtype", self.mu_dtype)

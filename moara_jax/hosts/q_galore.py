@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
@@ -122,12 +123,13 @@ def refresh_intervals(update_proj_gap: int, gamma: float) -> np.ndarray:
     growth, in float64 as q-galore-torch computes it (float32 rounds some products down: 90 x 1.3
     gave 116, not 117, and the schedule drifted from there), until the interval stops growing or
     passes the int32 step counter (then the counter's largest value: no refresh again)."""
-    gaps = [update_proj_gap]
+    gaps, gamma = [int(update_proj_gap)], float(gamma)
     while len(gaps) < MAX_INTERVALS:
         grown = int(gaps[-1] * gamma)
-        if grown == gaps[-1] or grown >= _INT32_MAX:
-            gaps += [_INT32_MAX] * (grown != gaps[-1])
+        if grown == gaps[-1]:
             return np.asarray(gaps, np.int32)
+        if grown >= _INT32_MAX:
+            return np.asarray([*gaps, _INT32_MAX], np.int32)
         gaps.append(grown)
     raise ValueError(
         f"gamma={gamma!r} with update_proj_gap={update_proj_gap} grows the refresh interval so "
@@ -163,11 +165,13 @@ def q_galore_project(
         raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
     if not is_int(queue_size):
         raise ValueError(f"queue_size must be a positive integer, got {queue_size!r}")
-    if not gamma >= 1:
-        raise ValueError(f"gamma must be >= 1, got {gamma!r}")
+    if not (isinstance(gamma, numbers.Real) and math.isfinite(gamma) and gamma >= 1):
+        raise ValueError(f"gamma must be a finite number >= 1, got {gamma!r}")
+    if update_proj_gap >= _INT32_MAX:
+        raise ValueError(f"update_proj_gap must be below 2^31 (the step counter), got {update_proj_gap}")
     rank_fn = rank if callable(rank) else (lambda path: rank)
     name_fn = name if callable(name) else (lambda path: name)
-    intervals = jnp.asarray(refresh_intervals(update_proj_gap, gamma))
+    intervals = refresh_intervals(update_proj_gap, gamma)
 
     def store(basis: jax.Array, side: str):
         return basis if bits is None else QuantizedBasis.quantize(basis, side, bits, group_size)
@@ -209,7 +213,8 @@ def q_galore_project(
         cos_new = jnp.where((refreshes > 0)[..., None], pushed, cos)
         full = refreshes >= queue_size  # queue_size cosines recorded
         grow = full & (jnp.mean(cos_new, axis=-1) >= cos_threshold)
-        grown = intervals[jnp.minimum(jnp.searchsorted(intervals, gap, side="right"), len(intervals) - 1)]
+        table = jnp.asarray(intervals)  # the next interval: the table's entry after gap's (its last: none)
+        grown = table[jnp.minimum(jnp.searchsorted(table, gap, side="right"), len(intervals) - 1)]
         gap_new = jnp.where(grow, grown, gap)
 
         def pick(a, b):  # the due matrices take the new value
