@@ -21,15 +21,15 @@ def is_int(value, minimum: int = 1) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= minimum
 
 
-def real(value) -> bool:
-    """A finite int or float (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def real_number(value) -> bool:
     """A finite real number of any numeric type, NumPy's scalars included (not a bool)."""
     real_type = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     return real_type and math.isfinite(value)
+
+
+def real(value) -> bool:
+    """A finite Python int or float (not a bool)."""
+    return isinstance(value, (int, float)) and real_number(value)
 
 
 def check_block_size(block_size: int) -> int:
