@@ -506,7 +506,7 @@ class Runner:
         try:
             stdout, stderr = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc)
             proc.communicate()
             raise UserError(f"train.prepare did not finish in the {limit:.0f}s left of the budget") from None
         if proc.returncode:
@@ -585,8 +585,14 @@ class Runner:
         args = sweep.train_args(self.plan.base, planned.run, run_dir, [], resumed)
         log = (run_dir / TRAIN_LOG).open("ab")
         env = child_env(self.site, level, self.xla_cache)
+        # Its own process group, so that a kill reaches its data-loading workers too.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "train", *args], cwd=self.root, env=env, stdout=log, stderr=log
+            [sys.executable, "-m", "train", *args],
+            cwd=self.root,
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
         )
         verb = "resuming" if resumed else "starting"
         left = self.left() - RESERVE_S
@@ -667,7 +673,7 @@ class Runner:
 
     def kill(self, r: Running) -> None:
         self.say(f"{r.planned.name}: killed (did not stop in time)")
-        r.proc.kill()
+        kill_group(r.proc)
         r.proc.wait()
 
     def end(self, running: list[Running]) -> None:
@@ -801,6 +807,15 @@ class Runner:
         lines.append(f"device-seconds per training step: {describe_costs(sharing_costs(self.measured()))}")
         for line in lines:
             self.say(line)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kills a process started with ``start_new_session`` and every process of its group (a run's
+    data-loading workers, train.prepare's tokenizing workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group has gone already
+        pass
 
 
 def _trim(path: pathlib.Path) -> None:

@@ -3,6 +3,7 @@ to end on CPU (a tiny setting, a 60-second budget), its archive unpacked into a 
 the next runs' state and estimates from there, and the reports written from it."""
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -294,6 +295,7 @@ def fake_runner(monkeypatch, plan_path, root, script, rate=lambda n: n, **option
     clock, procs, lines = FakeClock(rate), {}, []
 
     def popen(cmd, **kwargs):
+        assert kwargs["start_new_session"]  # a group of its own: a kill reaches its workers too
         run_dir = pathlib.Path(cmd[cmd.index("--run-dir") + 1])
         fraction = kwargs["env"].get("XLA_PYTHON_CLIENT_MEM_FRACTION")
         fraction = None if fraction is None else float(fraction)
@@ -303,6 +305,7 @@ def fake_runner(monkeypatch, plan_path, root, script, rate=lambda n: n, **option
     monkeypatch.setattr(evidence, "time", clock)
     fake = types.SimpleNamespace(Popen=popen, TimeoutExpired=subprocess.TimeoutExpired)
     monkeypatch.setattr(evidence, "subprocess", fake)
+    monkeypatch.setattr(evidence, "kill_group", lambda proc: proc.kill())
     args = {"budget_s": 1000, "out": str(root / "out"), "concurrent": 1, "max_concurrent": 4}
     args = types.SimpleNamespace(**{**args, "max_runs": None, "estimate_s": None, "safety": 1.0, **options})
     (root / "out").mkdir(parents=True, exist_ok=True)
@@ -477,11 +480,19 @@ def test_an_error_in_the_loop_stops_and_records_the_runs_and_packs_what_finished
 
 def test_prepare_gets_what_is_left_of_the_budget(tmp_path):
     """A ``train.prepare`` that would take 30 s (``python -m`` finds the root's ``train`` first)
-    against a budget that leaves it about 5 s: one line saying so, not a hang."""
+    against a budget that leaves it about 5 s: one line saying so, not a hang, and its worker
+    process killed with it."""
     plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
     (root / "train").mkdir(parents=True)
     (root / "train" / "__init__.py").write_text("")
-    (root / "train" / "prepare.py").write_text("import time\n\ntime.sleep(30)\n")
+    worker_pid = tmp_path / "worker.pid"
+    (root / "train" / "prepare.py").write_text(
+        "import pathlib, subprocess, sys, time\n"
+        "quiet = {'stdout': subprocess.DEVNULL, 'stderr': subprocess.DEVNULL}\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], **quiet)\n"
+        f"pathlib.Path({str(worker_pid)!r}).write_text(str(worker.pid))\n"
+        "time.sleep(30)\n"
+    )
     args = types.SimpleNamespace(
         budget_s=evidence.RESERVE_S + 5,
         out=str(tmp_path / "out"),
@@ -496,6 +507,26 @@ def test_prepare_gets_what_is_left_of_the_budget(tmp_path):
         evidence.UserError, match=r"^train.prepare did not finish in the \d+s left of the budget$"
     ):
         runner.setup()
+    pid = int(worker_pid.read_text())
+    survived = alive(pid)
+    if survived:
+        os.kill(pid, signal.SIGKILL)
+    assert not survived
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left to a container's init that does not reap is not)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        status = pathlib.Path(f"/proc/{pid}/status")
+        try:
+            state = next(line for line in status.read_text().splitlines() if line.startswith("State:"))
+        except FileNotFoundError:
+            return False
+        if "Z" in state.split()[1]:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_a_failed_setup_ends_in_one_line_and_the_archived_log_keeps_it(tmp_path):
