@@ -9,6 +9,7 @@ from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "deepseek_v2")
 REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16", "float16")  # of the parameters and the computation, by name
 ATTENTION_IMPLS = (None, "xla", "cudnn")  # None: cuDNN where it applies on a CUDA GPU, else XLA
 
 
@@ -100,17 +101,23 @@ class ModelConfig:
         for f in ("tie_word_embeddings", "attention_bias", "scan_layers"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be true or false, got {getattr(self, f)!r}")
-        if (
-            self.model_type != "deepseek_v2"
-            and self.head_dim is None
-            and self.hidden_size % self.num_attention_heads
+        for f in ("param_dtype", "dtype"):
+            if getattr(self, f) not in DTYPES:
+                raise ValueError(f"{f} must be one of {DTYPES}, got {getattr(self, f)!r}")
+        if self.hidden_size % self.num_attention_heads and (
+            self.model_type in ("llama", "deepseek_v2") or self.head_dim is None
         ):
+            # transformers' LlamaConfig and DeepseekV2Config refuse it even with head_dim set: such
+            # a model could not be exported (qwen2 and qwen3 take head_dim instead).
+            instead = ", or set head_dim" if self.model_type in ("qwen2", "qwen3") else ""
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads}), or set head_dim"
+                f"({self.num_attention_heads}){instead}"
             )
-        if self.model_type != "deepseek_v2" and self.head_size % 2:
-            raise ValueError(f"the head width must be even for RoPE's pairs, got {self.head_size}")
+        rotary = self.qk_rope_head_dim if self.model_type == "deepseek_v2" else self.head_size
+        if rotary is not None and rotary % 2:
+            what = "qk_rope_head_dim" if self.model_type == "deepseek_v2" else "the head width"
+            raise ValueError(f"{what} must be even for RoPE's pairs, got {rotary}")
         if self.num_attention_heads % self.kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

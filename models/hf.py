@@ -157,6 +157,22 @@ def _rope(hf_config) -> tuple[float, dict | None]:
     return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
 
 
+def config_errors() -> tuple[type[Exception], ...]:
+    """What ``transformers`` raises for a config it refuses: ``ValueError``, and, from
+    transformers 5, ``huggingface_hub``'s strict-dataclass errors (a field of the wrong type, a
+    shape its validators refuse), which are not ``ValueError``s."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub, with transformers 4
+        return (ValueError,)
+    return (ValueError, StrictDataclassError)
+
+
+def config_error_line(error: Exception) -> str:
+    """One line of a refusal of ``transformers``' (a strict-dataclass error spans lines)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
 def _sliding_layers(hf_config) -> list[int]:
     """The layers that attend through a sliding window: those ``layer_types`` names so
     (transformers >= 4.54), else, with ``use_sliding_window``, those from ``max_window_layers``
@@ -181,11 +197,18 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
             raise ValueError("config_from_hf: a config dict needs its model_type (as config.json has)")
         try:
             hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-        except ValueError as e:
-            raise ValueError(f"config_from_hf: {str(e).splitlines()[0]}") from None
+        except config_errors() as e:
+            raise ValueError(f"config_from_hf: {config_error_line(e)}") from None
     kind = hf_config.model_type
     if kind not in ("llama", "qwen2", "qwen3", "deepseek_v2"):
         raise ValueError(f"unsupported HF model_type {kind!r}")
+    quantized = getattr(hf_config, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, Mapping) else None
+        raise ValueError(
+            f"quantized checkpoints are not supported (quantization_config, quant_method {method!r}): "
+            "load it with transformers, dequantize it and save_pretrained it again"
+        )
     sliding = _sliding_layers(hf_config)
     if sliding:
         raise ValueError(
@@ -236,7 +259,18 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
 
 
 def to_hf_config(cfg: ModelConfig):
-    """The ``transformers`` config for ``cfg`` (imports ``transformers``)."""
+    """The ``transformers`` config for ``cfg`` (imports ``transformers``).
+
+    Raises:
+      ValueError: ``transformers`` refuses the config (in one line)."""
+    try:
+        return _to_hf_config(cfg)
+    except config_errors() as e:
+        refusal = config_error_line(e)
+        raise ValueError(f"transformers refuses the {cfg.model_type} config: {refusal}") from None
+
+
+def _to_hf_config(cfg: ModelConfig):
     import transformers
 
     common = dict(

@@ -21,12 +21,23 @@ import jax
 import numpy as np
 
 from models.configs import ModelConfig, replace_config
-from models.hf import _hf_entries, _names, config_from_hf, listed, stored_name, to_hf_config, unexpected_keys
+from models.hf import (
+    _hf_entries,
+    _names,
+    config_error_line,
+    config_errors,
+    config_from_hf,
+    listed,
+    stored_name,
+    to_hf_config,
+    unexpected_keys,
+)
 from models.model import abstract_params
 
 WEIGHTS = "model.safetensors"
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the weights' dtypes read
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -107,6 +118,7 @@ def write_hf_dir(
     import transformers
 
     st = _safetensors()
+    hf_config = to_hf_config(cfg)  # before anything is written: transformers may refuse it
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target = None if dtype is None else jax.numpy.dtype(dtype)
@@ -149,7 +161,6 @@ def write_hf_dir(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
-    hf_config = to_hf_config(cfg)
     hf_config.architectures = [ARCHITECTURES[cfg.model_type]]
     stored = str(target or jax.numpy.dtype(cfg.param_dtype))
     for attr in ("dtype", "torch_dtype"):  # transformers >= 5 writes dtype, 4.x torch_dtype
@@ -209,8 +220,10 @@ def read_hf_config(directory, **overrides) -> ModelConfig:
         raise ValueError(f"{directory} holds no config.json (not a Hugging Face model directory)")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(str(directory))
-    except (ValueError, KeyError, OSError) as e:
+    except (KeyError, OSError) as e:
         raise ValueError(f"{directory}/config.json: {str(e).splitlines()[0]}") from None
+    except config_errors() as e:
+        raise ValueError(f"{directory}/config.json: {config_error_line(e)}") from None
     try:
         cfg = config_from_hf(hf_config, name=directory.name)
     except ValueError as e:
@@ -300,6 +313,11 @@ def load_hf_params(directory, cfg: ModelConfig, shardings=None) -> dict[str, Any
             transpose = entries[0][2]
             want = spec.shape[1:] if scanned else spec.shape
             for (name, _, _), s in zip(entries, slices, strict=True):
+                if s.get_dtype() not in FLOAT_DTYPES:  # numpy cannot read float8, say
+                    raise ValueError(
+                        f"{directory}: tensor {name!r} is {s.get_dtype()}; the weights must be "
+                        f"floating point ({', '.join(FLOAT_DTYPES)})"
+                    )
                 have = tuple(s.get_shape())
                 if (have[::-1] if transpose else have) != tuple(want):
                     raise ValueError(

@@ -4,6 +4,7 @@ its sentencepiece tokenizer, ``model.init_from`` starting a run from those weigh
 loading on an 8-device mesh, and ``train.evaluate`` against hand-computed and ``transformers``
 scores."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -17,6 +18,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import lm_harness
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import cpu_devices
@@ -224,6 +226,62 @@ def test_bad_directories_are_named(tmp_path):
         f.truncate(100)
     with pytest.raises(ValueError, match=f"{shards[1]} cannot be read: "):
         models.load_hf_params(sharded, cfg)
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("tie_word_embeddings", "false", "tie_word_embeddings"),
+        ("hidden_size", "64", "hidden_size"),
+        ("num_attention_heads", 4.0, "num_attention_heads"),
+        ("vocab_size", None, "vocab_size"),
+        ("head_dim", 15, "head_dim"),
+    ],
+)
+def test_a_config_json_transformers_refuses_is_one_line_naming_the_field(key, value, named, tmp_path):
+    """transformers 5 checks a config's fields strictly, with errors that are not ValueErrors:
+    each is one line here, as every other refusal of a directory is."""
+    cfg = models.get_config("llama2-tiny")
+    write_hf_dir(tmp_path, cfg, models.init_params(cfg, jax.random.PRNGKey(0)))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {key: value}))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}/config.json: .*{named}") as e:
+        models.read_hf_config(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_quantized_checkpoint_is_refused_by_its_config_and_its_tensors(tmp_path):
+    """An FP8 release (as Qwen's ``*-FP8``): the config says so and is refused; a float8 tensor
+    under a plain config is named, not a numpy AttributeError from inside safetensors."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = models.get_config("llama2-tiny")
+    write_hf_dir(tmp_path, cfg, models.init_params(cfg, jax.random.PRNGKey(0)))
+    plain = json.loads((tmp_path / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16]}
+    (tmp_path / "config.json").write_text(json.dumps(plain | {"quantization_config": fp8}))
+    with pytest.raises(ValueError, match=r"quantized checkpoints are not supported \(.*quant_method 'fp8'\)"):
+        models.read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(plain))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].astype(ml_dtypes.float8_e4m3fn)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"tensor '{name}' is F8_E4M3; the weights must be floating point"):
+        models.load_hf_params(tmp_path, models.read_hf_config(tmp_path))
+
+
+def test_a_model_transformers_would_refuse_writes_nothing(tmp_path):
+    """The config is built before any weight is written: a refusal leaves no folder of weights
+    without a config.json (a model made directly, past ``ModelConfig``'s checks)."""
+    cfg = models.get_config("llama2-tiny")
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    bad = dataclasses.replace(cfg)
+    for field in ("num_attention_heads", "num_key_value_heads"):  # 64 is no multiple of 3
+        object.__setattr__(bad, field, 3)
+    with pytest.raises(ValueError, match=r"^transformers refuses the llama config: .*multiple of the number"):
+        write_hf_dir(tmp_path / "out", bad, params)
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------- a trained run, exported and back

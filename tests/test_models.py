@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import models
+from models.hf import config_errors
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -213,6 +214,58 @@ def test_bad_model_sizes_are_refused_with_the_config(override, message):
     deep in the first forward pass."""
     with pytest.raises(ValueError, match=re.escape(message)):
         models.get_config("llama3.2-tiny", **override)
+
+
+@pytest.mark.parametrize(
+    "preset, shape",
+    [
+        ("llama2-tiny", {"hidden_size": 66, "num_attention_heads": 4, "head_dim": 16}),
+        ("llama2-tiny", {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 16}),
+        ("qwen3-tiny", {"hidden_size": 66, "num_attention_heads": 4, "head_dim": 16}),
+        (
+            "qwen2.5-tiny",
+            {"hidden_size": 66, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+        ),
+        ("deepseek-v2-tiny", {"hidden_size": 66, "num_attention_heads": 4, "num_key_value_heads": None}),
+        ("deepseek-v2-tiny", {"hidden_size": 64, "num_attention_heads": 3, "num_key_value_heads": None}),
+        ("deepseek-v2-tiny", {"qk_rope_head_dim": 7}),
+        ("deepseek-v2-tiny", {"qk_rope_head_dim": 6}),
+    ],
+)
+def test_a_model_shape_is_refused_exactly_when_transformers_refuses_it(preset, shape):
+    """A model is never trained that transformers' config refuses, so that it could not be
+    exported: LlamaConfig and DeepseekV2Config require the hidden size to be a multiple of the
+    heads even with ``head_dim`` set, Qwen's do not; MLA's rotary width must be even."""
+    try:
+        cfg = models.get_config(preset, **shape)
+    except ValueError as e:
+        ours = str(e)
+    else:
+        ours = None
+    base = models.to_hf_config(models.get_config(preset)).to_dict()
+    keys = {k: v for k, v in shape.items() if v is not None}
+    try:
+        type(models.to_hf_config(models.get_config(preset)))(**{**base, **keys})
+    except config_errors() as e:
+        theirs = str(e)
+    else:
+        theirs = None
+    assert (ours is None) == (theirs is None), (ours, theirs)
+    if ours is None:
+        models.to_hf_config(cfg)  # and its own config is taken too
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("param_dtype", "bf16", "param_dtype must be one of ('float32', 'bfloat16', 'float16'), got 'bf16'"),
+        ("dtype", "float64", "dtype must be one of ('float32', 'bfloat16', 'float16'), got 'float64'"),
+        ("dtype", "int8", "dtype must be one of"),
+    ],
+)
+def test_dtypes_are_named_not_failed_on_in_the_first_forward(field, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        models.get_config("llama2-tiny", **{field: value})
 
 
 def test_unsupported_hf_features_are_refused():

@@ -113,7 +113,8 @@ def _transformers():
         import transformers
     except ImportError:
         raise UserError(
-            "the export checks its tokenizer files with transformers, which is not installed: "
+            "the export writes the model's config and checks its tokenizer files with transformers, "
+            "which is not installed: "
             "pip install 'moara-jax[hf]'"
         ) from None
     return transformers
@@ -266,8 +267,11 @@ def export(
             f"--out {out} holds the run's tokenizer ({source}), which an export there would replace: "
             "choose another --out"
         )
-    if isinstance(tok, (HFTokenizer, SentencePieceTokenizer)):
-        _transformers()  # before anything is written
+    _transformers()  # before anything is written
+    try:
+        models.to_hf_config(model_cfg)
+    except ValueError as e:
+        raise UserError(f"{run.model_file}: {e}") from None
     step, params = read_params(run_dir, step, expected=models.abstract_params(model_cfg))
     make_directory(out, "--out", "exporting to")
     try:
