@@ -3,6 +3,8 @@ the tolerance used against reference implementations; the environment of a subpr
 several CPU devices."""
 
 import os
+import pathlib
+import time
 
 import numpy as np
 
@@ -216,3 +218,19 @@ def tokenize_or_die(job):
     if job[0].index == 2 and multiprocessing.parent_process() is not None:
         os.kill(os.getpid(), signal.SIGKILL)
     return building.tokenize_piece(job)
+
+
+def alive(pid: int, wait_s: float = 5.0) -> bool:
+    """Whether process ``pid`` still runs ``wait_s`` seconds from now (or ends before): a zombie,
+    left to a container's init that does not reap it, has ended."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            status = pathlib.Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+        state = next(line for line in status.splitlines() if line.startswith("State:"))
+        if "Z" in state.split()[1]:
+            return False
+        time.sleep(0.05)
+    return True

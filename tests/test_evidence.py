@@ -13,6 +13,7 @@ import time
 import types
 
 import pytest
+from helpers import alive
 
 from train.rundir import RunDir
 from train.sources import builtin_documents
@@ -512,21 +513,6 @@ def test_prepare_gets_what_is_left_of_the_budget(tmp_path):
     if survived:
         os.kill(pid, signal.SIGKILL)
     assert not survived
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie left to a container's init that does not reap is not)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        status = pathlib.Path(f"/proc/{pid}/status")
-        try:
-            state = next(line for line in status.read_text().splitlines() if line.startswith("State:"))
-        except FileNotFoundError:
-            return False
-        if "Z" in state.split()[1]:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_failed_setup_ends_in_one_line_and_the_archived_log_keeps_it(tmp_path):

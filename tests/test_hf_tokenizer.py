@@ -184,6 +184,13 @@ def test_bad_tokenizer_files_are_one_line_errors(llama_like, tmp_path):
     assert "data.tokenizer is empty" in error("")
     (tmp_path / "other.json").write_text('{"a": 1}')
     assert "is not a tokenizers file" in error(tmp_path / "other.json")
+    # BPE dropout: a store built twice would differ (random segmentations).
+    dropping = tmp_path / "dropout"
+    shutil.copytree(llama_like, dropping)
+    spec = json.loads((dropping / "tokenizer.json").read_text())
+    spec["model"]["dropout"] = 0.1
+    (dropping / "tokenizer.json").write_text(json.dumps(spec))
+    assert "its BPE model has dropout 0.1, which segments a text at random" in error(dropping)
 
 
 def test_token_store_of_a_tokenizer_json_and_its_refusals(llama_like, tmp_path):

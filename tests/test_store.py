@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 import pathlib
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import types
 
 import numpy as np
 import pytest
-from helpers import cpu_devices, tokenize_or_die
+from helpers import alive, cpu_devices, tokenize_or_die
 
 from train import store as token_store
 from train.config import DataSection
@@ -123,7 +125,7 @@ def test_interrupted_prepare_then_rerun_gives_the_identical_store(sig, tmp_path)
         assert not [n for n in shards if n.endswith(".tmp")]  # cleaned up on the way out
     else:
         assert proc.returncode == -signal.SIGKILL
-        assert "train-00003.bin.tmp" in shards  # what the killed build left
+        assert f"train-00003.bin.{proc.pid}.tmp" in shards  # what the killed build left
 
     again = prepare_cli(*sets, "--out", str(cut), "--workers", "2")
     assert "token store" in again.stdout
@@ -219,6 +221,58 @@ def test_a_worker_killed_mid_build_is_one_line_and_a_rerun_finishes(tmp_path, mo
     monkeypatch.undo()
     token_store.build(tmp_path / "cut", plan, workers=2, quiet=True)
     assert tree_hashes(tmp_path / "cut") == tree_hashes(tmp_path / "whole")
+
+
+# A parent that starts one tokenizing worker as a build does (spawned, ``_init_worker``), prints
+# its pid and waits: the test kills the parent.
+ORPHAN = textwrap.dedent(
+    """
+    import multiprocessing, time
+    from train.store import building
+
+    def worker(*args):
+        building._init_worker(*args)
+        time.sleep(120)  # as a worker waits for its next piece
+
+    if __name__ == "__main__":
+        made_with = {"dtype": "uint16", "fraction": 0.0}
+        process = multiprocessing.get_context("spawn").Process(target=worker, args=("bytes", made_with, None))
+        process.start()
+        print(process.pid, flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def test_a_tokenizing_worker_ends_when_its_build_is_killed(tmp_path):
+    """A build killed with SIGKILL cannot stop its workers: each ends on its own once its parent
+    has gone (``_init_worker``), so that none goes on writing into the store a rerun continues."""
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    worker = int(proc.stdout.readline())
+    assert alive(worker, wait_s=1.0)  # set up and waiting while its parent lives
+    proc.kill()
+    proc.wait()
+    survived = alive(worker)
+    if survived:
+        os.kill(worker, signal.SIGKILL)
+    assert not survived
+
+
+def test_a_piece_whose_shard_was_cut_short_is_tokenized_again(tmp_path):
+    """A piece's record is trusted only with its shards whole: a shard shorter than the record
+    says (a write the machine lost) is made again, not found damaged when the store opens."""
+    paths = write_corpus(tmp_path / "corpus", files=3)
+    plan = token_store.plan(files_section(paths))
+    token_store.build(tmp_path / "whole", plan, workers=1, quiet=True)
+    cut = tmp_path / "cut"
+    token_store.build(cut, plan, workers=1, quiet=True)
+    (cut / token_store.MANIFEST).unlink()  # as a build stopped before its end leaves it
+    shard = cut / "shards" / "train-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-6])
+    token_store.build(cut, plan, workers=1, quiet=True)
+    assert tree_hashes(cut) == tree_hashes(tmp_path / "whole")
 
 
 def test_store_holds_the_documents_eos_separated_with_the_hash_split(tmp_path):
@@ -322,10 +376,21 @@ def test_a_store_of_another_tokenizer_or_other_inputs_is_refused(tmp_path, sp_mo
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match=r"made with tokenizer bytes .* sentencepiece sp.model"):
         open_store(DataSection(source="store", store=named, tokenizer=sp_model), quiet=True)
+    remedy = "remove the store, or give data.store (train.prepare --out) another directory"
     with pytest.raises(UserError) as e:
         open_store(files_section(paths[:1], store=named), quiet=True)
-    assert "was made from files [part-00.jsonl, part-01.jsonl.gz]" in str(e.value)
-    assert "asks for files [part-00.jsonl]" in str(e.value)
+    assert str(e.value) == (
+        f"token store {named} was made from other data than the data section names (data.paths no "
+        f"longer names part-01.jsonl.gz): {remedy}"
+    )
+    with pytest.raises(UserError, match=re.escape("(max_documents None, now 5): remove the store")):
+        open_store(files_section(paths, store=named, max_documents=5), quiet=True)
+    grown = pathlib.Path(paths[0])
+    size = grown.stat().st_size
+    grown.write_bytes(grown.read_bytes() + json.dumps({"text": "one more"}).encode() + b"\n")
+    with pytest.raises(UserError) as e:
+        open_store(files_section(paths, store=named), quiet=True)
+    assert f"(part-00.jsonl was {size:,} bytes, now {grown.stat().st_size:,}): {remedy}" in str(e.value)
     # The store itself, with its own tokenizer, reads without its inputs.
     assert open_store(DataSection(source="store", store=named), quiet=True).splits["train"].tokens > 0
     with pytest.raises(UserError, match="is not a complete token store"):
@@ -374,6 +439,49 @@ def test_an_input_edited_to_the_same_size_is_not_read_from_a_stale_store(tmp_pat
     assert tree_hashes(cut) == tree_hashes(tmp_path / "fresh")
 
 
+def test_an_input_of_the_same_name_and_size_elsewhere_must_have_the_same_bytes(tmp_path, monkeypatch):
+    """A store knows its inputs by name and size, so that one made on another machine serves
+    there: a file of the same name and size at another path is hashed (once), taken when its bytes
+    are the input's, and refused when they are not (its store holds other tokens)."""
+    paths = write_corpus(tmp_path / "a", files=2)
+    open_store(files_section(paths, store=str(tmp_path / "s")), quiet=True)
+    copies = tmp_path / "b"
+    shutil.copytree(tmp_path / "a", copies)
+    moved = [str(copies / pathlib.Path(p).name) for p in paths]
+    assert open_store(files_section(moved, store=str(tmp_path / "s")), quiet=True).splits["train"].tokens
+    with monkeypatch.context() as m:  # recorded as a copy: not hashed at the next start
+        m.setattr(token_store.reading.sources, "file_sha256", lambda path: pytest.fail(f"hashed {path}"))
+        open_store(files_section(moved, store=str(tmp_path / "s")), quiet=True)
+    other = tmp_path / "c"
+    other.mkdir()
+    swapped = other / "part-00.jsonl"
+    swapped.write_bytes(pathlib.Path(paths[0]).read_bytes().swapcase())
+    with pytest.raises(UserError) as e:
+        open_store(files_section([str(swapped), paths[1]], store=str(tmp_path / "s")), quiet=True)
+    assert str(e.value).startswith(
+        f"token store {tmp_path / 's'} was made from another file named part-00.jsonl ("
+        f"{pathlib.Path(paths[0]).resolve()}, sha256 "
+    )
+    assert str(e.value).endswith("remove the store, or give data.store another directory")
+
+
+def test_a_stores_identity_is_its_tokens_not_its_tokenizers_file_name(tmp_path, sp_model):
+    """``Data.identity`` (what a resume checks): equal for the same tokens made with the same
+    tokenizer under another file name; checkpoints saved with the former hash, which held the
+    name, resume too (``identities``)."""
+    renamed = tmp_path / "renamed.model"
+    shutil.copy(sp_model, renamed)
+    paths = write_corpus(tmp_path / "corpus", files=2)
+    made = [
+        Data(open_store(files_section(paths, tokenizer=str(t), store=str(tmp_path / t.stem)), quiet=True), 9)
+        for t in (pathlib.Path(sp_model), renamed)
+    ]
+    assert made[0].store.tokenizer["name"] != made[1].store.tokenizer["name"]
+    assert made[0].identity() == made[1].identity()
+    assert made[0].identities()[0] == made[0].identity()
+    assert made[0].identities()[1] != made[1].identities()[1]  # the former hash: with the name
+
+
 def test_sentencepiece_store_and_uint32_for_large_vocabularies(tmp_path, sp_model):
     paths = write_corpus(tmp_path / "corpus", files=2, docs=10)
     opened = open_store(files_section(paths, tokenizer=sp_model, store=str(tmp_path / "sp")), quiet=True)
@@ -409,22 +517,28 @@ def test_corrupt_records_are_skipped_and_counted_in_the_manifest(tmp_path):
 
 
 def test_inputs_whose_every_record_is_skipped_are_refused_with_the_counts(tmp_path, capsys):
-    """Records without a "text" field: ``train.prepare`` refuses the store it built (it exited 0
-    with no document), and the trainer's refusal names the skipped records."""
+    """Records without a "text" field: no store is made (``train.prepare`` exited 0 with no
+    document), the refusal names the skipped records, and once the input is mended the same
+    command builds the store."""
     from train import prepare
 
     data = tmp_path / "content.jsonl"
     data.write_text("".join(json.dumps({"content": f"document {i}"}) + "\n" for i in range(30)))
     tiny = str(ROOT / "configs" / "tiny.yaml")
     sets = ["data.source=files", f"data.paths=[{data}]", f"data.store={tmp_path / 's'}"]
-    assert prepare.main(["--config", tiny, "--quiet", *[x for s in sets for x in ("--set", s)]]) == 2
+    argv = ["--config", tiny, "--quiet", *[x for s in sets for x in ("--set", s)]]
+    assert prepare.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        f"error: token store {tmp_path / 's'} holds no train document: its inputs gave none (30 input "
+        f"error: the inputs of token store {tmp_path / 's'} gave no train document (30 input "
         "records skipped: {'missing_text': 30})"
     ]
-    with pytest.raises(UserError, match=r"the train split has 0 tokens.*\(30 input records skipped: "):
+    assert not (tmp_path / "s" / token_store.MANIFEST).exists()
+    with pytest.raises(UserError, match=r"gave no train document \(30 input records skipped: "):
         build_data(files_section([str(data)], store=str(tmp_path / "s")), seq_len=8)
+    data.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(30)))
+    assert prepare.main(argv) == 0
+    assert json.loads((tmp_path / "s" / token_store.MANIFEST).read_text())["splits"]["train"]["documents"] > 0
 
 
 def test_a_byte_order_mark_is_not_text_and_a_json_array_is_refused(tmp_path):

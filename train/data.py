@@ -90,12 +90,21 @@ class Data:
         ]
 
     def identity(self) -> str:
-        """The store's content: a hash of its tokenizer and its shards' (both splits, in order).
-        Equal for a store built again from the same inputs, wherever it lies; a resume that
-        finds another refuses (the restored iterator would index other windows)."""
+        """The store's content: a hash of its tokenizer's identity (not its file's name) and its
+        shards' (both splits, in order). Equal for a store built again from the same inputs,
+        wherever it and its tokenizer lie; a resume that finds another refuses (the restored
+        iterator would index other windows)."""
+        return self._hash({k: self.store.tokenizer.get(k) for k in token_store.IDENTITY_KEYS})
+
+    def identities(self) -> tuple[str, str]:
+        """``identity()``, and the hash checkpoints made before it left out the tokenizer's name
+        (those resume too)."""
+        return self.identity(), self._hash(self.store.manifest["tokenizer"])
+
+    def _hash(self, tokenizer: dict) -> str:
         m = self.store.manifest
         shards = {s: [sh["sha256"] for sh in m["splits"][s]["shards"]] for s in token_store.SPLITS}
-        content = {"tokenizer": m["tokenizer"], "shards": shards}
+        content = {"tokenizer": tokenizer, "shards": shards}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
     def summary(self) -> dict:

@@ -285,7 +285,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
                     f"run's last step ({setup.total_steps}): resume with {steps} of at least "
                     f"{int(state.step)}, or choose another run dir"
                 )
-            if extra["data_sha256"] != setup.data_sha256:
+            if extra["data_sha256"] not in setup.data.identities():
                 raise UserError(
                     f"the token store {setup.data.store.directory} holds other data than the one "
                     f"checkpoint {step} trained on (data files added, removed or changed since): "

@@ -48,11 +48,6 @@ def main(argv=None) -> int:
             )
             return EXIT_PREEMPTED
         report(opened, time.perf_counter() - t0)
-        if opened.manifest["splits"]["train"]["documents"] == 0:
-            raise UserError(
-                f"token store {opened.directory} holds no train document: its inputs gave none"
-                f"{store.skipped_records(opened.manifest)}"
-            )
         return 0
 
     return cli(body)

@@ -174,6 +174,12 @@ class HFTokenizer:
         except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"data.tokenizer: {p} is not a tokenizers file ({why})") from None
+        dropout = getattr(self._tok.model, "dropout", None)
+        if dropout:
+            raise UserError(
+                f"data.tokenizer: {p}: its BPE model has dropout {dropout:.3g}, which segments a text "
+                "at random (a store built twice would differ): set the model's dropout to null there"
+            )
         self.path, self.config_path = p, p.with_name(TOKENIZER_CONFIG)
         self.config = self._read_config()
         # A file saved after a call with truncation or padding keeps them; AutoTokenizer.encode
@@ -343,7 +349,8 @@ def check_file(path: pathlib.Path) -> None:
     if not path.is_file():
         raise UserError(f"data file not found: {path}")
     if not path.name.endswith(TEXT_SUFFIXES + JSON_SUFFIXES):
-        raise UserError(f"unsupported data file type: {path} (use .txt, .raw, .jsonl, .jsonl.gz, .json.gz)")
+        kinds = ", ".join(TEXT_SUFFIXES + JSON_SUFFIXES)
+        raise UserError(f"unsupported data file type: {path} (use {kinds}; .json as JSON lines)")
 
 
 def _json_text(raw: bytes, counts: Counts) -> str | None:

@@ -23,13 +23,14 @@ from train.sources import make_tokenizer
 from train.store.building import Interrupted, build, default_workers, tokenize_piece
 from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
 from train.store.planning import Piece, Plan, expand_paths, plan
-from train.store.reading import TokenStore, TokenStream, read_manifest, skipped_records
+from train.store.reading import IDENTITY_KEYS, TokenStore, TokenStream, read_manifest, skipped_records
 
 if TYPE_CHECKING:
     from train.config import DataSection
 
 __all__ = [
     "FORMAT",
+    "IDENTITY_KEYS",
     "MANIFEST",
     "SPLITS",
     "VERSION",

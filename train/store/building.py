@@ -32,7 +32,13 @@ from train import sources
 from train.errors import IOFault, ProcessLost, UserError, io_operation
 from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
 from train.store.planning import Piece, Plan
-from train.store.reading import atomic_write, outside_vocabulary, read_manifest, write_manifest
+from train.store.reading import (
+    atomic_write,
+    outside_vocabulary,
+    read_manifest,
+    skipped_records,
+    write_manifest,
+)
 
 
 class Interrupted(Exception):
@@ -57,16 +63,26 @@ def _setup(tokenizer: str, made_with: dict, counters) -> None:
 
 def _init_worker(*args) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles interruption
+    parent = os.getppid()
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     _setup(*args)
 
 
+def _exit_with(parent: int) -> None:
+    """Ends this worker once its parent has gone (killed with SIGKILL, say, which it cannot
+    pass on): an orphan would go on writing into the store that the next build continues."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(1)
+
+
 class _ShardWriter:
-    """Appends token arrays to ``NAME.tmp``, hashing as it goes; ``finish`` renames it to
-    ``NAME`` once complete (or removes it when nothing was written)."""
+    """Appends token arrays to ``NAME.PID.tmp`` (a name of this process's alone), hashing as it
+    goes; ``finish`` renames it to ``NAME`` once complete (or removes it when nothing was written)."""
 
     def __init__(self, path: pathlib.Path, dtype: np.dtype):
         self.path, self.dtype = path, dtype
-        self.tmp = path.with_name(path.name + ".tmp")
+        self.tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         self.file = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish
         self.sha = hashlib.sha256()
         self.tokens = 0
@@ -228,6 +244,11 @@ def build(directory: pathlib.Path, p: Plan, workers: int | None = None, quiet: b
                 with _interrupts_raise():
                     records = _run(p, shards, workers or default_workers(), quiet)
                 manifest = _manifest(p, records)
+                if manifest["splits"]["train"]["documents"] == 0:  # no store: the inputs can be mended
+                    raise UserError(
+                        f"the inputs of token store {directory} gave no train document"
+                        f"{skipped_records(manifest)}"
+                    )
                 write_manifest(directory, manifest)
         except IOFault as e:
             raise e.with_note("completed shards are kept; run the same command again to continue") from None
@@ -269,7 +290,19 @@ def _reusable(record: dict | None, p: Plan, piece: Piece, limit: int | None, sha
     read = sum(record["documents"].values())
     if record["limit"] != limit and not (record["exhausted"] and (limit is None or read < limit)):
         return False
-    return all((shards.parent / s["file"]).is_file() for s in record["shards"].values() if s["tokens"])
+    itemsize = np.dtype(p.dtype).itemsize
+    return all(  # each shard whole (a cut one would only show when the store is opened)
+        _size(shards.parent / s["file"]) == s["tokens"] * itemsize
+        for s in record["shards"].values()
+        if s["tokens"]
+    )
+
+
+def _size(path: pathlib.Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 def _mtime(piece: Piece) -> int:

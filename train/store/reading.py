@@ -206,15 +206,18 @@ class TokenStore:
             )
         if p is not None and self.manifest["source"] != p.source:
             raise UserError(
-                f"token store {self.directory} was made from {_describe_source(self.manifest['source'])}, "
-                f"but the data section asks for {_describe_source(p.source)}"
+                f"token store {self.directory} was made from other data than the data section names "
+                f"({_source_difference(self.manifest['source'], p.source)}): remove the store, or give "
+                "data.store (train.prepare --out) another directory"
             )
-        if p is not None:
-            self._check_inputs_unchanged()
+        if p is not None and (self._check_inputs_unchanged() | self._check_inputs_are_its_own(p)):
+            with contextlib.suppress(OSError):  # not hashed again at the next start, where writable
+                write_manifest(self.directory, self.manifest)
 
-    def _check_inputs_unchanged(self) -> None:
+    def _check_inputs_unchanged(self) -> bool:
         """An input at the path it was read from, its size the same but modified since (a store
-        recognises its inputs by name and size): hashed again, and refused if its bytes differ."""
+        recognises its inputs by name and size): hashed again, and refused if its bytes differ.
+        Whether one was hashed (and its new time recorded)."""
         verified = False
         for entry in self.manifest.get("inputs", []):
             path = pathlib.Path(entry["path"])
@@ -232,9 +235,60 @@ class TokenStore:
                     "another directory"
                 )
             entry["mtime_ns"], verified = st.st_mtime_ns, True
-        if verified:  # the same bytes: not hashed again at the next start, where the store is writable
-            with contextlib.suppress(OSError):
-                write_manifest(self.directory, self.manifest)
+        return verified
+
+    def _check_inputs_are_its_own(self, p: Plan) -> bool:
+        """An input the data section names at another path than the one the store read (a store
+        knows its inputs by name and size, e.g. one made on another machine): hashed once, and
+        refused unless it has the bytes of an input of that name and size. Whether one was hashed
+        (and recorded as a copy)."""
+        entries = self.manifest.get("inputs", [])
+        recorded = {pathlib.Path(e["path"]) for e in entries}
+        verified = False
+        for named in dict.fromkeys(pathlib.Path(q.path) for q in p.pieces if q.kind == "file"):
+            st = named.stat()
+            alike = [
+                e for e in entries if pathlib.Path(e["path"]).name == named.name and e["size"] == st.st_size
+            ]
+            if named in recorded or not alike:
+                continue
+            if any(e.get("copies", {}).get(str(named)) == st.st_mtime_ns for e in alike):
+                continue  # hashed at an earlier start, unchanged since
+            sha = sources.file_sha256(named)
+            same = [e for e in alike if e["sha256"] == sha]
+            if not same:
+                raise UserError(
+                    f"token store {self.directory} was made from another file named {named.name} "
+                    f"({alike[0]['path']}, sha256 {alike[0]['sha256'][:12]}; {named} has sha256 "
+                    f"{sha[:12]}): remove the store, or give data.store another directory"
+                )
+            same[0].setdefault("copies", {})[str(named)], verified = st.st_mtime_ns, True
+        return verified
+
+
+def _source_difference(made: dict, asked: dict) -> str:
+    """What differs between the source a store was made from and the one asked for, in words."""
+    if made.get("kind") != asked.get("kind"):
+        return f"{_describe_source(made)}, now {_describe_source(asked)}"
+    said = []
+    for key in ("inputs", "validation_inputs"):
+        then, now = dict(map(tuple, made.get(key, []))), dict(map(tuple, asked.get(key, [])))
+        field = "data.paths" if key == "inputs" else "data.validation_paths"
+        for name in then.keys() - now.keys():
+            said.append(f"{field} no longer names {name}")
+        for name in now.keys() - then.keys():
+            said.append(f"{field} names {name}, which the store did not read")
+        for name in then.keys() & now.keys():
+            if then[name] != now[name]:
+                said.append(f"{name} was {then[name]:,} bytes, now {now[name]:,}")
+        if not said and list(then) != list(now):
+            said.append(f"{field} names its files in another order")
+    for key in sorted((made.keys() | asked.keys()) - {"kind", "inputs", "validation_inputs"}):
+        if made.get(key) != asked.get(key):
+            said.append(f"{key} {made.get(key)!r}, now {asked.get(key)!r}")
+    if not said:  # e.g. two inputs of one name
+        said.append(f"{_describe_source(made)}, now {_describe_source(asked)}")
+    return "; ".join(sorted(said)[:4]) + (f"; and {len(said) - 4} more" if len(said) > 4 else "")
 
 
 def _describe_source(source: dict) -> str:
@@ -242,6 +296,5 @@ def _describe_source(source: dict) -> str:
     if kind == "files":
         names = [n for n, _ in source.get("inputs", [])]
         shown = ", ".join(names[:3]) + (f", ... ({len(names)} files)" if len(names) > 3 else "")
-        extra = {k: v for k, v in source.items() if k not in ("kind", "inputs")}
-        return f"files [{shown}] {json.dumps(extra, sort_keys=True)}"
+        return f"files [{shown}]"
     return json.dumps(source, sort_keys=True)
