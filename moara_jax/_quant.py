@@ -117,10 +117,14 @@ def unit_restore(flat: jax.Array, shape: tuple[int, ...], transpose: bool) -> ja
 class Blockwise8bit:
     """An array stored as 8-bit dynamic-map codes with one float32 scale per block of entries.
 
-    ``codes`` is ``(*batch, n)`` uint8 and ``absmax`` ``(*batch, ceil(n / block_size))`` float32,
-    where each unit (the trailing axes after ``batch_ndim``, transposed first when
-    ``transpose``) is flattened to ``n`` entries. ``shape``, ``batch_ndim``, ``transpose``,
-    ``signed`` and ``block_size`` are static.
+    Each unit (the trailing axes after ``batch_ndim``, transposed first when ``transpose``) is
+    read row-major in blocks of ``block_size`` entries. Where its last axis holds whole blocks,
+    ``codes`` keeps the unit's rows, ``(*batch, rows, row)`` uint8 with ``absmax`` ``(*batch,
+    rows, row / block_size)`` float32: the same blocks as the flat layout, but sharded as the
+    array is (a flat array's shards would not line up with the gradient's, and each update would
+    gather the whole moment to every device). Otherwise ``codes`` is ``(*batch, n)`` and ``absmax``
+    ``(*batch, ceil(n / block_size))``. ``shape``, ``batch_ndim``, ``transpose``, ``signed`` and
+    ``block_size`` are static.
     """
 
     def __init__(self, codes, absmax, shape, batch_ndim, transpose, signed, block_size=BLOCK_SIZE):
@@ -140,19 +144,31 @@ class Blockwise8bit:
     def tree_unflatten(cls, aux, children):
         return cls(*children, *aux)
 
+    @staticmethod
+    def stored_shape(shape, batch_ndim: int, transpose: bool, block_size: int = BLOCK_SIZE) -> tuple:
+        """The shape of ``codes`` for an array of ``shape``: its units' rows where a row holds
+        whole blocks, else each unit flat."""
+        shape = tuple(shape)
+        unit = shape[batch_ndim:]
+        if transpose:
+            unit = unit[:-2] + (unit[-1], unit[-2])
+        if len(unit) >= 2 and unit[-1] % block_size == 0:
+            return shape[:batch_ndim] + (math.prod(unit[:-1]), unit[-1])
+        return shape[:batch_ndim] + (math.prod(unit),)
+
     @classmethod
     def zeros(cls, shape, batch_ndim, transpose, signed, block_size=BLOCK_SIZE) -> Blockwise8bit:
         """All zeros (zero scales), as bitsandbytes initialises its 8-bit states."""
-        n = math.prod(shape[batch_ndim:])
-        batch = tuple(shape[:batch_ndim])
-        codes = jnp.zeros(batch + (n,), jnp.uint8)
-        absmax = jnp.zeros(batch + (-(-n // block_size),), jnp.float32)
+        stored = cls.stored_shape(shape, batch_ndim, transpose, block_size)
+        codes = jnp.zeros(stored, jnp.uint8)
+        absmax = jnp.zeros(stored[:-1] + (-(-stored[-1] // block_size),), jnp.float32)
         return cls(codes, absmax, shape, batch_ndim, transpose, signed, block_size)
 
     @classmethod
     def quantize(cls, x, batch_ndim, transpose, signed, block_size=BLOCK_SIZE) -> Blockwise8bit:
-        flat = unit_flat(x.astype(jnp.float32), batch_ndim, transpose)
-        codes, absmax = blockwise_quantize(flat, dynamic_map(signed), block_size)
+        stored = cls.stored_shape(x.shape, batch_ndim, transpose, block_size)
+        units = unit_flat(x.astype(jnp.float32), batch_ndim, transpose).reshape(stored)
+        codes, absmax = blockwise_quantize(units, dynamic_map(signed), block_size)
         return cls(codes, absmax, x.shape, batch_ndim, transpose, signed, block_size)
 
     def dequantize(self) -> jax.Array:

@@ -94,13 +94,14 @@ def _bnb_adam8bit_run(values, grads_seq, weight_decay=0.0):
 
 
 def _flax_tree(torch_values):
-    """PyTorch-named arrays -> the Flax tree of the adam8bit test: ``head`` is a Dense kernel
-    (PyTorch's weight transposed), ``norms.i`` are the layers of one stacked scale."""
+    """PyTorch-named arrays -> the Flax tree of the adam8bit test: ``head`` and ``wide`` are Dense
+    kernels (PyTorch's weight transposed), ``norms.i`` are the layers of one stacked scale."""
     return {
         "big": {"scale": jnp.asarray(torch_values["big"])},
         "small": {"scale": jnp.asarray(torch_values["small"])},
         "embed": {"embedding": jnp.asarray(torch_values["embed"])},
         "head": {"kernel": jnp.asarray(torch_values["head"].T)},
+        "wide": {"kernel": jnp.asarray(torch_values["wide"].T)},
         "norms": {"scale": jnp.stack([jnp.asarray(torch_values[f"norms.{i}"]) for i in range(3)])},
     }
 
@@ -108,11 +109,12 @@ def _flax_tree(torch_values):
 @pytest.mark.usefixtures("cpu_reference")
 def test_adam8bit_matches_bitsandbytes_adamw8bit():
     """Units as PyTorch holds them: a vector (5000 entries: 8-bit, a partial last block; 100:
-    float32), an embedding (64 x 64: 8-bit), a Dense kernel (8-bit over PyTorch's weight, its
-    transpose) and a stacked scale (three layers of 2048 entries: float32 each, as three PyTorch
-    vectors). The same codes as bitsandbytes after every step; weight decay before the step."""
+    float32), an embedding (64 x 64: 8-bit), Dense kernels (8-bit over PyTorch's weight, its
+    transpose: rows of 96, stored flat, and of 256, stored as rows of whole blocks) and a stacked
+    scale (three layers of 2048 entries: float32 each, as three PyTorch vectors). The same codes
+    as bitsandbytes after every step; weight decay before the step."""
     rng = np.random.default_rng(1)
-    shapes = {"big": (5000,), "small": (100,), "embed": (64, 64), "head": (96, 64)}
+    shapes = {"big": (5000,), "small": (100,), "embed": (64, 64), "head": (96, 64), "wide": (32, 256)}
     shapes.update({f"norms.{i}": (2048,) for i in range(3)})
     values = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     seq = [
@@ -128,7 +130,10 @@ def test_adam8bit_matches_bitsandbytes_adamw8bit():
             b = dict(jax.tree_util.tree_flatten_with_path(want)[0])[path]
             assert_matches_reference(a, b, f"step {t} {jax.tree_util.keystr(path)}")
     adam = state[0]
-    for name, leaf in (("big", "scale"), ("embed", "embedding"), ("head", "kernel")):
+    assert adam.mu["head"]["kernel"].codes.shape == (64 * 96,)
+    assert adam.mu["wide"]["kernel"].codes.shape == (32, 256)  # PyTorch's rows: sharded as the kernel
+    assert adam.mu["wide"]["kernel"].absmax.shape == (32, 1)
+    for name, leaf in (("big", "scale"), ("embed", "embedding"), ("head", "kernel"), ("wide", "kernel")):
         torch_state = opt.state[torch_params[name]]
         for ours, theirs in ((adam.mu[name][leaf], "state1"), (adam.nu[name][leaf], "state2")):
             assert isinstance(ours, mj.Blockwise8bit)

@@ -415,3 +415,45 @@ def test_the_state_is_placed_as_the_parameters_and_explicit_axes_step():
         [sys.executable, "-c", PLACEMENT], env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
+
+
+EIGHT_BIT = textwrap.dedent("""
+    import math, re, warnings
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import moara_jax as mj
+    from train.config import MeshSection
+    from train.sharding import make_mesh, state_shardings
+
+    mesh = make_mesh(MeshSection(data=1, fsdp=8, tensor=1))
+    shape = (1024, 512)  # (vocab, embed): FSDP shards the columns
+    params = {"embed_tokens": {"embedding": jax.ShapeDtypeStruct(shape, jnp.float32)}}
+    placed = {"embed_tokens": {"embedding": NamedSharding(mesh, P(None, "fsdp"))}}
+    tx = mj.moara_adamw(0.01, r_base=8, block_size=16, host="q_galore")
+    with warnings.catch_warnings():  # (no target matrix: the embedding gets the 8-bit AdamW)
+        warnings.simplefilter("ignore")
+        state = jax.eval_shape(tx.init, params)
+    shardings = state_shardings(state, mesh, params, placed)
+    moments = [
+        (x, s) for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)) if x.dtype == jnp.uint8
+    ]
+    assert len(moments) == 2, moments
+    assert all(x.shape == shape and s.spec == P(None, "fsdp") for x, s in moments), moments
+    step = jax.jit(tx.update, in_shardings=(placed, shardings, placed), out_shardings=(placed, shardings))
+    program = step.lower(params, state, params).compile().as_text()
+    gathered = re.findall(r"= \\w+\\[([\\d,]*)\\]\\S* all-gather(?:-start)?\\(", program)
+    sizes = [math.prod(int(d) for d in s.split(",") if d) for s in gathered]
+    assert all(n <= shape[0] * shape[1] // 64 for n in sizes), gathered  # block scales at most
+    print("OK", gathered)
+""")
+
+
+def test_8bit_moments_are_sharded_as_their_parameter_and_never_gathered():
+    """Q-GaLore's 8-bit Adam moments under FSDP: stored as PyTorch's rows of whole 256-entry
+    blocks, they shard as the parameter does, and the compiled update gathers none (a flat code
+    array's shards did not line up with the gradient's: each step gathered both moments whole,
+    as float32, to every device)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", EIGHT_BIT], env=cpu_devices(8), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
