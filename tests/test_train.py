@@ -697,6 +697,19 @@ def test_a_resume_refuses_settings_the_state_or_data_order_depend_on(key, value)
     check_resumable(saved, to_dict(load_config(TINY)))
 
 
+def test_a_resume_on_another_host_names_the_host_and_the_options_stated_not_its_defaults():
+    from train.config import check_resumable, to_dict
+
+    saved = to_dict(load_config(TINY))
+    with pytest.raises(UserError) as e:
+        check_resumable(saved, to_dict(load_config(TINY, ["optimizer.host=q_galore"])))
+    assert str(e.value).endswith("cannot change (optimizer.host: 'galore' -> 'q_galore')")
+    stated = ["optimizer.host=q_galore", "optimizer.host_options.gamma=3.0"]
+    with pytest.raises(UserError) as e:
+        check_resumable(saved, to_dict(load_config(TINY, stated)))
+    assert str(e.value).endswith("'galore' -> 'q_galore', optimizer.host_options.gamma: None -> 3.0)")
+
+
 def test_a_resume_takes_stated_defaults_as_no_change_and_keeps_how_a_profile_records():
     """A host option or model override stated at the value it had by default changes nothing;
     a profiling run keeps how often and how smoothly it records (not how long it runs)."""

@@ -481,10 +481,13 @@ def changed_settings(
     # A key the saved config lacks was added since, with a default that does what runs did before
     # (optimizer.weight_decay_mask: all): a run saved then resumes.
     old_flat, new_flat = _flatten(to_dict(RunConfig())) | _flatten(saved or {}), _flatten(new)
+    stated = set(old_flat) | set(new_flat)
     for flat in (old_flat, new_flat):  # an unnamed model is the default one
         if flat.get("model.name") is None and flat.get("model.init_from") is None:
             flat["model.name"] = DEFAULT_MODEL
         _fill_defaults(flat)
+    # Another host: its defaults are no change of the user's (the host itself is named).
+    other_host = old_flat.get("optimizer.host") != new_flat.get("optimizer.host")
     changed = sorted(
         k
         for k in set(old_flat) | set(new_flat)
@@ -492,6 +495,7 @@ def changed_settings(
         and not under(k, ignoring)
         and k not in _FREE_ON_RESUME
         and old_flat.get(k) != new_flat.get(k)
+        and not (other_host and k.startswith("optimizer.host_options.") and k not in stated)
     )
     return [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed]
 
