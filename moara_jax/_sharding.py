@@ -52,21 +52,41 @@ def derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
     return tuple(spec)
 
 
-def _leaf_spec(path, x, params: dict) -> P:
-    """The spec of state leaf ``x``: its parameter's for the parameter's shape, the dimensions it
-    keeps from the parameter sharded as the parameter's for a low-rank leaf, else replicated."""
+def spread_spec(spec, shape: tuple, param_spec: tuple, sizes, axes=None) -> tuple:
+    """``spec`` of a leaf of a parameter, with each mesh axis that shards the parameter but none
+    of the leaf's dimensions (among ``axes``; None: every one) put on the leaf's largest free
+    dimension its size divides: a low-rank moment ``r x fan_out`` of a kernel sharded on
+    ``fan_in`` would otherwise be held whole by every device of that axis. ``sizes``: the mesh's
+    axis sizes."""
+    names = lambda entry: () if entry is None else entry if isinstance(entry, tuple) else (entry,)  # noqa: E731
+    out = list(spec)
+    used = {a for entry in out for a in names(entry)}
+    for a in (a for entry in param_spec for a in names(entry)):
+        if a in used or (axes is not None and a not in axes) or sizes[a] <= 1:
+            continue
+        free = [k for k in range(len(shape)) if out[k] is None and shape[k] % sizes[a] == 0]
+        if free:
+            out[max(free, key=lambda k: shape[k])] = a
+            used.add(a)
+    return tuple(out)
+
+
+def _leaf_spec(path, x, params: dict, sizes) -> P:
+    """The spec of state leaf ``x``: its parameter's for the parameter's shape; for a low-rank
+    leaf, the dimensions it keeps from the parameter sharded as the parameter's, and the axes
+    left over spread (:func:`spread_spec`); replicated when it has no parameter."""
     match = find_param(path_key(path), params) if getattr(x, "ndim", 0) else None
     if match is None:
         return P()
     param_shape, spec = match
     if tuple(x.shape) == param_shape:
         return P(*spec)
-    if x.ndim != len(param_shape):
-        # Not a low-rank leaf of the parameter's layout (a quantized basis's groups; the state
-        # of a multi-axis kernel's matrix view, ``as_matrices``): whole on every device.
-        return P()
     # Each sharded dimension has the size of the parameter's it takes the axis from: it divides.
-    return P(*derived_spec(tuple(x.shape), param_shape, spec))
+    # A leaf not of the parameter's layout (a quantized basis's groups; the state of a
+    # multi-axis kernel's matrix view, ``as_matrices``) keeps none.
+    kept = derived_spec(tuple(x.shape), param_shape, spec) if x.ndim == len(param_shape) else (None,) * x.ndim
+    spread = spread_spec(kept, tuple(x.shape), spec, sizes)
+    return P(*spread) if any(spread) else P()  # P() for a leaf left whole, as jit gives one back
 
 
 def params_by_path(params, specs) -> dict:
@@ -80,9 +100,9 @@ def params_by_path(params, specs) -> dict:
     }
 
 
-def _specs(state, params, param_specs):
+def _specs(state, params, param_specs, sizes):
     by_path = params_by_path(params, param_specs)
-    return jax.tree_util.tree_map_with_path(lambda path, x: _leaf_spec(path, x, by_path), state)
+    return jax.tree_util.tree_map_with_path(lambda path, x: _leaf_spec(path, x, by_path, sizes), state)
 
 
 def state_shardings(state: Any, params: Any, param_shardings: Any = None) -> Any:
@@ -91,8 +111,10 @@ def state_shardings(state: Any, params: Any, param_shardings: Any = None) -> Any
     A leaf is matched to its parameter by key path. A leaf of the parameter's shape (Adam
     moments of non-target parameters, error buffers) takes the parameter's sharding; a low-rank
     leaf (moments ``r x n``, bases ``m x r``, block magnitudes, stacked or not) shards each
-    dimension it keeps from the parameter as the parameter shards it; scalars and leaves matched
-    to no parameter are replicated. ``tx.init`` of :func:`moara_jax.moara_adamw` places its state
+    dimension it keeps from the parameter as the parameter shards it, and a mesh axis that shards
+    the parameter but none of those dimensions its largest dimension the axis divides (often the
+    rank: no device holds a whole low-rank moment of a sharded parameter); scalars and leaves
+    matched to no parameter are replicated. ``tx.init`` of :func:`moara_jax.moara_adamw` places its state
     this way; under ``jax.jit(tx.init)`` on Auto axes, where no placement is known while tracing,
     pass ``out_shardings=state_shardings(jax.eval_shape(tx.init, params), params)``.
 
@@ -119,7 +141,7 @@ def state_shardings(state: Any, params: Any, param_shardings: Any = None) -> Any
     if any(s.mesh != mesh for s in named):
         raise ValueError("state_shardings: the parameters' NamedShardings are on different meshes")
     specs = jax.tree.map(lambda s: s.spec, shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(state, params, specs))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _specs(state, params, specs, mesh.shape))
 
 
 def _explicit_axes(mesh=None) -> tuple[str, ...]:
@@ -251,7 +273,7 @@ def follow_params(
             # Sizing the state traces init once more: its warnings are those of the run below.
             with jax.sharding.use_abstract_mesh(auto), quiet():
                 abstract = jax.eval_shape(run, *plain)
-            specs = _specs(abstract, params, jax.tree.map(_spec_of, params))
+            specs = _specs(abstract, params, jax.tree.map(_spec_of, params), mesh.shape)
             return jax.sharding.auto_axes(run, axes=axes, out_sharding=specs)(params, arrays)
         placed = _placed_on(params)
         if placed is not None:  # made where it belongs, never whole on one device first
