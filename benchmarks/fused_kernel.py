@@ -25,12 +25,14 @@ import argparse
 import functools
 import math
 import statistics
+import sys
 import time
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _args import positive
 from jax.experimental import pallas as pl
 from optimizer_step import SIZES
 
@@ -221,8 +223,10 @@ def _time(fn, *args, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="350m", choices=sorted(SIZES))
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--repeats", type=positive, default=50)
     args = parser.parse_args()
+    if jax.default_backend() != "gpu":  # Pallas' Triton kernels; on a CPU Pallas only interprets
+        sys.exit(f"error: fused_kernel.py times a GPU kernel: JAX's backend is {jax.default_backend()}")
     hidden, inter, layers, r_base, block = SIZES[args.size]
     ranks = mj.allocate_ranks(r_base, ("q", "k", "v", "o", "gate", "up", "down"))
     shapes = {
@@ -269,7 +273,8 @@ def main() -> None:
                 ms = _time(fused, g, basis, repeats=args.repeats)
                 row.append(f"{tr}/{tf}/{nbk}/{warps}w {ms:7.3f} (err {err:.1e}, mag {merr:.0e})")
             except Exception as e:  # a configuration the compiler refuses (registers, shared memory)
-                row.append(f"{tr}/{tf}/{nbk}/{warps}w failed: {type(e).__name__}")
+                why = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+                row.append(f"{tr}/{tf}/{nbk}/{warps}w failed: {type(e).__name__} {why}")
         print("\n   ".join(row), flush=True)
 
 

@@ -546,14 +546,16 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     s = Session(out, args.budget_s, args.smoke, args.variant_steps, shlex.split(args.jax_args))
     s.results["jax_args"] = s.jax_args
+    # Off --smoke the phases time a GPU: env first, which says whether JAX has one.
+    phases = args.phases if args.smoke else ["env", *(p for p in args.phases if p != "env")]
     try:
-        run_phases(s, args.phases)
+        return run_phases(s, phases)
     finally:
         s.close()
-    return 0
 
 
-def run_phases(s: Session, phases: list[str]) -> None:
+def run_phases(s: Session, phases: list[str]) -> int:
+    """Runs the phases in order; 2 where ``env`` finds no GPU off ``--smoke`` (nothing more runs)."""
     for name in phases:
         need = PHASES[name][0](s)
         if s.left() < need:
@@ -570,9 +572,19 @@ def run_phases(s: Session, phases: list[str]) -> None:
             s.results["phases"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         s.results["phases"][name]["phase_s"] = time.perf_counter() - t0
         s.save()
+        backend = s.results["phases"][name].get("backend")
+        if name == "env" and not s.smoke and backend != "gpu":
+            print(
+                f"error: JAX's backend here is {backend or 'not known (see env above)'}, not a GPU: the "
+                "phases time a GPU (--smoke checks this script on a CPU)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 2
     s.results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     s.save()
     print(json.dumps({k: v for k, v in s.results.items() if k != "phases"}), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

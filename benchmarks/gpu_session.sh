@@ -6,7 +6,11 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-session-out}"
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
+tag=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+if compgen -G ".whl/*-cp3*.whl" >/dev/null && ! compgen -G ".whl/*-${tag}-*.whl" >/dev/null; then
+  # gpu_wheels.sh's set is for the GPU machine's CPython 3.12; pip would refuse it here.
+  echo "gpu_session.sh: .whl/ holds wheels for another Python than this $tag: not installed" >&2
+elif compgen -G ".whl/*.whl" >/dev/null; then
   # The carried protobuf only where the machine's is older than grain's generated code needs
   # (5.28.3): ahead of a newer one it would break the machine's packages generated with that.
   wheels=(.whl/*.whl)

@@ -22,6 +22,7 @@ import os
 import tempfile
 
 import jax
+from _args import check_names, check_out, positive
 from optimizer_step import SIZES, _with_count, decaying_gradients, llama2_params, optimizers, plain_step_loop
 
 
@@ -76,11 +77,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="350m", choices=sorted(SIZES))
     parser.add_argument("--only", nargs="*", default=["moara_full", "galore_vanilla"])
-    parser.add_argument("--loop-steps", type=int, default=10)
-    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--loop-steps", type=positive, default=10)
+    parser.add_argument("--top", type=positive, default=15)
     parser.add_argument("--stacked", action="store_true", help="one stacked leaf per module type")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    check_names(parser, "--only", args.only, list(optimizers(8, 8)))
+    check_out(parser, args.out)
     hidden, inter, layers, r_base, block = SIZES[args.size]
     params = llama2_params(hidden, inter, layers, stacked=args.stacked)
     grads = decaying_gradients(params, r_base)

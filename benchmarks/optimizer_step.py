@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _args import check_names, check_out, non_negative, positive
 
 import moara_jax as mj
 
@@ -268,10 +269,10 @@ def principal_angles_deg(params, grads, r_base: int, block: int) -> dict[str, fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="350m", choices=sorted(SIZES))
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--refresh-repeats", type=int, default=3, help="0 skips the refresh step")
-    parser.add_argument("--loop-steps", type=int, default=20, help="steps per in-jit loop")
-    parser.add_argument("--loop-repeats", type=int, default=5, help="timed in-jit loops")
+    parser.add_argument("--repeats", type=positive, default=10)
+    parser.add_argument("--refresh-repeats", type=non_negative, default=3, help="0 skips the refresh step")
+    parser.add_argument("--loop-steps", type=positive, default=20, help="steps per in-jit loop")
+    parser.add_argument("--loop-repeats", type=positive, default=5, help="timed in-jit loops")
     parser.add_argument("--only", nargs="*", help="subset of optimizer names")
     parser.add_argument(
         "--in-jit-only", action="store_true", help="time only the in-jit loop (no single/pipelined calls)"
@@ -281,6 +282,12 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    check_names(parser, "--only", args.only, list(optimizers(8, 8)))
+    check_out(parser, args.out)
+    if args.loop_steps >= GAP:
+        parser.error(
+            f"--loop-steps must be under the refresh interval ({GAP}): a loop may not cross a refresh"
+        )
     hidden, inter, layers, r_base, block = SIZES[args.size]
     params = llama2_params(hidden, inter, layers, stacked=args.stacked)
     grads = decaying_gradients(params, r_base)

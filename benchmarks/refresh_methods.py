@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import check_names, check_out, positive  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from optimizer_step import SIZES  # noqa: E402
@@ -317,12 +318,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="350m", choices=sorted(SIZES))
     parser.add_argument("--methods", nargs="*", default=list(JAX_METHODS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--no-torch", action="store_true")
-    parser.add_argument("--layers", type=int, default=None, help="layers (default: the size's)")
+    parser.add_argument("--layers", type=positive, default=None, help="layers (default: the size's)")
     parser.add_argument("--spread", action="store_true", help="every device vs spread over the devices")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    check_names(parser, "--methods", args.methods, list(JAX_METHODS))
+    check_out(parser, args.out)
     r_base = SIZES[args.size][3]
     groups_spec = shape_groups(args.size, args.layers)
     key = jax.random.PRNGKey(0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import check_out  # noqa: E402
 from step_anatomy import _bytes  # noqa: E402
 
 from train import loop  # noqa: E402
@@ -67,6 +69,17 @@ def main() -> None:
     parser.add_argument("--meshes", nargs="+", default=["1x8x1", "2x4x1", "2x2x2", "8x1x1"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    for text in args.meshes:
+        sizes = text.split("x")
+        if len(sizes) != 3 or not all(s.isdigit() and int(s) >= 1 for s in sizes):
+            parser.error(f"--meshes: {text!r} is not data x fsdp x tensor (e.g. 2x4x1)")
+        devices = math.prod(int(s) for s in sizes)
+        if devices != jax.device_count():
+            parser.error(
+                f"--meshes: {text} needs {devices} devices, this process has {jax.device_count()} "
+                "(XLA_FLAGS=--xla_force_host_platform_device_count=8 on a CPU)"
+            )
+    check_out(parser, args.out)
     result = {"config": args.config, "sets": args.sets, "devices": jax.device_count(), "meshes": {}}
     print(f"{'data x fsdp x tensor':>22s} {'without rules MB':>17s} {'with rules MB':>14s} {'ratio':>6s}")
     for text in args.meshes:

@@ -30,11 +30,12 @@ import re
 import sys
 
 # A deviceless CUDA compilation must not try to open a GPU (set before JAX is imported).
-if "h100" in sys.argv:
+if "h100" in sys.argv or "--target=h100" in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import optax
+from _args import check_names, check_out
 from optimizer_step import SIZES, llama2_params, optimizers
 
 # Facts of an NVIDIA H100 80GB HBM3 (SXM) for XLA's deviceless GPU compiler (GpuTargetConfig).
@@ -144,9 +145,15 @@ def _placement(target: str):
         return None, getattr(device, "device_kind", str(device))
     from jax.experimental import topologies
 
-    topology = topologies.get_topology_desc(
-        platform="cuda", target_config=h100_target_config(), topology="1x1x1"
-    )
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=h100_target_config(), topology="1x1x1"
+        )
+    except (NotImplementedError, RuntimeError) as e:  # no CUDA plugin: "topology not implemented"
+        sys.exit(
+            f"error: --target h100 compiles with JAX's CUDA plugin ({e}): pip install "
+            f"jax-cuda12-plugin=={jax.__version__} (no GPU is needed)"
+        )
     mesh = topologies.make_mesh(topology, (1,), ("d",))
     return jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec()
@@ -183,6 +190,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="subset of optimizer names")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    check_names(parser, "--only", args.only, list(optimizers(8, 8)))
+    check_out(parser, args.out)
     hidden, inter, layers, r_base, block = SIZES[args.size]
     sharding, device = _placement(args.target)
     with jax.default_device(jax.devices("cpu")[0]):

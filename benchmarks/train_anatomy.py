@@ -43,15 +43,17 @@ import sys
 import time
 
 # A deviceless CUDA compilation must not try to open a GPU (set before JAX is imported).
-if "h100" in sys.argv:
+if "h100" in sys.argv or "--target=h100" in sys.argv:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
+from _args import check_micro_batches, check_names, check_out, positive
 from train_step import apply_flag_sets, compiled_peak_bytes, optimizers
 
 import models
 from train.step import TrainState, make_train_step
+from train.xla_flags import GPU_FLAG_SETS
 
 H100_BYTES = 84929347584  # device_memory_size of step_anatomy's H100 target (79.1 GiB)
 JAX_DEFAULT_MEM_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
@@ -231,11 +233,11 @@ def main() -> None:
         "--layers", nargs="+", default=["scanned", "unrolled"], choices=("scanned", "unrolled")
     )
     parser.add_argument("--attention", nargs="+", default=["xla", "cudnn"], choices=("xla", "cudnn"))
-    parser.add_argument("--micro-batch", nargs="+", type=int, default=[128])
+    parser.add_argument("--micro-batch", nargs="+", type=positive, default=[128])
     parser.add_argument(
         "--loss-chunk", nargs="+", type=int, default=[0], help="positions per chunk of the loss (0: none)"
     )
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--batch", type=positive, default=512)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (32000)")
     parser.add_argument(
@@ -244,6 +246,9 @@ def main() -> None:
     parser.add_argument("--xla-flag-sets", nargs="*", default=[], help="train.xla_flags.GPU_FLAG_SETS names")
     parser.add_argument("--out", default=None, help="JSON path (rewritten after every compile)")
     args = parser.parse_args()
+    check_micro_batches(parser, args.batch, args.micro_batch)
+    check_names(parser, "--xla-flag-sets", args.xla_flag_sets, list(GPU_FLAG_SETS))
+    check_out(parser, args.out)
     apply_flag_sets(args.xla_flag_sets)  # before the backend starts
 
     sharding, device = _placement(args.target)

@@ -27,6 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from _args import check_micro_batches, check_names, check_out, non_negative, positive
 from optimizer_step import _with_count
 
 import moara_jax as mj
@@ -109,26 +110,38 @@ def describe(cfg: models.ModelConfig) -> dict:
 
 def add_step_arguments(parser: argparse.ArgumentParser, steps: int = 5, warmup: int = 2) -> None:
     """The shape of the timed training step (model, batch, micro-batch, sequence, rank, block)."""
-    parser.add_argument("--model", default="llama2-350m")
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--micro-batch", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--r-base", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=steps)
-    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--model", default="llama2-350m", choices=models.list_configs())
+    parser.add_argument("--batch", type=positive, default=512)
+    parser.add_argument("--micro-batch", type=positive, default=128)
+    parser.add_argument("--seq-len", type=positive, default=256)
+    parser.add_argument("--r-base", type=positive, default=256)
+    parser.add_argument("--block-size", type=positive, default=32)
+    parser.add_argument("--steps", type=positive, default=steps)
+    parser.add_argument("--warmup", type=non_negative, default=warmup)
     parser.add_argument("--remat", default="dots", choices=REMAT_POLICIES)
     parser.add_argument(
         "--attention", default="auto", choices=("auto", "xla", "cudnn"), help="auto: cuDNN where it applies"
     )
     parser.add_argument("--layers", default="preset", choices=("preset", "scanned", "unrolled"))
     parser.add_argument(
-        "--loss-chunk", type=int, default=0, help="LM head and loss this many positions at a time (0: all)"
+        "--loss-chunk",
+        type=non_negative,
+        default=0,
+        help="LM head and loss this many positions at a time (0: all)",
     )
-    parser.add_argument("--vocab-size", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--vocab-size", type=positive, default=None, help="default: the preset's")
     parser.add_argument(
         "--xla-flag-sets", nargs="*", default=[], help="names of train.xla_flags.GPU_FLAG_SETS"
     )
+
+
+def check_step_arguments(parser: argparse.ArgumentParser, args) -> None:
+    """What ``add_step_arguments``' flags cannot check one by one, in argparse's one line."""
+    from train.xla_flags import GPU_FLAG_SETS
+
+    check_micro_batches(parser, args.batch, [args.micro_batch])
+    check_names(parser, "--xla-flag-sets", args.xla_flag_sets, list(GPU_FLAG_SETS))
+    check_out(parser, args.out)
 
 
 def compiled_peak_bytes(compiled) -> int:
@@ -150,6 +163,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="subset of optimizer names")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    check_step_arguments(parser, args)
+    check_names(parser, "--only", args.only, list(optimizers(8, 8)))
     apply_flag_sets(args.xla_flag_sets)
     cfg = model_config(args)
     result = {

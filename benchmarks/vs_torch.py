@@ -46,11 +46,13 @@ import time
 import types
 
 import jax
+from _args import check_names, positive
 from optimizer_step import _with_count
 from train_step import (
     add_step_arguments,
     apply_flag_sets,
     build_step,
+    check_step_arguments,
     compiled_peak_bytes,
     describe,
     median_ms,
@@ -269,18 +271,27 @@ JAX_RUNS = ("adamw", "galore_vanilla", "moara_full")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_step_arguments(parser, steps=10, warmup=3)
-    parser.add_argument("--refresh-steps", type=int, default=3)
+    parser.add_argument("--refresh-steps", type=positive, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.4)
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="the peer runs eagerly")
     parser.add_argument("--only", nargs="*", help=f"subset of {', '.join(PEERS + JAX_RUNS)}")
     parser.add_argument("--out", default=None, help="JSON path (a PNG chart goes beside it)")
     args = parser.parse_args()
+    check_step_arguments(parser, args)
+    check_names(parser, "--only", args.only, PEERS + JAX_RUNS)
     wanted = [n for n in PEERS + JAX_RUNS if not args.only or n in args.only]
     peers, ours = [n for n in wanted if n in PEERS], [n for n in wanted if n in JAX_RUNS]
+    needed = ["torch"] * bool(peers) + ["galore_torch"] * ("galore_torch" in peers)
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(
+            f"error: the peer runs ({', '.join(peers)}) need {', '.join(missing)}: pip install "
+            f"{' '.join(missing).replace('_', '-')} (or --only {' '.join(ours) or 'moara_full'})"
+        )
     if peers and ours:  # JAX's backend starts after the peers ran: let it allocate on demand
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     flags = apply_flag_sets(args.xla_flag_sets)
-    import torch
+    torch = importlib.import_module("torch") if peers else None  # not for the JAX side alone
 
     cfg = model_config(args)
     tokens = args.batch * args.seq_len
@@ -289,7 +300,7 @@ def main() -> None:
         "batch": args.batch,
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
-        "versions": {"jax": jax.__version__, "torch": torch.__version__},
+        "versions": {"jax": jax.__version__, "torch": torch and torch.__version__},
         "date": time.strftime("%Y-%m-%d"),
         "flop_formula": "6 x params x tokens per step (attention FLOPs not counted)",
         "xla_flags_added": flags,

@@ -3,6 +3,7 @@ timing guard, vs_torch.py's and refresh_methods.py's CPU smoke runs, the GPU ses
 readers."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -550,3 +551,114 @@ def test_sharded_step_counts_fewer_collective_bytes_with_activation_rules(tmp_pa
     rows = json.loads(out.read_text())["meshes"]
     assert rows["2x4x1"]["ratio"] < 0.5 and rows["2x2x2"]["ratio"] < 0.5, rows
     assert rows["8x1x1"]["with_rules"]["bytes"] == rows["8x1x1"]["without_rules"]["bytes"]
+
+
+@pytest.mark.parametrize(
+    "script, argv, message",
+    [
+        ("optimizer_step", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
+        ("optimizer_step", ["--only", "moara_fll"], "--only: unknown moara_fll (known: moara_full, "),
+        ("optimizer_step", ["--loop-steps", "200"], "--loop-steps must be under the refresh interval (200)"),
+        ("optimizer_step", ["--out", "."], "--out . is a directory: give a file path"),
+        ("kernel_profile", ["--only", "x"], "--only: unknown x (known: "),
+        ("train_step", ["--batch", "8", "--micro-batch", "3"], "--micro-batch 3 does not divide --batch 8"),
+        ("train_step", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        ("train_step", ["--xla-flag-sets", "bogus"], "--xla-flag-sets: unknown bogus (known: latency_hiding"),
+        ("vs_torch", ["--only", "galore"], "--only: unknown galore (known: galore_torch, adamw_torch, "),
+        ("train_anatomy", ["--batch", "8", "--micro-batch", "4", "3"], "--micro-batch 3 does not divide"),
+        ("refresh_methods", ["--methods", "svd"], "--methods: unknown svd (known: jax_randomized, "),
+        ("sharded_step", ["--meshes", "1x8"], "--meshes: '1x8' is not data x fsdp x tensor (e.g. 2x4x1)"),
+        ("sharded_step", ["--meshes", "2x4x1"], "--meshes: 2x4x1 needs 8 devices, this process has 1"),
+        ("fused_kernel", ["--size", "tiny"], "fused_kernel.py times a GPU kernel: JAX's backend is cpu"),
+        (
+            "step_anatomy",
+            ["--target=h100", "--size", "tiny"],
+            "--target h100 compiles with JAX's CUDA plugin",
+        ),
+    ],
+)
+def test_a_benchmarks_bad_arguments_are_one_line_before_any_work(script, argv, message, monkeypatch, capsys):
+    """A typo'd name ran nothing and exited 0; a zero count, a micro-batch that does not divide
+    the batch (run as another one), a mesh of the wrong size, a GPU-only script on a CPU and a
+    deviceless H100 compile without JAX's CUDA plugin each ended in a traceback, some after
+    minutes of timing."""
+    if script == "step_anatomy" and any("cuda" in p for p in _plugins()):
+        pytest.skip("JAX's CUDA plugin is installed: the H100 target compiles")
+    module = __import__(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        module.main()
+    err = capsys.readouterr().err
+    # argparse's usage, then its one error line; or sys.exit's one line (printed by Python itself)
+    last = str(e.value.code) if isinstance(e.value.code, str) else err.strip().splitlines()[-1]
+    assert e.value.code not in (0, None) and "Traceback" not in err, err
+    assert last.startswith((f"{script}.py: error: ", "error: ")) and message in last and "\n" not in last, (
+        last
+    )
+
+
+def _plugins() -> list[str]:
+    import importlib.metadata
+
+    return [d.metadata["Name"] for d in importlib.metadata.distributions() if "jax" in d.metadata["Name"]]
+
+
+def test_vs_torch_names_a_missing_peer_package_and_runs_the_jax_side_without_torch(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "galore_torch" else real(name, *a)
+    )
+    monkeypatch.setattr(sys, "argv", ["vs_torch.py", "--only", "galore_torch", "moara_full"])
+    with pytest.raises(SystemExit) as e:
+        vs_torch.main()
+    assert str(e.value) == (
+        "error: the peer runs (galore_torch) need galore_torch: pip install galore-torch "
+        "(or --only moara_full)"
+    )
+
+
+def test_gpu_session_off_smoke_stops_in_one_line_where_jax_has_no_gpu(tmp_path, monkeypatch, capsys):
+    """Without ``--smoke`` the phases time a GPU: on a machine whose JAX has none, ``env`` runs
+    (first, whatever the order asked) and nothing else does (350M at batch 512 would run on the
+    CPU until the deadline)."""
+    import gpu_session
+
+    ran = []
+    phases = dict(gpu_session.PHASES)
+    phases["env"] = (lambda s: 0.0, lambda s: ran.append("env") or {"backend": "cpu"})
+    phases["vs_torch_350m"] = (lambda s: 0.0, lambda s: ran.append("vs_torch_350m") or {})
+    monkeypatch.setattr(gpu_session, "PHASES", phases)
+    assert gpu_session.main(["--out", str(tmp_path), "--phases", "vs_torch_350m"]) == 2
+    assert ran == ["env"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "error: JAX's backend here is cpu, not a GPU: the phases time a GPU "
+        "(--smoke checks this script on a CPU)"
+    )
+
+
+def test_gpu_session_sh_leaves_wheels_of_another_python_uninstalled(tmp_path):
+    """``.whl/`` holds the GPU machine's CPython 3.12 wheels (``gpu_wheels.sh``): elsewhere pip
+    refused them and the script ended before its session; it now says so and goes on."""
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "gpu_session.sh").write_text((BENCH / "gpu_session.sh").read_text())
+    (tmp_path / "benchmarks" / "gpu_session.py").write_text("print('session ran')\n")
+    python3 = subprocess.run(
+        ["python3", "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True
+    )
+    major, minor = map(int, python3.stdout.split())  # the script's python3, which may not be this one
+    tag, other = f"cp{major}{minor}", f"cp{major}{minor + 1}"
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / f"grain-0.2.18-{other}-{other}-manylinux_2_27_x86_64.whl").write_bytes(b"")
+    proc = subprocess.run(
+        ["bash", str(tmp_path / "benchmarks" / "gpu_session.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OUT": str(tmp_path / "out")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"holds wheels for another Python than this {tag}: not installed" in proc.stderr
+    assert "session ran" in proc.stdout
