@@ -6,20 +6,33 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-session-out}"
 mkdir -p "$OUT"
-tag=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-if compgen -G ".whl/*-cp3*.whl" >/dev/null && ! compgen -G ".whl/*-${tag}-*.whl" >/dev/null; then
-  # gpu_wheels.sh's set is for the GPU machine's CPython 3.12; pip would refuse it here.
-  echo "gpu_session.sh: .whl/ holds wheels for another Python than this $tag: not installed" >&2
-elif compgen -G ".whl/*.whl" >/dev/null; then
+if compgen -G ".whl/*.whl" >/dev/null; then
+  # The wheels of this Python's tags (gpu_wheels.sh's set is for the GPU machine's CPython 3.12;
+  # pip refuses the others, and would end here).
+  mapfile -t wheels < <(python3 - .whl/*.whl <<'PY'
+import sys
+from pip._vendor.packaging.tags import sys_tags
+from pip._vendor.packaging.utils import parse_wheel_filename
+
+here = set(sys_tags())
+for path in sys.argv[1:]:
+    name = path.rsplit("/", 1)[-1]
+    if here & set(parse_wheel_filename(name)[3]):
+        print(path)
+    else:
+        print(f"gpu_session.sh: {name} is for another Python than this one: not installed", file=sys.stderr)
+PY
+)
   # The carried protobuf only where the machine's is older than grain's generated code needs
   # (5.28.3): ahead of a newer one it would break the machine's packages generated with that.
-  wheels=(.whl/*.whl)
   if python3 -c "import sys, google.protobuf as p; sys.exit(tuple(map(int, p.__version__.split('.')[:3])) < (5, 28, 3))" 2>/dev/null; then
     wheels=($(printf '%s\n' "${wheels[@]}" | grep -v '/protobuf-'))
   fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "${wheels[@]}" || exit 1
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  if ((${#wheels[@]})); then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "${wheels[@]}" || exit 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

@@ -48,7 +48,7 @@ if "h100" in sys.argv or "--target=h100" in sys.argv:
 
 import jax
 import jax.numpy as jnp
-from _args import check_micro_batches, check_names, check_out, positive
+from _args import check_micro_batches, check_names, check_out, non_negative, positive
 from train_step import apply_flag_sets, compiled_peak_bytes, optimizers
 
 import models
@@ -235,11 +235,15 @@ def main() -> None:
     parser.add_argument("--attention", nargs="+", default=["xla", "cudnn"], choices=("xla", "cudnn"))
     parser.add_argument("--micro-batch", nargs="+", type=positive, default=[128])
     parser.add_argument(
-        "--loss-chunk", nargs="+", type=int, default=[0], help="positions per chunk of the loss (0: none)"
+        "--loss-chunk",
+        nargs="+",
+        type=non_negative,
+        default=[0],
+        help="positions per chunk of the loss (0: none)",
     )
     parser.add_argument("--batch", type=positive, default=512)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=None, help="default: the preset's (32000)")
+    parser.add_argument("--seq-len", type=positive, default=256)
+    parser.add_argument("--vocab-size", type=positive, default=None, help="default: the preset's (32000)")
     parser.add_argument(
         "--optimizer", default="moara_full", choices=("adamw", "galore_vanilla", "moara_full")
     )

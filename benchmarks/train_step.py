@@ -141,7 +141,6 @@ def check_step_arguments(parser: argparse.ArgumentParser, args) -> None:
 
     check_micro_batches(parser, args.batch, [args.micro_batch])
     check_names(parser, "--xla-flag-sets", args.xla_flag_sets, list(GPU_FLAG_SETS))
-    check_out(parser, args.out)
 
 
 def compiled_peak_bytes(compiled) -> int:
@@ -165,6 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     check_step_arguments(parser, args)
     check_names(parser, "--only", args.only, list(optimizers(8, 8)))
+    check_out(parser, args.out)
     apply_flag_sets(args.xla_flag_sets)
     cfg = model_config(args)
     result = {

@@ -46,7 +46,7 @@ import time
 import types
 
 import jax
-from _args import check_names, positive
+from _args import check_names, check_out, positive
 from optimizer_step import _with_count
 from train_step import (
     add_step_arguments,
@@ -279,9 +279,10 @@ def main() -> None:
     args = parser.parse_args()
     check_step_arguments(parser, args)
     check_names(parser, "--only", args.only, PEERS + JAX_RUNS)
+    check_out(parser, args.out)
     wanted = [n for n in PEERS + JAX_RUNS if not args.only or n in args.only]
     peers, ours = [n for n in wanted if n in PEERS], [n for n in wanted if n in JAX_RUNS]
-    needed = ["torch"] * bool(peers) + ["galore_torch"] * ("galore_torch" in peers)
+    needed = ["torch", "transformers"] * bool(peers) + ["galore_torch"] * ("galore_torch" in peers)
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         sys.exit(

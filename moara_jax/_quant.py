@@ -57,6 +57,8 @@ def flax_serializable(*fields: str):
             if missing:
                 raise ValueError(f"{cls.__name__} state dict lacks {', '.join(missing)}")
             children = [serialization.from_state_dict(getattr(target, f), state[f], name=f) for f in fields]
+            if hasattr(target, "restored"):  # e.g. a state saved in another layout of the same entries
+                return target.restored(children)
             return cls.tree_unflatten(target.tree_flatten()[1], children)
 
         serialization.register_serialization_state(cls, to_state, from_state, override=True)
@@ -118,13 +120,13 @@ class Blockwise8bit:
     """An array stored as 8-bit dynamic-map codes with one float32 scale per block of entries.
 
     Each unit (the trailing axes after ``batch_ndim``, transposed first when ``transpose``) is
-    read row-major in blocks of ``block_size`` entries. Where its last axis holds whole blocks,
-    ``codes`` keeps the unit's rows, ``(*batch, rows, row)`` uint8 with ``absmax`` ``(*batch,
-    rows, row / block_size)`` float32: the same blocks as the flat layout, but sharded as the
-    array is (a flat array's shards would not line up with the gradient's, and each update would
-    gather the whole moment to every device). Otherwise ``codes`` is ``(*batch, n)`` and ``absmax``
-    ``(*batch, ceil(n / block_size))``. ``shape``, ``batch_ndim``, ``transpose``, ``signed`` and
-    ``block_size`` are static.
+    read row-major in blocks of ``block_size`` entries. Where a unit of two axes holds whole
+    blocks in each row, ``codes`` has the array's own shape (uint8; the rows swapped back for a
+    ``transpose``d unit) and ``absmax`` the block maxima in the same orientation: the blocks of
+    the flat layout, but sharded as the array is (a flat array's shards would not line up with the
+    gradient's, and each update would gather the whole moment to every device). Otherwise
+    ``codes`` is ``(*batch, n)`` and ``absmax`` ``(*batch, ceil(n / block_size))``. ``shape``,
+    ``batch_ndim``, ``transpose``, ``signed`` and ``block_size`` are static.
     """
 
     def __init__(self, codes, absmax, shape, batch_ndim, transpose, signed, block_size=BLOCK_SIZE):
@@ -145,35 +147,70 @@ class Blockwise8bit:
         return cls(*children, *aux)
 
     @staticmethod
-    def stored_shape(shape, batch_ndim: int, transpose: bool, block_size: int = BLOCK_SIZE) -> tuple:
-        """The shape of ``codes`` for an array of ``shape``: its units' rows where a row holds
-        whole blocks, else each unit flat."""
-        shape = tuple(shape)
-        unit = shape[batch_ndim:]
-        if transpose:
-            unit = unit[:-2] + (unit[-1], unit[-2])
-        if len(unit) >= 2 and unit[-1] % block_size == 0:
-            return shape[:batch_ndim] + (math.prod(unit[:-1]), unit[-1])
-        return shape[:batch_ndim] + (math.prod(unit),)
+    def in_rows(shape, batch_ndim: int, transpose: bool, block_size: int = BLOCK_SIZE) -> bool:
+        """Whether an array of ``shape`` is stored in its own shape: units of two axes whose
+        rows (the unit's last axis, after the transpose) hold whole blocks."""
+        unit = tuple(shape)[batch_ndim:]
+        return len(unit) == 2 and unit[0 if transpose else 1] % block_size == 0
 
     @classmethod
     def zeros(cls, shape, batch_ndim, transpose, signed, block_size=BLOCK_SIZE) -> Blockwise8bit:
         """All zeros (zero scales), as bitsandbytes initialises its 8-bit states."""
-        stored = cls.stored_shape(shape, batch_ndim, transpose, block_size)
-        codes = jnp.zeros(stored, jnp.uint8)
-        absmax = jnp.zeros(stored[:-1] + (-(-stored[-1] // block_size),), jnp.float32)
+        shape = tuple(shape)
+        if cls.in_rows(shape, batch_ndim, transpose, block_size):
+            blocks = -2 if transpose else -1
+            scales = list(shape)
+            scales[blocks] //= block_size
+            codes, absmax = jnp.zeros(shape, jnp.uint8), jnp.zeros(tuple(scales), jnp.float32)
+        else:
+            n = math.prod(shape[batch_ndim:])
+            codes = jnp.zeros(shape[:batch_ndim] + (n,), jnp.uint8)
+            absmax = jnp.zeros(shape[:batch_ndim] + (-(-n // block_size),), jnp.float32)
         return cls(codes, absmax, shape, batch_ndim, transpose, signed, block_size)
 
     @classmethod
     def quantize(cls, x, batch_ndim, transpose, signed, block_size=BLOCK_SIZE) -> Blockwise8bit:
-        stored = cls.stored_shape(x.shape, batch_ndim, transpose, block_size)
-        units = unit_flat(x.astype(jnp.float32), batch_ndim, transpose).reshape(stored)
-        codes, absmax = blockwise_quantize(units, dynamic_map(signed), block_size)
+        x32 = x.astype(jnp.float32)
+        if cls.in_rows(x.shape, batch_ndim, transpose, block_size):
+            rows = jnp.swapaxes(x32, -1, -2) if transpose else x32
+            codes, absmax = blockwise_quantize(rows, dynamic_map(signed), block_size)
+            if transpose:
+                codes, absmax = jnp.swapaxes(codes, -1, -2), jnp.swapaxes(absmax, -1, -2)
+        else:
+            codes, absmax = blockwise_quantize(
+                unit_flat(x32, batch_ndim, transpose), dynamic_map(signed), block_size
+            )
         return cls(codes, absmax, x.shape, batch_ndim, transpose, signed, block_size)
 
     def dequantize(self) -> jax.Array:
-        flat = blockwise_dequantize(self.codes, self.absmax, dynamic_map(self.signed), self.block_size)
+        code = dynamic_map(self.signed)
+        if self.in_rows(self.shape, self.batch_ndim, self.transpose, self.block_size):
+            swap = (lambda a: jnp.swapaxes(a, -1, -2)) if self.transpose else (lambda a: a)
+            return swap(blockwise_dequantize(swap(self.codes), swap(self.absmax), code, self.block_size))
+        flat = blockwise_dequantize(self.codes, self.absmax, code, self.block_size)
         return unit_restore(flat, self.shape, self.transpose)
+
+    def restored(self, children) -> Blockwise8bit:
+        """This array's structure with restored ``(codes, absmax)``; those of the flat layout
+        (a state saved before arrays were stored in their own shape) laid out as this one's."""
+        codes, absmax = children
+        if self.in_rows(self.shape, self.batch_ndim, self.transpose, self.block_size) and codes.ndim != len(
+            self.shape
+        ):
+            swap = (lambda a: jnp.swapaxes(a, -1, -2)) if self.transpose else (lambda a: a)
+            codes = swap(codes.reshape(swap(self.codes).shape))
+            absmax = swap(absmax.reshape(swap(self.absmax).shape))
+        return type(self)(
+            codes, absmax, self.shape, self.batch_ndim, self.transpose, self.signed, self.block_size
+        )
+
+    def torch_codes(self) -> jax.Array:
+        """The codes in the order PyTorch's 8-bit state holds them (row-major over the unit,
+        after the transpose): ``(*batch, n)``."""
+        codes = self.codes
+        if self.in_rows(self.shape, self.batch_ndim, self.transpose, self.block_size) and self.transpose:
+            codes = jnp.swapaxes(codes, -1, -2)
+        return codes.reshape(codes.shape[: self.batch_ndim] + (-1,))
 
     def __repr__(self) -> str:
         return f"Blockwise8bit(shape={self.shape}, signed={self.signed})"

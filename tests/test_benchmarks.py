@@ -584,6 +584,8 @@ def test_a_benchmarks_bad_arguments_are_one_line_before_any_work(script, argv, m
     minutes of timing."""
     if script == "step_anatomy" and any("cuda" in p for p in _plugins()):
         pytest.skip("JAX's CUDA plugin is installed: the H100 target compiles")
+    if script == "fused_kernel" and jax.default_backend() == "gpu":
+        pytest.skip("a GPU: the kernels would be timed")
     module = __import__(script)
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
     with pytest.raises(SystemExit) as e:
@@ -649,7 +651,7 @@ def test_gpu_session_sh_leaves_wheels_of_another_python_uninstalled(tmp_path):
         ["python3", "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True
     )
     major, minor = map(int, python3.stdout.split())  # the script's python3, which may not be this one
-    tag, other = f"cp{major}{minor}", f"cp{major}{minor + 1}"
+    other = f"cp{major}{minor + 1}"
     (tmp_path / ".whl").mkdir()
     (tmp_path / ".whl" / f"grain-0.2.18-{other}-{other}-manylinux_2_27_x86_64.whl").write_bytes(b"")
     proc = subprocess.run(
@@ -660,5 +662,8 @@ def test_gpu_session_sh_leaves_wheels_of_another_python_uninstalled(tmp_path):
         env={**os.environ, "OUT": str(tmp_path / "out")},
     )
     assert proc.returncode == 0, proc.stderr
-    assert f"holds wheels for another Python than this {tag}: not installed" in proc.stderr
+    assert (
+        f"grain-0.2.18-{other}-{other}-manylinux_2_27_x86_64.whl is for another Python than this one: not"
+        in proc.stderr
+    )
     assert "session ran" in proc.stdout

@@ -110,7 +110,7 @@ def _flax_tree(torch_values):
 def test_adam8bit_matches_bitsandbytes_adamw8bit():
     """Units as PyTorch holds them: a vector (5000 entries: 8-bit, a partial last block; 100:
     float32), an embedding (64 x 64: 8-bit), Dense kernels (8-bit over PyTorch's weight, its
-    transpose: rows of 96, stored flat, and of 256, stored as rows of whole blocks) and a stacked
+    transpose: rows of 96, stored flat, and of 256, stored in the kernel's shape) and a stacked
     scale (three layers of 2048 entries: float32 each, as three PyTorch vectors). The same codes
     as bitsandbytes after every step; weight decay before the step."""
     rng = np.random.default_rng(1)
@@ -131,14 +131,14 @@ def test_adam8bit_matches_bitsandbytes_adamw8bit():
             assert_matches_reference(a, b, f"step {t} {jax.tree_util.keystr(path)}")
     adam = state[0]
     assert adam.mu["head"]["kernel"].codes.shape == (64 * 96,)
-    assert adam.mu["wide"]["kernel"].codes.shape == (32, 256)  # PyTorch's rows: sharded as the kernel
-    assert adam.mu["wide"]["kernel"].absmax.shape == (32, 1)
+    assert adam.mu["wide"]["kernel"].codes.shape == (256, 32)  # the kernel's own: sharded as it is
+    assert adam.mu["wide"]["kernel"].absmax.shape == (1, 32)
     for name, leaf in (("big", "scale"), ("embed", "embedding"), ("head", "kernel"), ("wide", "kernel")):
         torch_state = opt.state[torch_params[name]]
         for ours, theirs in ((adam.mu[name][leaf], "state1"), (adam.nu[name][leaf], "state2")):
             assert isinstance(ours, mj.Blockwise8bit)
             np.testing.assert_array_equal(
-                np.asarray(ours.codes).reshape(-1), torch_state[theirs].numpy().reshape(-1)
+                np.asarray(ours.torch_codes()).reshape(-1), torch_state[theirs].numpy().reshape(-1)
             )
     assert adam.mu["small"]["scale"].dtype == jnp.float32
     assert adam.mu["norms"]["scale"].dtype == jnp.float32  # 3 x 2048, each layer under 4096
@@ -338,7 +338,7 @@ def test_moara_adamw_q_galore_vanilla_matches_q_galore_adamw8bit(torch_shape, ra
     if eight_bit:
         for ours, theirs in ((adam.dir_mu["w"], "state1"), (adam.dir_nu["w"], "state2")):
             assert isinstance(ours, mj.Blockwise8bit)
-            same = np.asarray(ours.codes).reshape(-1) == torch_state[theirs].numpy().reshape(-1)
+            same = np.asarray(ours.torch_codes()).reshape(-1) == torch_state[theirs].numpy().reshape(-1)
             assert same.mean() > 0.97, same.mean()
     else:
         assert adam.dir_mu["w"].dtype == jnp.float32
@@ -561,3 +561,18 @@ def test_a_gamma_other_than_two_grows_the_interval_as_the_reference():
         mj.q_galore_project(4, 100_000, gamma=1.00001)
     with pytest.raises(ValueError, match="gamma must be a finite number >= 1, got inf"):
         mj.q_galore_project(4, 90, gamma=float("inf"))
+
+
+def test_an_8bit_state_of_the_flat_layout_restores_in_the_kernels_shape():
+    """A state saved when every 8-bit array was stored flat (before 2026-11-27): Flax's
+    ``from_state_dict`` lays its codes and scales out in the array's shape, the same entries."""
+    from flax import serialization
+
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((256, 48)), jnp.float32)  # PyTorch rows of 256
+    ours = mj.Blockwise8bit.quantize(x, 0, True, True)
+    assert ours.codes.shape == (256, 48) and ours.absmax.shape == (1, 48)
+    flat = {"codes": ours.torch_codes(), "absmax": ours.absmax.T.reshape(-1)}  # as the flat layout held them
+    restored = serialization.from_state_dict(ours, flat)
+    assert restored.codes.shape == (256, 48) and restored.absmax.shape == (1, 48)
+    np.testing.assert_array_equal(np.asarray(restored.codes), np.asarray(ours.codes))
+    np.testing.assert_array_equal(np.asarray(restored.dequantize()), np.asarray(ours.dequantize()))

@@ -565,6 +565,12 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
             compare([base, other], tmp_path / "out")
         text = compare([base, other], tmp_path / "out", force=True)
         assert f"not comparable (--force): {why}" in text
+    # The same tokenizer under another file name: the same tokens, comparable.
+    renamed = fake_run(tmp_path, "renamed")
+    summary = json.loads((renamed / "summary.json").read_text())
+    summary["data"]["tokenizer"]["name"] = "renamed.model"
+    (renamed / "summary.json").write_text(json.dumps(summary))
+    compare([base, renamed], tmp_path / "out")
     compare([base, fake_run(tmp_path, "gpu", device="H100", session=(5, 15))], tmp_path / "out")
     err = capsys.readouterr().err
     assert "different devices (H100, cpu)" in err and "base and gpu ran at the same time" in err

@@ -227,31 +227,39 @@ def test_a_worker_killed_mid_build_is_one_line_and_a_rerun_finishes(tmp_path, mo
 # its pid and waits: the test kills the parent.
 ORPHAN = textwrap.dedent(
     """
-    import multiprocessing, time
+    import multiprocessing, os, sys, time
     from train.store import building
 
-    def worker(*args):
+    def worker(ready, *args):
         building._init_worker(*args)
+        ready.set()
         time.sleep(120)  # as a worker waits for its next piece
 
     if __name__ == "__main__":
+        ctx = multiprocessing.get_context("spawn")
+        ready = ctx.Event()
         made_with = {"dtype": "uint16", "fraction": 0.0}
-        process = multiprocessing.get_context("spawn").Process(target=worker, args=("bytes", made_with, None))
+        process = ctx.Process(target=worker, args=(ready, os.getpid(), "bytes", made_with, None))
         process.start()
+        if sys.argv[1] == "ready":  # killed once the worker is set up; else at once, maybe before
+            ready.wait(60)
         print(process.pid, flush=True)
         time.sleep(120)
     """
 )
 
 
-def test_a_tokenizing_worker_ends_when_its_build_is_killed(tmp_path):
+@pytest.mark.parametrize("when", ["ready", "at once"])
+def test_a_tokenizing_worker_ends_when_its_build_is_killed(when, tmp_path):
     """A build killed with SIGKILL cannot stop its workers: each ends on its own once its parent
-    has gone (``_init_worker``), so that none goes on writing into the store a rerun continues."""
+    has gone (``_init_worker``), so that none goes on writing into the store a rerun continues;
+    also when the build is killed before the worker has set itself up."""
     script = tmp_path / "orphan.py"
     script.write_text(ORPHAN)
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), when], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     worker = int(proc.stdout.readline())
-    assert alive(worker, wait_s=1.0)  # set up and waiting while its parent lives
+    if when == "ready":
+        assert alive(worker, wait_s=1.0)  # set up and waiting while its parent lives
     proc.kill()
     proc.wait()
     survived = alive(worker)
@@ -452,10 +460,14 @@ def test_an_input_of_the_same_name_and_size_elsewhere_must_have_the_same_bytes(t
     with monkeypatch.context() as m:  # recorded as a copy: not hashed at the next start
         m.setattr(token_store.reading.sources, "file_sha256", lambda path: pytest.fail(f"hashed {path}"))
         open_store(files_section(moved, store=str(tmp_path / "s")), quiet=True)
+    # The original, no longer named, edited at its size: the copies are what is read.
+    original = pathlib.Path(paths[0])
+    original.write_bytes(original.read_bytes().swapcase())
+    assert open_store(files_section(moved, store=str(tmp_path / "s")), quiet=True).splits["train"].tokens
     other = tmp_path / "c"
     other.mkdir()
     swapped = other / "part-00.jsonl"
-    swapped.write_bytes(pathlib.Path(paths[0]).read_bytes().swapcase())
+    swapped.write_bytes(pathlib.Path(moved[0]).read_bytes().swapcase())
     with pytest.raises(UserError) as e:
         open_store(files_section([str(swapped), paths[1]], store=str(tmp_path / "s")), quiet=True)
     assert str(e.value).startswith(
@@ -478,8 +490,11 @@ def test_a_stores_identity_is_its_tokens_not_its_tokenizers_file_name(tmp_path, 
     ]
     assert made[0].store.tokenizer["name"] != made[1].store.tokenizer["name"]
     assert made[0].identity() == made[1].identity()
-    assert made[0].identities()[0] == made[0].identity()
-    assert made[0].identities()[1] != made[1].identities()[1]  # the former hash: with the name
+    for data in made:  # the former hash, as checkpoints saved before hold it: the whole tokenizer entry
+        m = data.store.manifest
+        shards = {s: [sh["sha256"] for sh in m["splits"][s]["shards"]] for s in token_store.SPLITS}
+        former = json.dumps({"tokenizer": m["tokenizer"], "shards": shards}, sort_keys=True)
+        assert data.identities() == (data.identity(), hashlib.sha256(former.encode()).hexdigest())
 
 
 def test_sentencepiece_store_and_uint32_for_large_vocabularies(tmp_path, sp_model):

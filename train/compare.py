@@ -17,6 +17,7 @@ import sys
 from train.errors import UserError, cli, io_operation
 from train.plots import pyplot
 from train.rundir import METRICS, SUMMARY, RunDir, check_directory_path
+from train.store.reading import IDENTITY_KEYS
 
 
 def load_run(run_dir: pathlib.Path) -> dict:
@@ -48,6 +49,14 @@ def eval_rows(run: RunDir) -> list[dict]:
     return run.evals()
 
 
+def _identity(key: str, value):
+    """What decides whether two runs' data settings are the same: a tokenizer's identity (its
+    kind, file hash, vocabulary and special tokens; not its file's name), a hash as it is."""
+    if key == "tokenizer" and isinstance(value, dict):
+        return {k: value.get(k) for k in IDENTITY_KEYS}
+    return value
+
+
 def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
     """``(refusals, warnings)``: what makes the runs' numbers not comparable, and what makes
     their wall-clock times doubtful."""
@@ -58,7 +67,7 @@ def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
             refusals.append(f"{run['name']} did not complete (status: {run['status']})")
         data = run["summary"].get("data", {})
         for key, what in (("tokenizer", "tokenizer"), ("validation_sha256", "validation data")):
-            if key in base and key in data and data[key] != base[key]:
+            if key in base and key in data and _identity(key, data[key]) != _identity(key, base[key]):
                 refusals.append(f"{run['name']} has another {what} than {runs[0]['name']}")
     kinds = {run["summary"].get("device_kind") for run in runs} - {None}
     if len(kinds) > 1:

@@ -61,9 +61,10 @@ def _setup(tokenizer: str, made_with: dict, counters) -> None:
     )
 
 
-def _init_worker(*args) -> None:
+def _init_worker(parent: int, *args) -> None:
+    """A worker's set-up; ``parent``: the building process's pid (given, not read here: the
+    build may have been killed before this runs)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles interruption
-    parent = os.getppid()
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     _setup(*args)
 
@@ -344,7 +345,10 @@ def _run(p: Plan, shards: pathlib.Path, workers: int, quiet: bool) -> list[dict]
         # An executor, not multiprocessing.Pool: a worker the system kills (out of memory) breaks
         # it and fails the waits, where a Pool would replace the worker and lose its piece silently.
         pool = futures.ProcessPoolExecutor(
-            min(workers, len(todo)), mp_context=ctx, initializer=_init_worker, initargs=initargs
+            min(workers, len(todo)),
+            mp_context=ctx,
+            initializer=_init_worker,
+            initargs=(os.getpid(), *initargs),
         )
         results = iter([pool.submit(tokenize_piece, job) for job in jobs])
     try:

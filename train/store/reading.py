@@ -210,17 +210,20 @@ class TokenStore:
                 f"({_source_difference(self.manifest['source'], p.source)}): remove the store, or give "
                 "data.store (train.prepare --out) another directory"
             )
-        if p is not None and (self._check_inputs_unchanged() | self._check_inputs_are_its_own(p)):
+        if p is not None and (self._check_inputs_unchanged(p) | self._check_inputs_are_its_own(p)):
             with contextlib.suppress(OSError):  # not hashed again at the next start, where writable
                 write_manifest(self.directory, self.manifest)
 
-    def _check_inputs_unchanged(self) -> bool:
-        """An input at the path it was read from, its size the same but modified since (a store
-        recognises its inputs by name and size): hashed again, and refused if its bytes differ.
-        Whether one was hashed (and its new time recorded)."""
+    def _check_inputs_unchanged(self, p: Plan) -> bool:
+        """An input the data section names at the path it was read from, its size the same but
+        modified since (a store recognises its inputs by name and size): hashed again, and
+        refused if its bytes differ. Whether one was hashed (and its new time recorded)."""
         verified = False
+        named = _named_files(p)
         for entry in self.manifest.get("inputs", []):
             path = pathlib.Path(entry["path"])
+            if path not in named:  # (one of another machine's paths, or a copy's original)
+                continue
             try:
                 st = path.stat()
             except OSError:  # another machine's path: the name and size matched
@@ -245,7 +248,7 @@ class TokenStore:
         entries = self.manifest.get("inputs", [])
         recorded = {pathlib.Path(e["path"]) for e in entries}
         verified = False
-        for named in dict.fromkeys(pathlib.Path(q.path) for q in p.pieces if q.kind == "file"):
+        for named in _named_files(p):
             st = named.stat()
             alike = [
                 e for e in entries if pathlib.Path(e["path"]).name == named.name and e["size"] == st.st_size
@@ -266,6 +269,11 @@ class TokenStore:
         return verified
 
 
+def _named_files(p: Plan) -> list[pathlib.Path]:
+    """The input files a plan reads, in order, each once."""
+    return list(dict.fromkeys(pathlib.Path(q.path) for q in p.pieces if q.kind == "file"))
+
+
 def _source_difference(made: dict, asked: dict) -> str:
     """What differs between the source a store was made from and the one asked for, in words."""
     if made.get("kind") != asked.get("kind"):
@@ -274,15 +282,16 @@ def _source_difference(made: dict, asked: dict) -> str:
     for key in ("inputs", "validation_inputs"):
         then, now = dict(map(tuple, made.get(key, []))), dict(map(tuple, asked.get(key, [])))
         field = "data.paths" if key == "inputs" else "data.validation_paths"
-        for name in then.keys() - now.keys():
-            said.append(f"{field} no longer names {name}")
-        for name in now.keys() - then.keys():
-            said.append(f"{field} names {name}, which the store did not read")
-        for name in then.keys() & now.keys():
-            if then[name] != now[name]:
-                said.append(f"{name} was {then[name]:,} bytes, now {now[name]:,}")
-        if not said and list(then) != list(now):
-            said.append(f"{field} names its files in another order")
+        here = [f"{field} no longer names {name}" for name in then.keys() - now.keys()]
+        here += [f"{field} names {name}, which the store did not read" for name in now.keys() - then.keys()]
+        here += [
+            f"{n} was {then[n]:,} bytes, now {now[n]:,}"
+            for n in then.keys() & now.keys()
+            if then[n] != now[n]
+        ]
+        if not here and list(then) != list(now):
+            here.append(f"{field} names its files in another order")
+        said += here
     for key in sorted((made.keys() | asked.keys()) - {"kind", "inputs", "validation_inputs"}):
         if made.get(key) != asked.get(key):
             said.append(f"{key} {made.get(key)!r}, now {asked.get(key)!r}")
