@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -347,9 +348,19 @@ def main() -> None:
 
 
 def _write(path: str | None, result: dict) -> None:
+    """``result`` as JSON, a figure not measured (NaN: ``--in-jit-only``, ``--refresh-repeats 0``)
+    as null: strict JSON readers refuse NaN."""
     if path:
         with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(_nan_as_none(result), f, indent=2, allow_nan=False)
+
+
+def _nan_as_none(x):
+    if isinstance(x, dict):
+        return {k: _nan_as_none(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_nan_as_none(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 if __name__ == "__main__":

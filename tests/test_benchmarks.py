@@ -667,3 +667,20 @@ def test_gpu_session_sh_leaves_wheels_of_another_python_uninstalled(tmp_path):
         in proc.stderr
     )
     assert "session ran" in proc.stdout
+
+
+def test_optimizer_step_writes_a_figure_not_measured_as_null_not_nan(tmp_path):
+    """``--in-jit-only`` and ``--refresh-repeats 0`` leave figures unmeasured: strict JSON
+    readers (``json.loads(..., parse_constant=...)``, JavaScript) refuse NaN."""
+    out = tmp_path / "r.json"
+    optimizer_step._write(
+        str(out), {"ms": {"adamw": {"plain": float("nan"), "in_jit": 1.5}}, "ratio": [float("nan")]}
+    )
+
+    def refuse(name):
+        raise ValueError(f"{name} in the JSON")
+
+    assert json.loads(out.read_text(), parse_constant=refuse) == {
+        "ms": {"adamw": {"plain": None, "in_jit": 1.5}},
+        "ratio": [None],
+    }
