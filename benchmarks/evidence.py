@@ -63,6 +63,7 @@ CODE = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(CODE))
 
 import yaml  # noqa: E402
+from _processes import kill_group  # noqa: E402  (this script's folder: sys.path[0])
 
 from train import sweep  # noqa: E402
 from train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
@@ -807,15 +808,6 @@ class Runner:
         lines.append(f"device-seconds per training step: {describe_costs(sharing_costs(self.measured()))}")
         for line in lines:
             self.say(line)
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """Kills a process started with ``start_new_session`` and every process of its group (a run's
-    data-loading workers, train.prepare's tokenizing workers)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the group has gone already
-        pass
 
 
 def _trim(path: pathlib.Path) -> None:

@@ -37,14 +37,12 @@ Usage (see gpu_session.sh, which installs the carried wheels first):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
 import re
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +54,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
+
+from _processes import kill_group  # noqa: E402
 
 from train.rundir import RunDir  # noqa: E402  (neither starts a JAX backend)
 from train.xla_flags import GPU_FLAG_SETS  # noqa: E402
@@ -139,8 +139,7 @@ class Session:
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = None
-        with contextlib.suppress(ProcessLookupError):  # at the deadline, or helpers it left behind
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)  # at the deadline, or helpers it left behind
         if rc is None:
             out, _ = proc.communicate()
         return rc, out or ""

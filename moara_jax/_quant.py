@@ -106,6 +106,12 @@ def unit_flat(x: jax.Array, batch_ndim: int, transpose: bool) -> jax.Array:
     return x.reshape(x.shape[:batch_ndim] + (-1,))
 
 
+def _as_rows(a: jax.Array, transpose: bool) -> jax.Array:
+    """The last two axes swapped for a ``transpose``d unit (a Flax kernel as PyTorch's rows, and
+    back: a transpose is its own inverse), else ``a``."""
+    return jnp.swapaxes(a, -1, -2) if transpose else a
+
+
 def unit_restore(flat: jax.Array, shape: tuple[int, ...], transpose: bool) -> jax.Array:
     """Inverse of :func:`unit_flat` for an array of ``shape``."""
     if transpose:
@@ -172,21 +178,23 @@ class Blockwise8bit:
     def quantize(cls, x, batch_ndim, transpose, signed, block_size=BLOCK_SIZE) -> Blockwise8bit:
         x32 = x.astype(jnp.float32)
         if cls.in_rows(x.shape, batch_ndim, transpose, block_size):
-            rows = jnp.swapaxes(x32, -1, -2) if transpose else x32
-            codes, absmax = blockwise_quantize(rows, dynamic_map(signed), block_size)
-            if transpose:
-                codes, absmax = jnp.swapaxes(codes, -1, -2), jnp.swapaxes(absmax, -1, -2)
+            codes, absmax = blockwise_quantize(_as_rows(x32, transpose), dynamic_map(signed), block_size)
+            codes, absmax = _as_rows(codes, transpose), _as_rows(absmax, transpose)
         else:
             codes, absmax = blockwise_quantize(
                 unit_flat(x32, batch_ndim, transpose), dynamic_map(signed), block_size
             )
         return cls(codes, absmax, x.shape, batch_ndim, transpose, signed, block_size)
 
+    @property
+    def _stored_in_rows(self) -> bool:
+        return self.in_rows(self.shape, self.batch_ndim, self.transpose, self.block_size)
+
     def dequantize(self) -> jax.Array:
         code = dynamic_map(self.signed)
-        if self.in_rows(self.shape, self.batch_ndim, self.transpose, self.block_size):
-            swap = (lambda a: jnp.swapaxes(a, -1, -2)) if self.transpose else (lambda a: a)
-            return swap(blockwise_dequantize(swap(self.codes), swap(self.absmax), code, self.block_size))
+        if self._stored_in_rows:
+            rows = functools.partial(_as_rows, transpose=self.transpose)
+            return rows(blockwise_dequantize(rows(self.codes), rows(self.absmax), code, self.block_size))
         flat = blockwise_dequantize(self.codes, self.absmax, code, self.block_size)
         return unit_restore(flat, self.shape, self.transpose)
 
@@ -194,12 +202,10 @@ class Blockwise8bit:
         """This array's structure with restored ``(codes, absmax)``; those of the flat layout
         (a state saved before arrays were stored in their own shape) laid out as this one's."""
         codes, absmax = children
-        if self.in_rows(self.shape, self.batch_ndim, self.transpose, self.block_size) and codes.ndim != len(
-            self.shape
-        ):
-            swap = (lambda a: jnp.swapaxes(a, -1, -2)) if self.transpose else (lambda a: a)
-            codes = swap(codes.reshape(swap(self.codes).shape))
-            absmax = swap(absmax.reshape(swap(self.absmax).shape))
+        if self._stored_in_rows and codes.ndim != len(self.shape):
+            rows = functools.partial(_as_rows, transpose=self.transpose)
+            codes = rows(codes.reshape(rows(self.codes).shape))
+            absmax = rows(absmax.reshape(rows(self.absmax).shape))
         return type(self)(
             codes, absmax, self.shape, self.batch_ndim, self.transpose, self.signed, self.block_size
         )
@@ -207,9 +213,7 @@ class Blockwise8bit:
     def torch_codes(self) -> jax.Array:
         """The codes in the order PyTorch's 8-bit state holds them (row-major over the unit,
         after the transpose): ``(*batch, n)``."""
-        codes = self.codes
-        if self.in_rows(self.shape, self.batch_ndim, self.transpose, self.block_size) and self.transpose:
-            codes = jnp.swapaxes(codes, -1, -2)
+        codes = _as_rows(self.codes, self.transpose) if self._stored_in_rows else self.codes
         return codes.reshape(codes.shape[: self.batch_ndim] + (-1,))
 
     def __repr__(self) -> str:

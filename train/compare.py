@@ -17,7 +17,7 @@ import sys
 from train.errors import UserError, cli, io_operation
 from train.plots import pyplot
 from train.rundir import METRICS, SUMMARY, RunDir, check_directory_path
-from train.store.reading import IDENTITY_KEYS
+from train.store.reading import tokenizer_key
 
 
 def load_run(run_dir: pathlib.Path) -> dict:
@@ -53,7 +53,7 @@ def _identity(key: str, value):
     """What decides whether two runs' data settings are the same: a tokenizer's identity (its
     kind, file hash, vocabulary and special tokens; not its file's name), a hash as it is."""
     if key == "tokenizer" and isinstance(value, dict):
-        return {k: value.get(k) for k in IDENTITY_KEYS}
+        return tokenizer_key(value)
     return value
 
 

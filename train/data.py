@@ -94,7 +94,7 @@ class Data:
         shards' (both splits, in order). Equal for a store built again from the same inputs,
         wherever it and its tokenizer lie; a resume that finds another refuses (the restored
         iterator would index other windows)."""
-        return self._hash({k: self.store.tokenizer.get(k) for k in token_store.IDENTITY_KEYS})
+        return self._hash(token_store.tokenizer_key(self.store.tokenizer))
 
     def identities(self) -> tuple[str, str]:
         """``identity()``, and the hash checkpoints made before it left out the tokenizer's name

@@ -23,7 +23,14 @@ from train.sources import make_tokenizer
 from train.store.building import Interrupted, build, default_workers, tokenize_piece
 from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
 from train.store.planning import Piece, Plan, expand_paths, plan
-from train.store.reading import IDENTITY_KEYS, TokenStore, TokenStream, read_manifest, skipped_records
+from train.store.reading import (
+    IDENTITY_KEYS,
+    TokenStore,
+    TokenStream,
+    read_manifest,
+    skipped_records,
+    tokenizer_key,
+)
 
 if TYPE_CHECKING:
     from train.config import DataSection
@@ -50,6 +57,7 @@ __all__ = [
     "skipped_records",
     "store_dir",
     "tokenize_piece",
+    "tokenizer_key",
 ]
 
 

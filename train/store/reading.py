@@ -180,6 +180,12 @@ class TokenStream:
 IDENTITY_KEYS = ("kind", "sha256", "vocab_size", "eos_id", "settings")
 
 
+def tokenizer_key(identity: dict) -> dict:
+    """What of a tokenizer identity decides the tokens (``IDENTITY_KEYS``; not its file's name):
+    two stores, runs or checkpoints with equal keys have the same tokenizer."""
+    return {k: identity.get(k) for k in IDENTITY_KEYS}
+
+
 class TokenStore:
     """A complete store directory opened for reading (cheap: the manifest and one memory map
     per shard; nothing is read until windows are)."""
@@ -196,9 +202,7 @@ class TokenStore:
     def check(self, p: Plan | None, tokenizer_identity: dict) -> None:
         """Refuses a store made with another tokenizer or (when ``p`` is given) from other inputs
         or split settings, in one line naming both."""
-        mine = {k: self.tokenizer.get(k) for k in IDENTITY_KEYS}
-        theirs = {k: tokenizer_identity.get(k) for k in IDENTITY_KEYS}
-        if mine != theirs:
+        if tokenizer_key(self.tokenizer) != tokenizer_key(tokenizer_identity):
             raise UserError(
                 f"token store {self.directory} was made with tokenizer "
                 f"{sources.describe_tokenizer(self.tokenizer)}, but data.tokenizer is "
@@ -226,7 +230,7 @@ class TokenStore:
                 continue
             try:
                 st = path.stat()
-            except OSError:  # another machine's path: the name and size matched
+            except OSError:  # gone since the plan read its size
                 continue
             if "mtime_ns" not in entry or st.st_mtime_ns == entry["mtime_ns"] or st.st_size != entry["size"]:
                 continue
