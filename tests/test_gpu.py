@@ -186,3 +186,31 @@ def test_donated_sharded_step_keeps_shardings_and_equals_the_undonated_step():
     assert int(given.step) == 3
     for a, b in zip(jax.tree.leaves(given.params), jax.tree.leaves(kept.params), strict=True):
         assert rel_err(np.asarray(a, np.float32), np.asarray(b, np.float32)) < 1e-2
+
+
+def test_the_step_loop_moves_values_to_the_host_only_where_it_means_to(monkeypatch, tmp_path):
+    """``python -m train``'s steps (the tiny config on the GPU) with JAX's device-to-host guard
+    set to refuse implicit transfers: each read of the device's values in the loop is an
+    explicit ``jax.device_get`` (one per step's metrics, one per evaluation), so none waits on
+    the device unnoticed (a stray ``float(x)`` of a device array would raise here; on a CPU
+    nothing is transferred, hence a GPU test). Orbax's save copies the state out in its own way
+    and is let through; it runs only at the steps that save."""
+    from test_train import FAST, run_cli
+
+    from train import checkpoint, loop
+
+    steps, save = loop.StepLoop._steps, checkpoint.Checkpointer.save
+
+    def guarded_steps(self, *args, **kwargs):
+        with jax.transfer_guard_device_to_host("disallow"):
+            return steps(self, *args, **kwargs)
+
+    def allowed_save(self, *args, **kwargs):
+        with jax.transfer_guard_device_to_host("allow"):
+            return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(loop.StepLoop, "_steps", guarded_steps)
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", allowed_save)
+    proc = run_cli(tmp_path / "run", *FAST, "train.log_every=1", check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "completed: 12 steps" in proc.stdout + proc.stderr

@@ -241,13 +241,119 @@ def test_an_allocation_profiled_at_another_r_base_moves_that_r_base_s_rank(tmp_p
     profiled["ranks"].update(q=8, k=8, up=32)
     path = tmp_path / "allocation.json"
     path.write_text(json.dumps(profiled))
-    assert read_allocation(str(path), 16) == profiled["ranks"]
-    assert read_allocation(str(path), 32) == {**dict.fromkeys(types, 32), "q": 16, "k": 16, "up": 64}
+    assert read_allocation(str(path), 16, tuple(types)) == profiled["ranks"]
+    want = {**dict.fromkeys(types, 32), "q": 16, "k": 16, "up": 64}
+    assert read_allocation(str(path), 32, tuple(types)) == want
     lines = describe(load_config(TINY, [f"optimizer.rank_allocation={path}", "optimizer.r_base=32"]))
     assert next(line for line in lines.splitlines() if "up_proj" in line).split()[-3:] == ["up", "64", "-"]
     path.write_text(json.dumps({"ranks": profiled["ranks"], "r_base": 16}))
-    with pytest.raises(UserError, match="profiled at r_base 16, this run's is 32, and it names no donors"):
-        read_allocation(str(path), 32)
+    with pytest.raises(UserError, match="profiled at r_base 16, this run's is 32; it names no donors"):
+        read_allocation(str(path), 32, tuple(types))
+
+
+LLAMA_TYPES = ("q", "k", "v", "o", "up", "gate", "down")
+MLA_TYPES = ("o", "up", "gate", "down", "q_a", "q_b", "kv_a", "kv_b")
+
+
+def test_an_allocation_moves_rank_on_another_family_through_the_structural_mapping(tmp_path):
+    """The paper applies the Llama 2 profile's rule to DeepSeek-V2, whose q_b and kv_b donate
+    where Llama's q and k do: a Llama file on an MLA model (and an MLA file on a Llama model)
+    moves the rank between those types and keeps the model's budget; a file that names a type
+    the model has no counterpart of, or ranks that add to the budget, are refused in one line.
+    The trainer's banner and summary use these ranks."""
+    from train.step import read_allocation
+
+    path = tmp_path / "allocation.json"
+    ranks = {**dict.fromkeys(LLAMA_TYPES, 16), "q": 8, "k": 8, "down": 32}
+    path.write_text(json.dumps({"r_base": 16, "donors": ["q", "k"], "receivers": ["down"], "ranks": ranks}))
+    on_mla = read_allocation(str(path), 16, MLA_TYPES)
+    assert on_mla == {**dict.fromkeys(MLA_TYPES, 16), "q_b": 8, "kv_b": 8, "down": 32}
+    assert sum(on_mla.values()) == 16 * len(MLA_TYPES)
+    mla = {"r_base": 16, "donors": ["q_b", "kv_b"], "receivers": ["down"], "ranks": on_mla}
+    path.write_text(json.dumps(mla))
+    assert read_allocation(str(path), 16, LLAMA_TYPES) == ranks
+    path.write_text(json.dumps({**mla, "receivers": ["q_a"]}))  # Llama has no counterpart of q_a
+    with pytest.raises(
+        UserError, match=r"allocation.json: this model has no \['q_a'\] \(this model's module"
+    ):
+        read_allocation(str(path), 16, LLAMA_TYPES)
+    path.write_text(json.dumps({**mla, "donors": ["q_b", "q"]}))  # both are Llama's q
+    with pytest.raises(UserError, match=r"are the same module types of this model twice \(\['q', 'q'\]\)"):
+        read_allocation(str(path), 16, LLAMA_TYPES)
+    path.write_text(json.dumps({"r_base": 16, "ranks": on_mla}))  # no rule to move on another family
+    with pytest.raises(UserError, match="its module types are .* this model's .*; it names no donors"):
+        read_allocation(str(path), 16, LLAMA_TYPES)
+    path.write_text(json.dumps({"r_base": 16, "ranks": {**ranks, "down": 40}}))
+    with pytest.raises(
+        UserError, match="ranks sum to 120, not the budget of 7 module types x r_base 16 = 112"
+    ):
+        read_allocation(str(path), 16, LLAMA_TYPES)
+
+    # The trainer on DeepSeek-V2's tiny preset with the Llama file: the MLA ranks, in the summary.
+    path.write_text(json.dumps({"r_base": 16, "donors": ["q", "k"], "receivers": ["down"], "ranks": ranks}))
+    run_cli(
+        tmp_path / "run",
+        *FAST,
+        "train.steps=2",
+        "model.name=deepseek-v2-tiny",
+        f"optimizer.rank_allocation={path}",
+    )
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["ranks"]["per_module"] == on_mla
+
+
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        ({"ranks": {"q": 2.9}}, "ranks must be positive integers, got {'q': 2.9}"),
+        ({"ranks": {"q": True}}, "ranks must be positive integers, got {'q': True}"),
+        ({"ranks": {"q": 0}}, "ranks must be positive integers, got {'q': 0}"),
+        ({"ranks": {"q": 8}, "r_base": "16"}, "r_base must be a positive integer, got '16'"),
+        ({"ranks": {"q": 8}, "donors": "qk"}, "donors must be a list of module types, got 'qk'"),
+        ({"ranks": {"q": 8}, "receivers": [1]}, "receivers must be a list of module types, got [1]"),
+        ({"ranks": {}}, 'it holds no "ranks" object of module types and ranks'),
+        ([1, 2], 'it holds no "ranks" object of module types and ranks'),
+    ],
+)
+def test_an_allocation_file_of_wrong_values_is_refused_naming_it(content, says, tmp_path):
+    """Values a file could hold by mistake are refused, not coerced (2.9 was rank 2, true rank 1,
+    the string "qk" the donors q and k), in one line naming the file."""
+    from train.step import read_allocation
+
+    path = tmp_path / "allocation.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(UserError) as e:
+        read_allocation(str(path), 16, LLAMA_TYPES)
+    assert str(e.value) == f"optimizer.rank_allocation: {path} is not a valid allocation file: {says}"
+
+
+@pytest.mark.parametrize(
+    "donors,types,want",
+    [
+        (["q", "k"], MLA_TYPES, ["q_b", "kv_b"]),  # the default, on MLA
+        (["q"], MLA_TYPES, ["q_b"]),
+        (["k", "v"], MLA_TYPES, r"profile.donors: this model has no \['v'\]$"),
+        (["q", "q_b"], LLAMA_TYPES, r"profile.donors: \['q', 'q_b'\] are the same module types of this"),
+        (["q_b", "kv_b"], LLAMA_TYPES, ["q", "k"]),
+    ],
+)
+def test_profile_donors_map_onto_the_model_or_are_refused(donors, types, want):
+    """``profile.donors`` the model lacks are their structural counterparts, or refused (a donor
+    was dropped silently before: q and q_b on Llama profiled with q alone); receivers are the
+    lowest S_tau, a tie going to the type first in the paper's order, and the outputs list the
+    module types in that order."""
+    from train.profile import choose_allocation
+
+    cfg = load_config(TINY, [f"profile.donors={json.dumps(donors)}"])
+    s_tau = dict.fromkeys(reversed(types), 0.5)  # all tied, listed in the reverse order
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            choose_allocation(s_tau, cfg)
+        return
+    allocation = choose_allocation(s_tau, cfg)
+    assert allocation["donors"] == want and list(allocation["s_tau"]) == list(types)
+    assert allocation["receivers"] == [next(t for t in types if t not in want)]
+    assert sum(allocation["ranks"].values()) == len(types) * cfg.optimizer.r_base
 
 
 def test_labels_of_a_profile_config_are_what_profiling_runs():
@@ -382,7 +488,7 @@ def test_sweep_then_compare(tmp_path):
         (["mode=profile", "profile.donors=[q,q]"], "profile.donors: repeated module types in ['q', 'q']"),
         (
             ["mode=profile", "profile.donors=[q_a,kv_b]"],
-            "profile.donors: none of ['q_a', 'kv_b'] is a module type of this model",
+            "profile.donors: this model has no ['q_a'] (module types of this model: ['q', 'k', 'v', 'o'",
         ),
         (
             ["mode=profile", "profile.num_receivers=6"],
@@ -987,6 +1093,54 @@ def write_jsonl(path, n, seed):
     rng = np.random.default_rng(seed)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
     path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 60))}) + "\n" for _ in range(n)))
+
+
+def recorded_loop(monkeypatch) -> list[tuple[str, int]]:
+    """The trainer's step loop, recording in order each step it dispatches and each step whose
+    metrics it reads (``("dispatch", k)``, ``("read", k)``)."""
+    from train import loop
+
+    events, init, read = [], loop.StepLoop.__init__, loop.StepLoop.read_metrics
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        step_fn = self.step_fn
+
+        def dispatch(state, batch):
+            events.append(("dispatch", self.step + 1))
+            return step_fn(state, batch)
+
+        self.step_fn = dispatch
+
+    def recording_read(self, step, metrics):
+        events.append(("read", step))
+        return read(self, step, metrics)
+
+    monkeypatch.setattr(loop.StepLoop, "__init__", recording_init)
+    monkeypatch.setattr(loop.StepLoop, "read_metrics", recording_read)
+    return events
+
+
+@pytest.mark.parametrize("mode", ["train", "profile"])
+def test_the_host_reads_a_steps_metrics_only_after_dispatching_the_next(mode, monkeypatch, tmp_path):
+    """The host never waits for the step it just dispatched (issue 22: the loop keeps the device
+    busy): it reads step k's metrics after dispatching step k+1, except at the steps that
+    evaluate or save and at the last, which read their own first. A profile's alignments come
+    with its metrics at the steps it records."""
+    events = recorded_loop(monkeypatch)
+    profile = ["mode=profile", "profile.steps=12", "profile.every=3"]
+    sets = [*FAST, "train.log_every=1"] + profile * (mode == "profile")
+    run_cli(tmp_path / "run", *sets)  # 12 steps, evaluating every 6, saving every 4
+    assert [k for e, k in events if e == "dispatch"] == list(range(1, 13)), events
+    assert sorted(k for e, k in events if e == "read") == list(range(1, 13)), events
+    at_once = {4, 6, 8, 12}
+    for step in range(1, 13):
+        before = events[: events.index(("read", step))]
+        latest = max(k for e, k in before if e == "dispatch")
+        assert latest == (step if step in at_once else step + 1), (step, events)
+    if mode == "profile":
+        alignment = json.loads((tmp_path / "run" / "alignment.json").read_text())
+        assert alignment["steps"] == [3, 6, 9, 12] and set(alignment["s_tau"]) >= {"q", "down"}
 
 
 def test_evaluation_reads_each_validation_window_once(tmp_path):

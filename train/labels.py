@@ -38,7 +38,7 @@ def describe(cfg, vocab_size: int | None = None) -> str:
     profiling = cfg.mode == "profile"  # what it measures: uniform ranks, no decomposition
     rows = {}
     if opt.name != "adamw":
-        rows = {r["path"]: r for r in Allocation.of(opt, profiling).table(opt, params)}
+        rows = {r["path"]: r for r in Allocation.of(opt, params, profiling).table(opt, params)}
     lines = [
         f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}"
         + ("" if opt.name == "adamw" or opt.host == "galore" else f" on {opt.host}")
@@ -61,7 +61,8 @@ def describe(cfg, vocab_size: int | None = None) -> str:
         label = row["module"] if row else "adamw"
         decay = "-" if decays is None else ("yes" if decays else "no")
         lines.append(f"{key:64s} {str(tuple(x.shape)):>22s} {label:>6s} {rank:>11s} {decay:>5s}")
-    state = jax.eval_shape(make_optimizer(opt, 0.01, cfg.train.grad_clip, profiling=profiling).init, params)
+    tx = make_optimizer(opt, 0.01, cfg.train.grad_clip, profiling=profiling, abstract_params=params)
+    state = jax.eval_shape(tx.init, params)
     sizes = mj.state_bytes(state)
     lines.append(
         "optimizer state (MiB): "

@@ -25,7 +25,6 @@ import optax
 
 import moara_jax as mj
 import models
-from moara_jax._labels import OTHER
 from train import profile as profiling
 from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
@@ -56,6 +55,7 @@ from train.step import (
     make_optimizer,
     make_train_step,
     mean_nll,
+    module_types,
     schedule,
 )
 
@@ -210,18 +210,25 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock) -> Setup:
     profiling_mode = cfg.mode == "profile"
     abstract_params = models.abstract_params(model_cfg)
     try:
-        tx = make_optimizer(cfg.optimizer, lr, t.grad_clip, profiling=profiling_mode, peak_lr=t.lr)
+        tx = make_optimizer(
+            cfg.optimizer,
+            lr,
+            t.grad_clip,
+            profiling=profiling_mode,
+            peak_lr=t.lr,
+            abstract_params=abstract_params,
+        )
         # Shape checks that need the model (e.g. Q-GaLore's group sizes) run at init.
         abstract_opt = jax.eval_shape(tx.init, abstract_params)
     except ValueError as e:
         raise UserError(f"optimizer: {e}") from None
     if profiling_mode:  # the allocation the profile will write, tried now on the model's module types
-        types = set(jax.tree.leaves(mj.label_tree(abstract_params))) - {OTHER}
+        types = module_types(abstract_params)
         try:
-            profiling.choose_allocation(dict.fromkeys(sorted(types), 0.0), cfg)
+            profiling.choose_allocation(dict.fromkeys(types, 0.0), cfg)
         except ValueError as e:
             said = str(e) if str(e).startswith("profile.") else f"profile: {e}"
-            raise UserError(f"{said} (module types of this model: {sorted(types)})") from None
+            raise UserError(f"{said} (module types of this model: {list(types)})") from None
     p_shard = param_shardings(models.logical_axes(model_cfg), abstract_params, mesh)
     o_shard = state_shardings(abstract_opt, mesh, abstract_params, p_shard)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -350,7 +357,7 @@ def rank_summary(setup: Setup) -> dict | None:
     opt = setup.cfg.optimizer
     if opt.name == "adamw":
         return None
-    rows = Allocation.of(opt, setup.profiling).table(opt, setup.abstract_params)
+    rows = Allocation.of(opt, setup.abstract_params, setup.profiling).table(opt, setup.abstract_params)
     return {
         "per_module": {r["module"]: r["requested"] for r in rows},
         "clipped": [r for r in rows if r["used"] < r["requested"]],
@@ -571,12 +578,17 @@ class StepLoop:
         """The schedule's value, computed on the host's CPU: on an accelerator it would queue
         behind the step just dispatched and make the host wait for it."""
         with jax.default_device(self._cpu):
-            return float(self._lr(count))
+            return float(jax.device_get(self._lr(count)))
 
     def read_metrics(self, step: int, metrics) -> Stop | None:
         """Reads one step's metrics (waiting for that step only), checks them, logs them."""
         t, total = self.setup.cfg.train, self.setup.total_steps
-        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        recording = self.recorder is not None and step % self.setup.cfg.profile.every == 0
+        # One explicit transfer of what this step's reading needs (a profile's alignments only at
+        # the steps it records): the host waits for this step once, not once per value.
+        wanted = ("loss", "grad_norm", "alignment") if recording else ("loss", "grad_norm")
+        host = jax.device_get({k: metrics[k] for k in wanted})
+        loss, grad_norm = float(host["loss"]), float(host["grad_norm"])
         now = time.perf_counter()
         dt, self.last_done = now - self.last_done, now
         step_lr = self.host_lr(step - 1)
@@ -584,8 +596,8 @@ class StepLoop:
         if stop is not None:
             return stop
         self.checked = step
-        if self.recorder is not None and step % self.setup.cfg.profile.every == 0:
-            self.recorder.record(step, metrics["alignment"], self.setup.abstract_params)
+        if recording:
+            self.recorder.record(step, host["alignment"])
             self.writer.scalars(step, {f"alignment/S_{k}": v[-1] for k, v in self.recorder.values.items()})
         if step % t.log_every == 0 or step == total:
             tokens_per_s = self.setup.tokens_per_step / dt
@@ -611,7 +623,7 @@ class StepLoop:
         if self.guard.suspicious:
             self.writer.note(f"step {step}: no checkpoint while the gradient norm is exactly 0")
             return None
-        if not bool(all_finite(state.params)):
+        if not bool(jax.device_get(all_finite(state.params))):
             return Stop("nan", f"non-finite parameters after step {step}", step + 1)
         extra = {
             "iterator": self.batches.state(drawn_ahead),

@@ -1,4 +1,5 @@
-"""Profiling (Algorithm 1, Phases 1-3): uniform-rank GaLore records ``S(W, t)`` every ``x`` steps;
+"""Profiling (Algorithm 1, Phases 1-3): the configured host (the paper's: GaLore) with uniform ranks
+and no decomposition records ``S(W, t)`` every ``x`` steps;
 ``S_tau`` per module type (mean over matrices, layers and profiling steps, plus an EMA-smoothed
 trajectory) gives the receivers (lowest ``S_tau``) of the allocation file a training run reads."""
 
@@ -15,7 +16,7 @@ from train.config import RunConfig
 from train.errors import io_operation
 from train.plots import pyplot
 from train.rundir import ALIGNMENT, ALIGNMENT_PLOT, ALLOCATION
-from train.step import donor_delta
+from train.step import donor_delta, on_model, paper_order
 
 
 class AlignmentRecorder:
@@ -25,7 +26,7 @@ class AlignmentRecorder:
         self.values: dict[str, list[float]] = defaultdict(list)
         self.smoothed: dict[str, list[float]] = defaultdict(list)
 
-    def record(self, step: int, per_matrix: dict, abstract_params=None) -> None:
+    def record(self, step: int, per_matrix: dict) -> None:
         by_module: dict[str, list[float]] = defaultdict(list)
         for path, s in per_matrix.items():
             label = mj.module_label(path)
@@ -48,17 +49,17 @@ class AlignmentRecorder:
         self.smoothed = defaultdict(list, {k: list(v) for k, v in state["smoothed"].items()})
 
     def s_tau(self) -> dict[str, float]:
-        return {k: float(np.mean(v)) for k, v in self.values.items()}
+        """Each module type's mean alignment over the recorded steps, in the paper's order."""
+        return {k: float(np.mean(self.values[k])) for k in paper_order(self.values)}
 
 
 def choose_allocation(s_tau: dict[str, float], cfg: RunConfig) -> dict:
-    """Receivers: the ``num_receivers`` lowest-``S_tau`` types that are not donors."""
-    donors = [d for d in cfg.profile.donors if d in s_tau]
-    if not donors and {"q_b", "kv_b"} <= set(s_tau):  # MLA
-        donors = ["q_b", "kv_b"]
-    if not donors:
-        raise ValueError(f"profile.donors: none of {cfg.profile.donors} is a module type of this model")
-    candidates = sorted((t for t in s_tau if t not in donors), key=lambda t: s_tau[t])
+    """Receivers: the ``num_receivers`` lowest-``S_tau`` types that are not donors (a tie goes to
+    the type first in the paper's order). Donors the model lacks are taken by their structural
+    counterparts (``profile.donors`` q and k are MLA's q_b and kv_b), else refused."""
+    types = paper_order(s_tau)
+    donors = on_model("profile.donors", list(cfg.profile.donors), types)
+    candidates = sorted((t for t in types if t not in donors), key=lambda t: s_tau[t])
     if cfg.profile.num_receivers > len(candidates):
         raise ValueError(
             f"profile.num_receivers ({cfg.profile.num_receivers}) is more than the {len(candidates)} "
@@ -67,14 +68,14 @@ def choose_allocation(s_tau: dict[str, float], cfg: RunConfig) -> dict:
     receivers = candidates[: cfg.profile.num_receivers]
     r_base = cfg.optimizer.r_base
     delta = donor_delta(r_base, len(donors), len(receivers))
-    ranks = mj.allocate_ranks(r_base, list(s_tau), donors, receivers, delta)
+    ranks = mj.allocate_ranks(r_base, types, donors, receivers, delta)
     return {
         "r_base": r_base,
         "delta": delta,
         "donors": donors,
         "receivers": receivers,
         "ranks": ranks,
-        "s_tau": s_tau,
+        "s_tau": {t: s_tau[t] for t in types},
     }
 
 
@@ -85,8 +86,8 @@ def write_outputs(rec: AlignmentRecorder, run_dir: pathlib.Path, cfg: RunConfig)
     alignment = {
         "steps": rec.steps,
         "s_tau": s_tau,
-        "trajectories": {k: v for k, v in rec.values.items()},
-        "ema": {k: v for k, v in rec.smoothed.items()},
+        "trajectories": {k: rec.values[k] for k in s_tau},
+        "ema": {k: rec.smoothed[k] for k in s_tau},
         "ema_decay": rec.ema,
         "block_size": cfg.optimizer.block_size,
         "r_base": cfg.optimizer.r_base,
@@ -107,7 +108,7 @@ def _plot(rec: AlignmentRecorder, path: pathlib.Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label in sorted(rec.values):
+    for label in paper_order(rec.values):
         ax.plot(rec.steps, rec.smoothed[label], label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("S (EMA)")

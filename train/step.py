@@ -13,6 +13,8 @@ import optax
 
 import moara_jax as mj
 import models
+from moara_jax._labels import OTHER
+from moara_jax._validate import is_int
 from train.config import OptimizerSection, RunConfig, host_settings
 from train.errors import UserError
 
@@ -46,31 +48,98 @@ def donor_delta(r_base: int, donors: int, receivers: int) -> int:
     return delta
 
 
-def read_allocation(path: str, r_base: int) -> dict[str, int]:
-    """Per-module ranks from a profiling run's ``allocation.json``: its ranks where it was profiled
-    at this ``r_base``; at another (the paper profiles 350M once and keeps which module types
-    donate and receive at 1B and 7B, whose ranks follow their own ``r_base``), its donors and
-    receivers with this ``r_base``'s transfer."""
+# The paper's structural mapping between the donors of a Llama-style block and of MLA's (DeepSeek-V2
+# donates from Q(b) and KV(b) where Llama donates from q and k, Section 4.1), both ways: an
+# allocation profiled on one family applies to the other through it.
+STRUCTURAL = {"q": "q_b", "k": "kv_b", "q_b": "q", "kv_b": "k"}
+
+
+def paper_order(types) -> tuple[str, ...]:
+    """Module type names in the paper's order (``moara_jax.MODULE_TYPES``: q k v o up gate down,
+    then MLA's), others after them by name."""
+    types = set(types)
+    return tuple(t for t in mj.MODULE_TYPES if t in types) + tuple(sorted(types - set(mj.MODULE_TYPES)))
+
+
+def module_types(abstract_params) -> tuple[str, ...]:
+    """The module types of a model's parameters, in the paper's order."""
+    return paper_order(set(jax.tree.leaves(mj.label_tree(abstract_params))) - {OTHER})
+
+
+def on_model(what: str, names: list[str], types: tuple[str, ...]) -> list[str]:
+    """Module type ``names`` on a model of ``types``: one the model lacks by its structural
+    counterpart (``STRUCTURAL``); one still missing, or two that land on the same type, refused
+    (``ValueError`` naming ``what``)."""
+    mapped = [n if n in types else STRUCTURAL.get(n, n) for n in names]
+    missing = [n for n, m in zip(names, mapped, strict=True) if m not in types]
+    if missing:
+        raise ValueError(f"{what}: this model has no {missing}")
+    if len(set(mapped)) != len(mapped):
+        raise ValueError(f"{what}: {names} are the same module types of this model twice ({mapped})")
+    return mapped
+
+
+def _allocation_file(path: str) -> tuple[dict[str, int], int | None, list[str], list[str]]:
+    """An allocation file's ranks, ``r_base`` (None where it has none), donors and receivers,
+    each of the type it must have (a rank of 2.9, ``true`` or a string of names is refused)."""
+    where = f"optimizer.rank_allocation: {path} is not a valid allocation file"
     try:
         data = json.loads(pathlib.Path(path).read_text())
-        ranks = {str(k): int(v) for k, v in data["ranks"].items()}
-        profiled = int(data.get("r_base", r_base))
-        donors, receivers = ([str(t) for t in data.get(key) or ()] for key in ("donors", "receivers"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"optimizer.rank_allocation: {path} is not a valid allocation file ({e})") from None
-    if profiled == r_base:
-        return ranks
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{where} ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("ranks"), dict) or not data["ranks"]:
+        raise UserError(f'{where}: it holds no "ranks" object of module types and ranks')
+    bad = {k: v for k, v in data["ranks"].items() if not is_int(v)}
+    if bad:
+        raise UserError(f"{where}: ranks must be positive integers, got {bad}")
+    profiled = data.get("r_base")
+    if profiled is not None and not is_int(profiled):
+        raise UserError(f"{where}: r_base must be a positive integer, got {profiled!r}")
+    groups = []
+    for key in ("donors", "receivers"):
+        names = data.get(key) or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise UserError(f"{where}: {key} must be a list of module types, got {names!r}")
+        groups.append(names)
+    return dict(data["ranks"]), profiled, *groups
+
+
+def read_allocation(path: str, r_base: int, types: tuple[str, ...]) -> dict[str, int]:
+    """Per-module ranks for a model of module ``types`` from a profiling run's ``allocation.json``:
+    its ranks where it was profiled at this ``r_base`` on these module types (they must keep the
+    budget, ``len(types) * r_base``); otherwise its donors and receivers, with this ``r_base``'s
+    transfer, on this model's types (the paper profiles Llama 2 350M once and keeps which types
+    donate and receive at 1B and 7B, whose ranks follow their own ``r_base``, and on the other
+    families, DeepSeek-V2's MLA through ``STRUCTURAL``)."""
+    ranks, profiled, donors, receivers = _allocation_file(path)
+    where = f"optimizer.rank_allocation: {path}"
+    if set(ranks) == set(types) and profiled in (None, r_base):
+        budget = len(types) * r_base
+        if sum(ranks.values()) != budget:
+            raise UserError(
+                f"{where}: its ranks sum to {sum(ranks.values())}, not the budget of {len(types)} module "
+                f"types x r_base {r_base} = {budget} (an allocation moves rank between module types, "
+                "it adds none)"
+            )
+        return {t: ranks[t] for t in types}
     if not donors or not receivers:
+        differs = []
+        if profiled not in (None, r_base):
+            differs.append(f"profiled at r_base {profiled}, this run's is {r_base}")
+        if set(ranks) != set(types):
+            differs.append(f"its module types are {list(ranks)}, this model's {list(types)}")
         raise UserError(
-            f"optimizer.rank_allocation: {path} was profiled at r_base {profiled}, this run's is "
-            f"{r_base}, and it names no donors and receivers to move rank between at {r_base}"
+            f"{where}: {'; '.join(differs)}; it names no donors and receivers to move rank between "
+            "on this run's"
         )
     try:
+        donors, receivers = on_model(where, donors, types), on_model(where, receivers, types)
         return mj.allocate_ranks(
-            r_base, list(ranks), donors, receivers, donor_delta(r_base, len(donors), len(receivers))
+            r_base, types, donors, receivers, donor_delta(r_base, len(donors), len(receivers))
         )
     except ValueError as e:
-        raise UserError(f"optimizer.rank_allocation: {path}: {e}") from None
+        said = str(e) if str(e).startswith(where) else f"{where}: {e}"
+        raise UserError(f"{said} (this model's module types: {list(types)})") from None
 
 
 @dataclass(frozen=True)
@@ -81,14 +150,17 @@ class Allocation:
     ranks: dict[str, int] | None  # per-module ranks of a profiling run's allocation file
 
     @classmethod
-    def of(cls, opt: OptimizerSection, profiling: bool = False) -> Allocation:
-        """``uniform``, ``default`` or the path of an allocation file; a profiling run (which
-        measures uniform-rank GaLore) always gets uniform ranks."""
+    def of(cls, opt: OptimizerSection, abstract_params, profiling: bool = False) -> Allocation:
+        """``uniform``, ``default`` or the path of an allocation file, for the model of
+        ``abstract_params``; a profiling run (which measures uniform ranks) always gets uniform
+        ranks."""
         if profiling or opt.rank_allocation == "uniform":
             return cls(False, None)
         if opt.rank_allocation == "default":
             return cls(True, None)
-        return cls(False, read_allocation(opt.rank_allocation, opt.r_base))
+        if abstract_params is None:
+            raise TypeError("an allocation file is read for a model: give its abstract_params")
+        return cls(False, read_allocation(opt.rank_allocation, opt.r_base, module_types(abstract_params)))
 
     def table(self, opt: OptimizerSection, abstract_params) -> list[dict]:
         """``moara_jax.rank_table`` of a model's parameters under this allocation."""
@@ -116,13 +188,16 @@ def make_optimizer(
     *,
     profiling: bool = False,
     peak_lr: float | None = None,
+    abstract_params=None,
 ) -> optax.GradientTransformation:
     """AdamW, or GaLore/MoARa on the configured host (GaLore, Fira, Q-GaLore, OSD, LDAdam or
-    SubTrack++), per the config; ``profiling``: uniform-rank GaLore (what a profile measures)."""
+    SubTrack++), per the config; ``profiling``: what a profile measures, the configured host with
+    uniform ranks and no decomposition. An allocation file (``optimizer.rank_allocation``) is read
+    for the model of ``abstract_params`` (required then)."""
     if opt.name == "adamw":
         tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask=decay_mask(opt))
     else:
-        allocation = Allocation.of(opt, profiling)
+        allocation = Allocation.of(opt, abstract_params, profiling)
         tx = mj.moara_adamw(
             lr,
             r_base=opt.r_base,
