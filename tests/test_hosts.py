@@ -350,3 +350,75 @@ def test_a_host_written_before_decay_masks_runs_without_one_and_is_refused_one_t
         assert f"add a decay_mask=None parameter to {method}" in message, message
     # A host that overrides neither (the README's) takes a mask.
     mj.moara_adamw(0.1, r_base=4, block_size=8, host="frozen_galore", weight_decay_mask=mask).init(_params())
+
+
+@pytest.mark.parametrize("name", ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
+def test_a_nan_gradient_entry_shows_in_the_parameters_on_every_host(name):
+    """One NaN entry in one step's gradient reaches the parameters as NaN and stays, on every host
+    (as under ``optax.adamw``), where a user or the trainer's guard sees it. Q-GaLore's 8-bit
+    weight grid coded it as a finite value (NaN's code is 0): the weights of its group moved by
+    up to 3 times their init scale and nothing showed."""
+    rng = np.random.default_rng(0)
+    params = {"self_attn": {"q_proj": {"kernel": jnp.asarray(rng.normal(size=(64, 64)) * 0.02, jnp.float32)}}}
+    tx = mj.moara_adamw(1e-3, r_base=16, host=name, decompose=False, update_proj_gap=4, rank_allocation=False)
+    state, update = tx.init(params), jax.jit(tx.update)
+    for t in range(4):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 1e-3, p.dtype), params)
+        if t == 1:
+            grads = jax.tree.map(lambda g: g.at[3, 5].set(jnp.nan), grads)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        kernel = np.asarray(params["self_attn"]["q_proj"]["kernel"])
+        assert np.isnan(kernel).any() == (t >= 1), (t, np.isnan(kernel).sum())
+
+
+@pytest.mark.parametrize("name", ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
+def test_float16_parameters_step_as_float32_ones_do(name):
+    """float16 parameters and gradients of 1e-3: every host's updates (a target matrix and a
+    norm) stay within float16's rounding of the float32 run's. With moments in float16,
+    ``(1 - b2) g^2`` (about 1e-9) flushed to zero and Adam's updates came out 4 to 11 times too
+    large; they are kept in float32 (``moment_dtype``), as ``mu_dtype=float32`` would."""
+    rng = np.random.default_rng(0)
+    shapes = {"self_attn": {"q_proj": {"kernel": (64, 64)}}, "norm": {"scale": (64,)}}
+    params = jax.tree.map(lambda s: rng.normal(size=s) * 0.02, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    grads = [jax.tree.map(lambda p: rng.normal(size=p.shape) * 1e-3, params) for _ in range(4)]
+    got = {}
+    for dtype in (jnp.float16, jnp.float32):
+        cast = lambda tree, dtype=dtype: jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)  # noqa: E731
+        tx = mj.moara_adamw(
+            1e-2, r_base=16, block_size=16, host=name, update_proj_gap=2, rank_allocation=False
+        )
+        p, state = cast(params), tx.init(cast(params))
+        got[dtype] = []
+        for g in grads:
+            u, state = tx.update(cast(g), state, p)
+            p = optax.apply_updates(p, u)
+            got[dtype].append(jax.tree.map(lambda x: np.asarray(x, np.float64), u))
+    # float16 rounds the gradients (2**-11 relative) ahead of the bases' SVD and Adam's first,
+    # sign-like steps, and Q-GaLore's grids round coarser: the updates differ by up to 12% at
+    # the first step; moments flushed to zero made them 4 to 11 times too large.
+    for step, (half, full) in enumerate(zip(got[jnp.float16], got[jnp.float32], strict=True)):
+        for a, b in zip(jax.tree.leaves(half), jax.tree.leaves(full), strict=True):
+            err = np.linalg.norm(a - b) / np.linalg.norm(b)
+            assert err < 0.2, (name, step, err)
+
+
+@pytest.mark.parametrize("name", ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
+def test_an_integer_matrix_under_a_target_name_is_left_to_adamw(name):
+    """An integer kernel named like a projection (a step counter, a quantized copy) has no
+    gradient to project: it is labelled ``other`` and gets what ``optax.adamw`` gives it, on
+    every host (OSD failed deep in JAX, "grad requires real- or complex-valued inputs")."""
+    params = {
+        "self_attn": {
+            "q_proj": {"kernel": jnp.ones((64, 64), jnp.int32)},
+            "k_proj": {"kernel": jnp.ones((64, 64), jnp.float32)},
+        }
+    }
+    assert mj.label_tree(params)["self_attn"] == {"q_proj": {"kernel": "other"}, "k_proj": {"kernel": "k"}}
+    tx = mj.moara_adamw(1e-2, r_base=8, block_size=8, host=name, rank_allocation=False)
+    grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), params)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    want, _ = optax.adamw(1e-2).update(grads, optax.adamw(1e-2).init(params), params)
+    q = updates["self_attn"]["q_proj"]["kernel"]
+    assert q.dtype == want["self_attn"]["q_proj"]["kernel"].dtype
+    assert np.isfinite(np.asarray(updates["self_attn"]["k_proj"]["kernel"])).all()

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._adam import _torch_adam_from, pytorch_adam, torch_adam_direction
+from moara_jax._adam import _torch_adam_from, moment_dtype, pytorch_adam, torch_adam_direction
 from moara_jax._labels import unboxed
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
@@ -141,8 +141,8 @@ def ldadam(
             low = lead + ((r, fan_out) if ldadam_side(m.shape) == "in" else (fan_in, r))
             mag = u.mag if isinstance(u, Decomposed) else None
             fields["basis"].append(jnp.zeros(lead + (d, r), m.dtype))
-            fields["dir_mu"].append(jnp.zeros(low, mu_dtype or m.dtype))
-            fields["dir_nu"].append(jnp.zeros(low, mu_dtype or m.dtype))
+            fields["dir_mu"].append(jnp.zeros(low, mu_dtype or moment_dtype(m.dtype)))
+            fields["dir_nu"].append(jnp.zeros(low, mu_dtype or moment_dtype(m.dtype)))
             fields["mag_mu"].append(None if mag is None else jnp.zeros(mag.shape, mag_dtype))
             fields["mag_nu"].append(None if mag is None else jnp.zeros(mag.shape, mag_dtype))
             fields["error"].append(jnp.zeros(m.shape, m.dtype) if error_feedback else None)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._adam import _torch_adam_from, inner_adam, torch_adam_direction
+from moara_jax._adam import _torch_adam_from, inner_adam, moment_dtype, torch_adam_direction
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
     _check_args,
@@ -71,13 +71,6 @@ def pca_loss(basis: jax.Array, g: jax.Array, side: str) -> jax.Array:
     return jnp.sum(jnp.square(recon - x))
 
 
-def _moment_dtype(dtype) -> jnp.dtype:
-    """The dtype of a basis's AdamW moments: the basis's, but float32 for float16, whose range
-    would flush the second moment ``(1 - b2) g^2`` of small PCA gradients to zero (the step
-    then divides by ``eps`` alone and the basis blows up)."""
-    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
-
-
 def _adamw_step(p, mu, nu, step, lr, b1, b2, eps, weight_decay):
     """``torch.optim.AdamW``'s update of ``p`` from moments already updated at ``step`` (float32
     math, the result in ``p``'s dtype)."""
@@ -117,7 +110,7 @@ def osd_project(
     def init_fn(params):
         basis = zero_bases("osd_project", params, rank_fn, name_fn)
         # Two trees of their own: a state whose leaves share a buffer cannot be donated.
-        mu, nu = (jax.tree.map(lambda b: jnp.zeros_like(b, _moment_dtype(b.dtype)), basis) for _ in range(2))
+        mu, nu = (jax.tree.map(lambda b: jnp.zeros_like(b, moment_dtype(b.dtype)), basis) for _ in range(2))
         return OSDProjectState(jnp.zeros([], jnp.int32), basis, mu, nu, jnp.zeros([], jnp.float32))
 
     def update_fn(updates, state, params=None):

@@ -325,7 +325,9 @@ def quantize_weights(
             flat = new.reshape(new.shape[:-2] + (-1,)) if new.ndim >= 2 else new
             key = jax.random.fold_in(base, i) if stochastic else None
             q = group_dequantize(*group_quantize(flat, group_size, bits, key))
-            q = unit(q.reshape(new.shape))
+            # A non-finite weight stays so: its code would be a finite grid value (NaN's a 0),
+            # and a NaN gradient would corrupt the weight silently instead of showing.
+            q = unit(jnp.where(jnp.isfinite(flat), q, flat).reshape(new.shape))
             out.append((q - p.astype(jnp.float32)).astype(u.dtype))
         return treedef.unflatten(out), QuantizeWeightsState(optax.safe_increment(state.count))
 
