@@ -29,13 +29,16 @@ After two runs in a row end without a result no run is started, but those runnin
 end; an error stops and records what runs and still packs what finished. Runs go to
 ``.evidence/runs`` (git-ignored); runs already finished in ``RESULTS`` (committed) or there are
 skipped. The runs share an XLA compilation cache (``.evidence/xla-cache``): the seeds of a
-condition compile one program. After each finished run, the small files of every finished run
+condition compile one program; the token store goes to ``.evidence/cache`` (``MOARA_JAX_CACHE``,
+unless set), not the home directory. After each finished run, the small files of every finished run
 (``PACKED``; never checkpoints) and the session's record go into one archive,
 ``OUT/evidence.tar.gz``, beside the log ``OUT/evidence.log``, so a command cut short loses no
 finished run. The log ends with a table: each run's status, wall time, final ppl and tokens/s.
 
-``unpack`` puts an archive's runs into ``RESULTS`` (a run already finished there is kept) and
-writes the reports: ``train.sweep``'s report (``report.md``, ``report.json``, ``report.png``) per
+``unpack`` puts an archive's runs into ``RESULTS`` (a run already finished there is kept; an
+archive holding a run the plan does not have, or one whose config is not what the plan gives it,
+is refused whole, as ``stage``, ``status`` and ``run`` refuse such run dirs already in place: they
+would count as done and be reported as the plan's) and writes the reports: ``train.sweep``'s report (``report.md``, ``report.json``, ``report.png``) per
 experiment, and ``profile.md`` (``S_tau`` order against the paper's Table 5,
 ``tab:profiling_length``) for profiling runs.
 """
@@ -204,6 +207,36 @@ def check_entry(path: pathlib.Path, entry) -> None:
 def run_config(plan: Plan, planned: Planned) -> dict:
     """The resolved config of a planned run (validated, as ``python -m train`` resolves it)."""
     return sweep.run_config(plan.base, planned.run)
+
+
+def differs_from_plan(plan: Plan, planned: Planned, config: dict) -> list[str]:
+    """The settings a run's saved ``config`` has other than the plan now gives it (``key: old ->
+    new``), as a sweep compares them (``train.sweep.check_reuse``: not how it was split over
+    devices or what it recorded along the way)."""
+    from train.config import changed_settings
+
+    return changed_settings(config, run_config(plan, planned), ignoring=sweep.OPERATIONAL)
+
+
+def check_finished_runs(plan: Plan, root: pathlib.Path) -> None:
+    """Refuses, in one line, run dirs of the plan (committed, or on this machine) whose config
+    differs from the plan's for them: they would be skipped as done and reported as this plan's
+    (a base config edited after runs were committed, a rehearsal's runs left in place)."""
+    stale = []
+    for planned in plan.runs:
+        for run_dir in (root / plan.results, root / SCRATCH / "runs"):
+            run = RunDir(run_dir / planned.experiment / planned.run.name)
+            if run.state() != "new" and run.config_file.is_file():
+                changed = differs_from_plan(plan, planned, run.config())
+                if changed:
+                    stale.append(
+                        f"{run.path} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
+                    )
+    if stale:
+        raise UserError(
+            f"{len(stale)} run dir(s) of the plan hold runs of other settings than it gives them now: "
+            f"{'; '.join(stale)}; remove them, or restore the plan's configs"
+        )
 
 
 def kind_of(config: dict) -> tuple:
@@ -413,9 +446,14 @@ def install_wheels(wheels: pathlib.Path, site: pathlib.Path, say) -> bool:
     return True
 
 
-def child_env(site: pathlib.Path | None, concurrency: int, xla_cache: str | None) -> dict:
-    """The environment of the training processes: this one's as it was when ``main`` started."""
+def child_env(
+    site: pathlib.Path | None, concurrency: int, xla_cache: str | None, stores: pathlib.Path
+) -> dict:
+    """The environment of the training processes: this one's as it was when ``main`` started, the
+    token stores (``train.prepare``'s and the runs') under ``stores`` unless the caller set
+    ``MOARA_JAX_CACHE`` (not in the home directory, which a bare machine may not let it write)."""
     env = dict(ORIGINAL_ENV or os.environ)
+    env.setdefault("MOARA_JAX_CACHE", str(stores))
     paths = [str(CODE)] + ([str(site)] if site else []) + [p for p in [env.get("PYTHONPATH")] if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONUNBUFFERED"] = "1"
@@ -484,7 +522,7 @@ class Runner:
         self.xla_cache = {None: str(self.root / SCRATCH / "xla-cache"), "none": None}.get(
             args.xla_cache, args.xla_cache
         )
-        env = child_env(self.site, 1, None)
+        env = child_env(self.site, 1, None, self.root / SCRATCH / "cache")
         self.versions = versions()
         self.device = device_name()
         self.session.update(versions=self.versions, device=self.device)
@@ -585,7 +623,7 @@ class Runner:
         # of a run stopped at the budget's end says how far it got.
         args = sweep.train_args(self.plan.base, planned.run, run_dir, [], resumed)
         log = (run_dir / TRAIN_LOG).open("ab")
-        env = child_env(self.site, level, self.xla_cache)
+        env = child_env(self.site, level, self.xla_cache, self.root / SCRATCH / "cache")
         # Its own process group, so that a kill reaches its data-loading workers too.
         proc = subprocess.Popen(
             [sys.executable, "-m", "train", *args],
@@ -704,22 +742,22 @@ class Runner:
         return level
 
     def next_start(self, planned: Planned, running: list[Running], measured: list[Measured]):
-        """``(level, estimate, basis)`` for starting ``planned`` now, or ``None`` with the level's
-        estimate and basis when it must wait or does not fit. The level's memory share must be free
+        """``(level, estimate, basis)`` for starting ``planned`` now, or ``None`` with the smallest
+        estimate tried and its basis when it must wait or does not fit. The level's memory share must be free
         (runs started at a lower level hold a larger one); under ``auto``, a run that does not fit
         at the chosen level may start at a lower one (alone, no gain from sharing is assumed)."""
         chosen = self.level(measured)
         lower = [n for n in reversed(LEVELS) if n < chosen] if self.args.concurrent == "auto" else []
         held = sum(r.fraction for r in running)
-        first = None
+        least = None  # the smallest estimate that did not fit (what a refusal names)
         for level in (chosen, *lower):
             if len(running) >= level or held + MEMORY / level > MEMORY + 1e-9:
                 continue
             est, basis = self.estimate(planned, measured, level)
-            first = first or (est, basis)
             if est <= self.left() - RESERVE_S:
                 return level, est, basis
-        return None, *(first or (None, None))
+            least = (est, basis) if least is None or est < least[0] else least
+        return None, *(least or (None, None))
 
     def schedule(self, running: list[Running]) -> None:
         """Starts the next runs in the plan's order while they fit in the budget, packs after each
@@ -833,6 +871,7 @@ def cmd_run(args) -> int:
     sharing = f"auto, up to {args.max_concurrent}" if args.concurrent == "auto" else args.concurrent
     say(f"plan {args.plan}; budget {runner.budget:.0f}s; runs at a time: {sharing}; root {root}")
     try:
+        check_finished_runs(plan, root)
         runner.setup()
     except UserError as e:  # in the archived log too, beside the session's record
         say(f"error: {e}")
@@ -888,6 +927,7 @@ def cmd_stage(args) -> int:
     root = pathlib.Path(args.root).resolve()
     shared = pathlib.Path(args.shared)
     checkout_files(root)  # before any copy: what is staged must travel from a checkout
+    check_finished_runs(plan, root)  # here, not on the GPU machine
     copied = 0
     for pattern in data_inputs(load_config([str(plan.base)])):
         rel = pathlib.PurePosixPath(pattern)
@@ -943,6 +983,21 @@ def unpack(archive: pathlib.Path, root: pathlib.Path, plan: Plan) -> tuple[list[
                 runs.setdefault(rest[:2], []).append(m)
             else:
                 raise UserError(f"{archive}: unexpected member {m.name!r}")
+        planned = {(p.experiment, p.run.name): p for p in plan.runs}
+        refused = []
+        for key, members in sorted(runs.items()):
+            if key not in planned:
+                refused.append(f"{'/'.join(key)} is no run of the plan")
+                continue
+            config = next((m for m in members if pathlib.PurePosixPath(m.name).name == CONFIG), None)
+            saved = yaml.safe_load(tar.extractfile(config).read()) if config is not None else None
+            changed = (
+                differs_from_plan(plan, planned[key], saved) if isinstance(saved, dict) else ["no config"]
+            )
+            if changed:
+                refused.append(f"{'/'.join(key)} has other settings ({', '.join(changed[:3])})")
+        if refused:
+            raise UserError(f"{archive}: nothing unpacked: {'; '.join(refused)}")
         added, kept = [], []
         for (experiment, name), members in sorted(runs.items()):
             dest = root / plan.results / experiment / name
@@ -1051,6 +1106,7 @@ def cmd_report(args) -> int:
 def cmd_status(args) -> int:
     plan = load_plan(pathlib.Path(args.plan))
     root = pathlib.Path(args.root).resolve()
+    check_finished_runs(plan, root)
     measured = [m for p in plan.runs if (m := measure(root / plan.results / p.experiment / p.run.name))]
     for planned in plan.runs:
         state = RunDir(root / plan.results / planned.experiment / planned.run.name).state()

@@ -5,6 +5,7 @@ the next runs' state and estimates from there, and the reports written from it."
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 import types
 
 import pytest
+import yaml
 from helpers import alive
 
 from train.rundir import RunDir
@@ -737,3 +739,63 @@ def test_stage_outside_a_git_checkout_is_one_line_before_any_copy(tmp_path):
     code, err = evidence_cli("stage", "--plan", plan, "--root", root, "--shared", shared, "--no-wheels")
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: --root {root} is not a git checkout")
     assert not list(root.iterdir())
+
+
+def finished_run(run_dir: pathlib.Path, config: dict) -> None:
+    """A completed run's files as a run of ``config`` leaves them (what the checks read)."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps": 4}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 0.5, "wall_s": 1.0}) + "\n")
+
+
+def test_runs_of_other_settings_than_the_plans_are_refused_not_counted_as_done(tmp_path):
+    """A run dir of the plan whose config is not what the plan gives that run now (a base edited
+    after runs were committed, a rehearsal's runs unpacked into the repository) would be skipped
+    as done and reported as the plan's: stage, status and run refuse it in one line naming it and
+    what differs, and unpack refuses an archive holding such a run, or a run of no plan, before
+    writing anything. What a run records or how it was split over devices is no difference."""
+    plan_path = tiny_setting(tmp_path)
+    plan = evidence.load_plan(plan_path)
+    root = tmp_path / "repo"
+    profile, full = plan.runs[0], plan.runs[1]
+    committed = root / plan.results / full.experiment / full.run.name
+    config = evidence.run_config(plan, full)
+    finished_run(committed, {**config, "metrics": {**config["metrics"], "writers": ["tensorboard"]}})
+    evidence.check_finished_runs(plan, root)  # the same settings: done
+    edited = (
+        (plan_path.parent / "base.yaml").read_text().replace("steps: 4, batch_size", "steps: 6, batch_size")
+    )
+    (plan_path.parent / "base.yaml").write_text(edited)
+    plan = evidence.load_plan(plan_path)
+    with pytest.raises(evidence.UserError, match=rf"{committed} \(train.steps: 4 -> 6\); remove them"):
+        evidence.check_finished_runs(plan, root)
+    run = ["run", "--out", tmp_path / "out", "--budget-s", 5]
+    for command in (["status"], run):
+        code, lines = evidence_cli(*command, "--plan", plan_path, "--root", root)
+        assert code == 2 and "hold runs of other settings than it gives them now" in lines[-1], lines
+
+    # An archive with a run of the old settings, or a run the plan does not have.
+    shutil.rmtree(committed)
+    scratch = tmp_path / "gpu" / plan.results
+    finished_run(scratch / full.experiment / full.run.name, config)  # made before the edit
+    finished_run(scratch / profile.experiment / "other-seed0", evidence.run_config(plan, profile))
+    archive = tmp_path / "evidence.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:  # files only, as the runner packs them
+        for path in sorted(p for p in scratch.rglob("*") if p.is_file()):
+            tar.add(path, arcname=f"{plan.results}/{path.relative_to(scratch)}")
+    with pytest.raises(evidence.UserError) as e:
+        evidence.unpack(archive, root, plan)
+    said = str(e.value)
+    assert said.startswith(f"{archive}: nothing unpacked: tiny/full-seed0 has other settings (train.steps")
+    assert "tiny/other-seed0 is no run of the plan" in said
+    assert not [p for p in (root / plan.results).rglob("*") if p.is_file()]
+
+
+def test_the_runs_token_stores_are_under_the_runners_folder_unless_the_caller_says(tmp_path, monkeypatch):
+    """A bare GPU machine's home may not be writable: train.prepare and the runs find the token
+    store under the runner's own folder (``MOARA_JAX_CACHE``), where none was set."""
+    monkeypatch.setattr(evidence, "ORIGINAL_ENV", {"PATH": "/bin"})
+    assert evidence.child_env(None, 1, None, tmp_path / "c")["MOARA_JAX_CACHE"] == str(tmp_path / "c")
+    monkeypatch.setattr(evidence, "ORIGINAL_ENV", {"PATH": "/bin", "MOARA_JAX_CACHE": "/mine"})
+    assert evidence.child_env(None, 1, None, tmp_path / "c")["MOARA_JAX_CACHE"] == "/mine"
