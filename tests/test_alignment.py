@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import moara_jax as mj
 
@@ -38,6 +39,7 @@ def test_module_alignment_matches_manual_cosines():
     assert all(0 < s <= 1 for s in with_blocks.values())
 
 
+@pytest.mark.slow
 def test_alignment_grows_with_rank():
     rng = np.random.default_rng(1)
     params = {"mlp": {"up_proj": {"kernel": jnp.zeros((24, 64))}}}
@@ -60,6 +62,7 @@ def test_alignment_is_scale_free_in_float32():
     assert float(mj.alignment(jnp.zeros((4, 4)), g[:4, :4])) == 0.0
 
 
+@pytest.mark.slow
 def test_alignment_reads_every_host_with_its_projected_side():
     """The diagnostic (and ``mode=profile``) finds the bases of every host; LDAdam projects a
     square matrix on its fan_out side, and its alignment is taken on that side."""

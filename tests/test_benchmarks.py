@@ -68,6 +68,7 @@ def test_in_jit_loop_refuses_to_cross_a_refresh():
         optimizer_step.time_device_loop(tx, params, params, steps=optimizer_step.GAP)
 
 
+@pytest.mark.slow
 def test_stacked_llama_params_hold_one_leaf_per_module_type():
     hidden, inter, layers, _, _ = optimizer_step.SIZES["tiny"]
     flat = optimizer_step.llama2_params(hidden, inter, layers)
@@ -79,6 +80,7 @@ def test_stacked_llama_params_hold_one_leaf_per_module_type():
     assert jax.tree.map(jnp.shape, grads) == jax.tree.map(jnp.shape, stacked)
 
 
+@pytest.mark.slow
 def test_kernel_profile_groups_the_traced_loop_events_by_name(tmp_path):
     """A smoke check on CPU (no device plane: the host plane's events are grouped); on a GPU the
     same code reads the device plane's kernels."""
@@ -380,6 +382,7 @@ def test_vs_torch_peer_halves_its_micro_batch_where_the_device_runs_out_of_memor
     assert tried == [99]
 
 
+@pytest.mark.slow
 def test_gpu_session_kills_a_childs_whole_process_group_at_the_deadline(tmp_path):
     """A child stopped at the deadline takes the processes it started along (torch.compile's
     workers held the log's pipe open past the call's limit): the call returns at the deadline."""
@@ -502,6 +505,7 @@ def test_gpu_session_variants_run_over_the_paper_settings():
 
 
 @pytest.mark.parametrize("mode", ["methods", "spread"])
+@pytest.mark.slow
 def test_refresh_methods_runs_moara_jax_refresh(mode, tmp_path):
     """refresh_methods.py's moara_jax methods at the tiny size: each gives the float64 SVD's
     subspace (``methods``), and the spread refresh is timed beside the unspread one on two CPU
@@ -531,6 +535,7 @@ def test_refresh_methods_runs_moara_jax_refresh(mode, tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_sharded_step_counts_fewer_collective_bytes_with_activation_rules(tmp_path):
     """sharded_step.py on the tiny config: under FSDP (and FSDP with tensor parallelism) the
     activation constraints cut the bytes the compiled step moves through collectives at least

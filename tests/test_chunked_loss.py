@@ -37,6 +37,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,overrides,chunk", CASES)
+@pytest.mark.slow
 def test_chunked_loss_and_gradients_equal_the_whole_sequence_ones(name, overrides, chunk):
     cfg = models.get_config(name, **overrides)
     params = models.init_params(cfg, jax.random.PRNGKey(0))
@@ -74,6 +75,7 @@ def _at(tree, path):
     return tree
 
 
+@pytest.mark.slow
 def test_bf16_head_gradient_is_summed_over_many_chunks_in_float32():
     """bf16 parameters (the trainer's default), 64 chunks: the head's gradient is summed over the
     chunks in float32 and rounded once, so it is no further from the float32-compute gradient
@@ -93,6 +95,7 @@ def test_bf16_head_gradient_is_summed_over_many_chunks_in_float32():
     assert errors[1] <= 1.25 * errors[0], errors
 
 
+@pytest.mark.slow
 def test_evaluation_scores_in_chunks_as_without():
     """``train.evaluate``'s per-row log-probabilities (weighted positions) through ``token_nll``:
     the same in chunks as whole, and the per-position values those of ``forward``'s logits."""
@@ -130,6 +133,7 @@ def test_chunked_loss_holds_no_full_logits():
     assert temp(cfg.replace(loss_chunk=4)) < logits_bytes / 2
 
 
+@pytest.mark.slow
 def test_train_step_in_chunks_equals_the_whole_sequence_step():
     """Two MoARa steps of two micro-batches each: the same losses and parameters."""
     cfg = models.get_config("tiny")

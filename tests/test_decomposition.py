@@ -65,6 +65,7 @@ def test_block_one_gives_signs_and_abs(shape, seed):
 
 @settings(max_examples=8, deadline=None)
 @given(shape=shapes, extra=st.integers(0, 10), seed=st.integers(0, 2**16))
+@pytest.mark.slow
 def test_block_at_least_n_is_rowwise(shape, extra, seed):
     g = _matrix(seed, shape)
     mag, d = mj.block_decompose(jnp.asarray(g), shape[-1] + extra)

@@ -481,6 +481,7 @@ def test_an_error_in_the_loop_stops_and_records_the_runs_and_packs_what_finished
     assert [r["run"] for r in runs] == ["tiny/profile-seed0", "tiny/full-seed0"]
 
 
+@pytest.mark.slow
 def test_prepare_gets_what_is_left_of_the_budget(tmp_path):
     """A ``train.prepare`` that would take 30 s (``python -m`` finds the root's ``train`` first)
     against a budget that leaves it about 5 s: one line saying so, not a hang, and its worker

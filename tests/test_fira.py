@@ -148,6 +148,7 @@ def test_moara_on_fira_matches_reference_algorithm(torch_shape, block):
         assert_matches_reference(np.asarray(u["w"]).T, ref.step(g["w"]), f"step {t}")
 
 
+@pytest.mark.slow
 def test_stacked_fira_leaf_equals_loop_over_matrices():
     """Scaling factors and the limiter are per matrix: a (L, fan_in, fan_out) leaf is L matrices."""
     rng = np.random.default_rng(5)

@@ -272,6 +272,7 @@ def _decay_run(host, steps=3, **kwargs):
 
 
 @pytest.mark.parametrize("name", ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
+@pytest.mark.slow
 def test_weight_decay_mask_decays_only_the_marked_parameters_on_every_host(name):
     """Wherever the host decays (after the step; before it under LDAdam, and under Q-GaLore for
     the non-targets), a masked-out parameter steps as with ``weight_decay=0`` and a masked-in one

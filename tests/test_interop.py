@@ -329,6 +329,7 @@ def exported(run):
     return out
 
 
+@pytest.mark.slow
 def test_sentencepiece_run_trains(run):
     tok = SentencePieceTokenizer(run["tokenizer"])
     assert tok.vocab_size == 60 and tok.eos_id == 1
@@ -336,6 +337,7 @@ def test_sentencepiece_run_trains(run):
     assert json.loads((run["dir"] / "summary.json").read_text())["steps"] == 4
 
 
+@pytest.mark.slow
 def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(run, exported):
     from train.checkpoint import read_params
     from train.rundir import RunDir

@@ -98,6 +98,7 @@ def test_errors_of_the_machine_are_told_from_others():
         raise ValueError("shapes differ")
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_save_stops_cleanly_and_resume_continues(
     tmp_path, capsys, monkeypatch, uninterrupted
 ):
@@ -118,6 +119,7 @@ def test_a_failed_checkpoint_save_stops_cleanly_and_resume_continues(
     assert RunDir(run).summary()["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_a_save_the_filesystem_has_no_room_for_is_refused_before_it_starts(tmp_path, capsys, monkeypatch):
     from train import checkpoint as checkpointing
 
@@ -137,6 +139,7 @@ def test_a_save_the_filesystem_has_no_room_for_is_refused_before_it_starts(tmp_p
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4"]  # nothing begun for 8
 
 
+@pytest.mark.slow
 def test_resume_finishes_a_run_whose_last_writes_failed(tmp_path, capsys, monkeypatch):
     """All steps done and checkpointed, but the metric writer's files failed when they were
     flushed at the end: the summary says io_error; ``--resume`` runs no step and completes it."""
@@ -261,6 +264,7 @@ def test_a_failed_write_of_the_runs_files_stops_cleanly(where, tmp_path, capsys,
         assert summary["status"] == "io_error" and summary["steps"] == 7
 
 
+@pytest.mark.slow
 def test_a_completed_run_resumed_on_a_full_disk_keeps_its_record(tmp_path, capsys, monkeypatch):
     """Resumed to more steps, a completed run first keeps its summary as
     ``summary.completed-N.json``: when that write fails, the run is left as it was (its summary

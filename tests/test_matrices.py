@@ -122,6 +122,7 @@ def test_multi_axis_kernels_train_exactly_as_their_matrices(decompose, host):
         params = optax.apply_updates(params, updates)
 
 
+@pytest.mark.slow
 def test_flax_linen_attention_gets_whole_matrix_bases_and_low_rank_steps():
     """``nn.MultiHeadDotProductAttention``'s kernels: without ``matrix_axes`` the query kernel is
     read as 16 separate (heads, head_dim) matrices; with it, as one (embed, heads * head_dim)
@@ -316,6 +317,7 @@ def _boxed_attention_params():
     return Attention().init(jax.random.PRNGKey(0), jnp.ones((2, 5, E)))["params"]["attn"]
 
 
+@pytest.mark.slow
 def test_a_dict_spec_fits_an_nnx_state_and_boxed_kernels_keep_their_sharding_names():
     """One dict of specs serves ``nnx.Optimizer`` (its ``init`` sees an ``nnx.State``), and
     kernels boxed with sharding names (linen's ``nn.with_partitioning``, nnx's) still build
@@ -394,6 +396,7 @@ def test_a_weight_decay_mask_built_over_boxed_kernels_fits_their_matrix_views():
     assert not np.allclose(decayed[-1]["query"]["bias"], plain[-1]["query"]["bias"])  # the decay shows
 
 
+@pytest.mark.slow
 def test_extra_arguments_reach_the_inner_transformation():
     """``value=`` for ``optax.contrib.reduce_on_plateau`` chained after ``moara_adamw``."""
     rng = np.random.default_rng(5)
@@ -488,6 +491,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_head_split_kernels_match_one_device_and_keep_their_sharding():
     """Kernels sharded over heads (tensor) and embed (fsdp) on an 8-device mesh: the matrix view
     gives the one-device updates, laid out as the parameters are."""

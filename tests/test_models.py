@@ -87,6 +87,7 @@ def _state_dict(model):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_logits_match_transformers(case):
     cfg = CASES[case]
     model = _hf_model(cfg)
@@ -369,6 +370,7 @@ def test_param_count_equals_transformers(name):
     assert models.param_count(cfg) == sum(p.numel() for p in hf.parameters())
 
 
+@pytest.mark.slow
 def test_scanned_and_unscanned_params_give_same_logits():
     cfg = models.get_config("qwen3-tiny")
     unscanned = models.init_params(cfg, jax.random.PRNGKey(0))

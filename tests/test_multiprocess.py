@@ -304,6 +304,7 @@ def _relay(*pieces: bytes, pause: float = 0.0) -> tuple[bytes, distributed._Rela
 
 
 @pytest.mark.parametrize("resume", [False, True])
+@pytest.mark.slow
 def test_a_run_dir_in_use_ends_every_process_with_the_same_line(resume, tmp_path):
     """A second run of 2 processes on a run dir another run holds: process 0 cannot lock it, and
     process 1 ends with process 0's line at once (it went on before, to a barrier where it failed
@@ -370,6 +371,7 @@ def assert_same_io_error(pair: Pair, starts: str) -> None:
     assert lines[0] == lines[1], pair.report()
 
 
+@pytest.mark.slow
 def test_a_full_disk_before_the_first_step_ends_every_process_with_the_same_line(tmp_path):
     """Process 0 cannot write the run's config: every process ends with its line and 74 (process
     1 waited for it in a barrier before, and failed there with a traceback)."""
@@ -457,6 +459,7 @@ if os.environ.get("JAX_PROCESS_ID") == "1" and os.environ.get("MOARA_JAX_WORKER_
 """
 
 
+@pytest.mark.slow
 def test_a_data_file_one_process_lacks_ends_every_process_with_its_line(tmp_path):
     """Process 1 cannot find its data file: every process exits 2 with process 1's line, at once
     (process 0 went on to the first collective and waited there for the lost-peer verdict)."""
@@ -484,6 +487,7 @@ if os.environ.get("JAX_PROCESS_ID") == "1" and os.environ.get("MOARA_JAX_WORKER_
 """
 
 
+@pytest.mark.slow
 def test_token_stores_of_other_content_end_every_process_before_the_steps(tmp_path):
     run = tmp_path / "run"
     pair = Pair(run, "other", more=with_sitecustomize(tmp_path, OTHER_STORE_IN_1))
@@ -580,6 +584,7 @@ def test_launcher_relay_drops_jaxlib_dump_and_names_the_lost_process(monkeypatch
     assert line.startswith("error: process 0 of 2 did not connect to every process through the coordinator")
 
 
+@pytest.mark.slow
 def test_launcher_relay_passes_other_output_and_takes_the_declared_status(monkeypatch):
     monkeypatch.setattr(distributed, "_HOLD_S", 0.2)  # released well before the next piece
     log = b"E1124 04:06:09.291011   15628 some_file.cc:12] a C++ error, then nothing fatal\n"

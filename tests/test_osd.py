@@ -136,6 +136,7 @@ def test_osd_basis_descends_the_online_pca_loss():
     )
 
 
+@pytest.mark.slow
 def test_stacked_osd_leaf_equals_loop_over_matrices():
     """Normalisation and basis steps are per matrix (layers with gradients of different norms)."""
     rng = np.random.default_rng(3)

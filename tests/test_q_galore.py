@@ -418,6 +418,7 @@ def test_q_galore_state_accounting():
     assert isinstance(basis, jax.ShapeDtypeStruct) and (basis.shape, basis.dtype) == ((d, r), jnp.bfloat16)
 
 
+@pytest.mark.slow
 def test_projection_bases_are_dequantized_for_the_alignment_diagnostic():
     rng = np.random.default_rng(6)
     params = {"q_proj": {"kernel": jnp.zeros((64, 64))}}
@@ -453,6 +454,7 @@ def test_gradients_of_another_dtype_than_the_parameters(bits, param_dtype, grad_
     assert np.isfinite(np.asarray(params["q_proj"]["kernel"], np.float32)).all()
 
 
+@pytest.mark.slow
 def test_stacked_layers_refresh_on_their_own_intervals_like_separate_matrices():
     """A (2, fan_in, fan_out) leaf whose layers' intervals drift apart (layer 0's gradient is
     stable and its interval grows; layer 1's is new noise every step and its interval stays) gives

@@ -101,6 +101,7 @@ def delete_data_metadata(step_dir):
     return "files missing: data/metadata"
 
 
+@pytest.mark.slow
 def test_verification_names_each_kind_of_damage(finished_run, tmp_path):
     from train.checkpoint import Checkpointer
     from train.rundir import RunDir
@@ -201,6 +202,7 @@ def test_a_checkpoint_is_verifiable_before_the_next_save(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_a_steps_time_leaves_out_the_evaluation_before_it(tmp_path, monkeypatch):
     """``step_time_s`` (and tokens/s) of the step after an evaluation is that step's own."""
     from train.loop import StepLoop

@@ -227,6 +227,7 @@ SPREAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_refresh_is_spread_over_the_mesh():
     """Also: the trainer's step compiles on these meshes with no activation or gradient that
     XLA can only move by replicating it first (its warning, "Involuntary full
@@ -406,6 +407,7 @@ PLACEMENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_state_is_placed_as_the_parameters_and_explicit_axes_step():
     """``tx.init`` places the state as the parameters (``mj.state_shardings``), where it put it
     on one device; on Explicit mesh axes sharded parameters step (they raised sharding errors
@@ -501,6 +503,7 @@ LIBRARY_SPREAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_librarys_state_of_an_fsdp_model_is_spread_over_its_devices_and_stays_put():
     """``moara_adamw`` in plain Optax on an FSDP mesh: an axis that shards a kernel but none of a
     low-rank leaf's dimensions (the moments ``r x fan_out`` of a kernel sharded on ``fan_in``,

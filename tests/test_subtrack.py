@@ -156,6 +156,7 @@ def test_geodesic_step_keeps_the_basis_orthonormal_and_lowers_the_estimation_err
     )
 
 
+@pytest.mark.slow
 def test_stacked_subtrack_leaf_equals_loop_over_matrices():
     rng = np.random.default_rng(3)
     grads = [

@@ -197,6 +197,7 @@ def test_profile_reads_the_bases_of_other_hosts(host, tmp_path):
     assert all(0 < s <= 1 for s in alignment["s_tau"].values())
 
 
+@pytest.mark.slow
 def test_profile_writes_allocation_that_training_reads(tmp_path):
     run_cli(
         tmp_path / "prof",
@@ -844,6 +845,7 @@ def test_a_resume_takes_stated_defaults_as_no_change_and_keeps_how_a_profile_rec
 
 
 @pytest.mark.parametrize("name,scan_layers", [("moara", False), ("moara", True), ("adamw", True)])
+@pytest.mark.slow
 def test_weight_decay_mask_matrices_leaves_norms_undecayed_in_a_train_step(name, scan_layers):
     """``optimizer.weight_decay_mask: matrices``: a trainer step decays the matrices as ``all``
     does and steps the norms (stacked ones of scanned layers too) as with no weight decay."""
@@ -921,6 +923,7 @@ def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path)
 
 
 @pytest.mark.parametrize("during", ["the last evaluation", "the summary"])
+@pytest.mark.slow
 def test_a_signal_after_the_last_step_waits_for_the_summary(tmp_path, monkeypatch, during):
     """SIGTERM while a run that finished its steps evaluates or writes its summary (a
     scheduler's deadline a moment late): the run is recorded as completed and exits 0, not
@@ -945,6 +948,7 @@ def test_a_signal_after_the_last_step_waits_for_the_summary(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("zero_gradient", [False, True])
+@pytest.mark.slow
 def test_an_interrupted_run_says_which_checkpoint_a_resume_continues_from(
     tmp_path, monkeypatch, zero_gradient
 ):
@@ -982,6 +986,7 @@ def test_an_interrupted_run_says_which_checkpoint_a_resume_continues_from(
     assert f"resuming from step {summary['last_checkpoint']}" in resumed.stdout
 
 
+@pytest.mark.slow
 def test_a_resume_to_the_checkpoints_step_ends_there_and_to_fewer_steps_is_refused(tmp_path, monkeypatch):
     """Stopped at step 4 (its checkpoint; no evaluation there), resumed with train.steps 3: refused in
     one line, nothing changed; with train.steps 4: the run ends at its checkpoint with the
@@ -1023,6 +1028,7 @@ def test_a_resume_to_the_checkpoints_step_ends_there_and_to_fewer_steps_is_refus
     assert "resuming from step 4" in ended.stdout
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_its_data_order_is_refused_and_a_lost_metrics_file_is_said(tmp_path):
     """metrics.jsonl gone: the resume says so and goes on. A checkpoint whose data item lacks
     the iterator (another version's, or damaged, here without checksums): refused in one line
@@ -1143,6 +1149,7 @@ def test_the_host_reads_a_steps_metrics_only_after_dispatching_the_next(mode, mo
         assert alignment["steps"] == [3, 6, 9, 12] and set(alignment["s_tau"]) >= {"q", "down"}
 
 
+@pytest.mark.slow
 def test_evaluation_reads_each_validation_window_once(tmp_path):
     """More validation batches asked for than the split holds: each window is read once (the
     last batch filled up with windows of weight 0), and the eval loss is the mean over exactly

@@ -637,6 +637,7 @@ def test_an_update_without_params_under_inject_hyperparams_says_how():
 
 
 @pytest.mark.parametrize("name", ["full", "galore", "fira_full", "osd_full", "q_galore"])
+@pytest.mark.slow
 def test_an_update_that_does_not_fit_its_parameter_is_named_in_one_line(name):
     """A gradient transposed, flattened or of another size, for a target and for a non-target,
     with and without the parameters, eager and jitted: a one-line ``ValueError`` names the
@@ -725,6 +726,7 @@ def test_a_misfit_of_one_bare_matrix_or_of_a_flattened_one_is_named():
     ],
     ids=["project", "osd_project", "subtrack_project", "ldadam", "q_galore_project"],
 )
+@pytest.mark.slow
 def test_a_state_made_under_other_ranks_is_refused_by_each_projection(stage):
     """A stage takes its rank from the basis in the state; one made under another rank (another
     r_base or allocation) is refused in one line naming the parameter and both ranks, eagerly and
@@ -766,6 +768,7 @@ def test_moara_adamw_refuses_a_state_of_another_r_base():
     assert "has shape (32, 6); this update needs (32, 12)" in message, message
 
 
+@pytest.mark.slow
 def test_a_state_of_other_settings_is_named_and_other_errors_pass_unchanged():
     """With the parameters given and every update of its parameter's shape, a misfit is the
     state's (made with another block size); an error that is no misfit (a schedule's, here; under
@@ -854,6 +857,7 @@ def test_warnings_point_at_the_callers_line_however_the_optimizer_is_wrapped():
 
 
 @pytest.mark.parametrize("host", ["galore", "fira", "osd", "ldadam", "subtrack_pp", "q_galore"])
+@pytest.mark.slow
 def test_a_python_number_parameter_steps_as_the_same_zero_d_array(host):
     """optax's transforms take a Python number as a parameter (and its gradient); so do these,
     eagerly and under jit, as they take the same value as a 0-d array."""
