@@ -35,12 +35,13 @@ unless set), not the home directory. After each finished run, the small files of
 ``OUT/evidence.tar.gz``, beside the log ``OUT/evidence.log``, so a command cut short loses no
 finished run. The log ends with a table: each run's status, wall time, final ppl and tokens/s.
 
-``unpack`` puts an archive's runs into ``RESULTS`` (a run already finished there is kept; an
-archive holding a run the plan does not have, or one whose config is not what the plan gives it,
-is refused whole, as ``stage``, ``status`` and ``run`` refuse such run dirs already in place: they
-would count as done and be reported as the plan's) and writes the reports: ``train.sweep``'s report (``report.md``, ``report.json``, ``report.png``) per
-experiment, and ``profile.md`` (``S_tau`` order against the paper's Table 5,
-``tab:profiling_length``) for profiling runs.
+``unpack`` puts an archive's runs into ``RESULTS`` (a run already finished there is kept, a run
+the plan does not have is left out and named) and writes the reports: ``train.sweep``'s report
+(``report.md``, ``report.json``, ``report.png``) per experiment, and ``profile.md`` (``S_tau``
+order against the paper's Table 5, ``tab:profiling_length``) for profiling runs. A run whose
+config is not what the plan now gives it would count as done and be reported as the plan's: an
+archive holding one is refused whole, and ``stage``, ``status``, ``run``, ``unpack`` and
+``report`` refuse such run dirs in place.
 """
 
 from __future__ import annotations
@@ -960,9 +961,10 @@ def cmd_stage(args) -> int:
 # ------------------------------------------------------------------------------ unpack, report
 
 
-def unpack(archive: pathlib.Path, root: pathlib.Path, plan: Plan) -> tuple[list[str], list[str]]:
-    """Puts the archive's runs into ``RESULTS`` (a run already finished there is kept) and its
-    session records into ``RESULTS/sessions``; returns the runs added and those kept."""
+def unpack(archive: pathlib.Path, root: pathlib.Path, plan: Plan) -> tuple[list[str], list[str], list[str]]:
+    """Puts the archive's runs into ``RESULTS`` (a run already finished there is kept; one the
+    plan does not have is left out) and its session records into ``RESULTS/sessions``; returns
+    the runs added, those kept and those left out."""
     prefix = pathlib.PurePosixPath(plan.results).parts
     try:
         tar = tarfile.open(archive, "r:gz")
@@ -984,22 +986,29 @@ def unpack(archive: pathlib.Path, root: pathlib.Path, plan: Plan) -> tuple[list[
             else:
                 raise UserError(f"{archive}: unexpected member {m.name!r}")
         planned = {(p.experiment, p.run.name): p for p in plan.runs}
+        unplanned = [key for key in runs if key not in planned]
         refused = []
         for key, members in sorted(runs.items()):
-            if key not in planned:
-                refused.append(f"{'/'.join(key)} is no run of the plan")
+            if key in unplanned:
                 continue
             config = next((m for m in members if pathlib.PurePosixPath(m.name).name == CONFIG), None)
-            saved = yaml.safe_load(tar.extractfile(config).read()) if config is not None else None
-            changed = (
-                differs_from_plan(plan, planned[key], saved) if isinstance(saved, dict) else ["no config"]
-            )
-            if changed:
-                refused.append(f"{'/'.join(key)} has other settings ({', '.join(changed[:3])})")
+            try:
+                saved = yaml.safe_load(tar.extractfile(config).read()) if config is not None else None
+            except yaml.YAMLError:
+                saved = None
+            changed = differs_from_plan(plan, planned[key], saved) if isinstance(saved, dict) else None
+            if changed is None or changed:
+                why = ", ".join(changed[:3]) if changed else "no readable config"
+                refused.append(f"{'/'.join(key)} ({why})")
         if refused:
-            raise UserError(f"{archive}: nothing unpacked: {'; '.join(refused)}")
+            raise UserError(
+                f"{archive}: nothing unpacked: runs of other settings than the plan gives them: "
+                + "; ".join(refused)
+            )
         added, kept = [], []
         for (experiment, name), members in sorted(runs.items()):
+            if (experiment, name) in unplanned:
+                continue
             dest = root / plan.results / experiment / name
             if RunDir(dest).state() in FINISHED:
                 kept.append(f"{experiment}/{name}")
@@ -1014,7 +1023,7 @@ def unpack(archive: pathlib.Path, root: pathlib.Path, plan: Plan) -> tuple[list[
             dest = root / plan.results / "sessions" / pathlib.PurePosixPath(m.name).name
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(tar.extractfile(m).read())
-    return added, kept
+    return added, kept, ["/".join(key) for key in sorted(unplanned)]
 
 
 def spearman(a: list[str], b: list[str]) -> float:
@@ -1090,16 +1099,21 @@ def write_reports(root: pathlib.Path, plan: Plan, say=print) -> list[pathlib.Pat
 def cmd_unpack(args) -> int:
     plan = load_plan(pathlib.Path(args.plan))
     root = pathlib.Path(args.root).resolve()
-    added, kept = unpack(pathlib.Path(args.archive), root, plan)
+    check_finished_runs(plan, root)
+    added, kept, unplanned = unpack(pathlib.Path(args.archive), root, plan)
     print(f"added {len(added)} run(s): {', '.join(added) or '-'}")
     if kept:
         print(f"kept {len(kept)} run(s) already finished here: {', '.join(kept)}")
+    if unplanned:
+        print(f"left out {len(unplanned)} run(s) the plan does not have: {', '.join(unplanned)}")
     write_reports(root, plan)
     return 0
 
 
 def cmd_report(args) -> int:
-    write_reports(pathlib.Path(args.root).resolve(), load_plan(pathlib.Path(args.plan)))
+    plan, root = load_plan(pathlib.Path(args.plan)), pathlib.Path(args.root).resolve()
+    check_finished_runs(plan, root)
+    write_reports(root, plan)
     return 0
 
 

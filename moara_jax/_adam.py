@@ -215,7 +215,7 @@ def pytorch_adam(
     """Adam in PyTorch ``AdamW``'s formula (:func:`torch_adam_direction`) on every leaf, with no
     learning rate and no weight decay: the LDAdam host's non-target parameters, which its reference
     steps with that formula. The state is :class:`InnerAdamState` (moments in ``mu_dtype``, or the
-    leaf's; magnitudes' in float32)."""
+    leaf's, float32 for float16; magnitudes' in float32)."""
     check_adam(b1, b2, eps)
     mu_dtype = dtype_arg("mu_dtype", mu_dtype)
 

@@ -151,16 +151,9 @@ def module_label(path: Any) -> str:
     return OTHER
 
 
-def _discrete(x) -> bool:
-    """Whether ``x`` holds integers or booleans (an array or ``jax.ShapeDtypeStruct``)."""
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.bool_))
-
-
 def label_tree(params: Any, label_fn=module_label) -> Any:
-    """The label of every leaf; leaves with fewer than 2 dimensions, with no entries, or of an
-    integer or boolean dtype (no gradient to project: they get what ``optax.adamw`` gives them)
-    are always ``'other'``."""
+    """The label of every leaf; leaves with fewer than 2 dimensions, or with no entries, are
+    always ``'other'``."""
 
     def f(path, x):
         label = label_fn(unboxed(path))
@@ -169,7 +162,7 @@ def label_tree(params: Any, label_fn=module_label) -> Any:
                 f"label_fn returned {label!r} for {jax.tree_util.keystr(path)}: a module type "
                 f"(a string), or {OTHER!r} for a parameter left to AdamW"
             )
-        matrix = getattr(x, "ndim", 0) >= 2 and 0 not in x.shape and not _discrete(x)
+        matrix = getattr(x, "ndim", 0) >= 2 and 0 not in x.shape
         return label if label != OTHER and matrix else OTHER
 
     return jax.tree_util.tree_map_with_path(f, params)

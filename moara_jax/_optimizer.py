@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from moara_jax._allocation import resolve_module_ranks, tree_ranks, type_names
@@ -118,7 +119,8 @@ def moara_adamw(
         ``lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)`` leaves norms and biases undecayed
         (a stacked layer axis, as of ``nn.scan``, makes a norm 2-D: count it out). Masked-out
         parameters step as with ``weight_decay=0``, on every host.
-      mu_dtype: moment dtype; ``None`` follows the parameter dtype. Magnitude moments use
+      mu_dtype: moment dtype; ``None`` follows the parameter dtype (float32 for float16:
+        ``moment_dtype``). Magnitude moments use
         ``mag_dtype`` (float32).
       svd: ``'exact'`` (SVD), ``'eigh'`` (Gram eigendecomposition, fast on GPU) or
         ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
@@ -215,6 +217,7 @@ def moara_adamw(
         return optax.partition({TARGET: target, OTHER: other}, groups)
 
     def init_fn(params):
+        _refuse_discrete_targets(params, label_fn)
         # Warns (once per init, not per update) when no parameter is a target, or when the
         # requested allocation finds no donors or receivers and moves no rank.
         return build(params, warn=True).init(params)
@@ -229,3 +232,18 @@ def moara_adamw(
     directions = optax.GradientTransformation(init_fn, update_fn)
     tx = optax.chain(directions, *finish)
     return tx if matrix_axes is None else as_matrices(tx, matrix_axes)
+
+
+def _refuse_discrete_targets(params, label_fn) -> None:
+    """A target matrix (a leaf the labels give a module type) of an integer or boolean dtype,
+    refused naming it: it has no gradient to project (OSD failed deep in JAX, the other hosts
+    gave it a float step to truncate). The labels come from the updates' tree at each step,
+    whose dtype is the gradients', so such a leaf cannot be left out there instead."""
+    labels = jax.tree.leaves(label_tree(params, label_fn))
+    for (path, x), label in zip(jax.tree_util.tree_leaves_with_path(params), labels, strict=True):
+        dtype = jnp.result_type(x)
+        if label != OTHER and not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(
+                f"{jax.tree_util.keystr(path)} is {dtype} and labelled {label!r}: a target matrix "
+                f"must be floating point; a label_fn that gives it {OTHER!r} leaves it to AdamW"
+            )

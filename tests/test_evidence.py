@@ -597,9 +597,10 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
     # The repository (no .evidence, no ../shared): the archive's runs go in, the reports come out.
     repo = tmp_path / "repo"
     repo.mkdir()
-    added, kept = evidence.unpack(archive, repo, plan)  # in the order of their names
+    added, kept, unplanned = evidence.unpack(archive, repo, plan)  # in the order of their names
     assert added == sorted(done) and kept == []
-    assert evidence.unpack(archive, repo, plan) == ([], sorted(done))  # a second unpack keeps them
+    assert unplanned == []
+    assert evidence.unpack(archive, repo, plan) == ([], sorted(done), [])  # a second unpack keeps them
     evidence.write_reports(repo, plan, say=lambda *a: None)
     profile_dir = repo / "results" / "tiny" / "profile-seed0"
     assert RunDir(profile_dir).state() == "completed" and not (profile_dir / "checkpoints").exists()
@@ -753,9 +754,10 @@ def finished_run(run_dir: pathlib.Path, config: dict) -> None:
 def test_runs_of_other_settings_than_the_plans_are_refused_not_counted_as_done(tmp_path):
     """A run dir of the plan whose config is not what the plan gives that run now (a base edited
     after runs were committed, a rehearsal's runs unpacked into the repository) would be skipped
-    as done and reported as the plan's: stage, status and run refuse it in one line naming it and
-    what differs, and unpack refuses an archive holding such a run, or a run of no plan, before
-    writing anything. What a run records or how it was split over devices is no difference."""
+    as done and reported as the plan's: status, run, report and unpack refuse it in one line
+    naming it and what differs (stage calls the same check), and unpack refuses an archive
+    holding such a run before writing anything; a run of no plan it leaves out, naming it. What a
+    run records or how it was split over devices is no difference."""
     plan_path = tiny_setting(tmp_path)
     plan = evidence.load_plan(plan_path)
     root = tmp_path / "repo"
@@ -764,33 +766,41 @@ def test_runs_of_other_settings_than_the_plans_are_refused_not_counted_as_done(t
     config = evidence.run_config(plan, full)
     finished_run(committed, {**config, "metrics": {**config["metrics"], "writers": ["tensorboard"]}})
     evidence.check_finished_runs(plan, root)  # the same settings: done
-    edited = (
-        (plan_path.parent / "base.yaml").read_text().replace("steps: 4, batch_size", "steps: 6, batch_size")
-    )
-    (plan_path.parent / "base.yaml").write_text(edited)
+    base = plan_path.parent / "base.yaml"
+    base.write_text(base.read_text().replace("steps: 4, batch_size", "steps: 6, batch_size"))
     plan = evidence.load_plan(plan_path)
     with pytest.raises(evidence.UserError, match=rf"{committed} \(train.steps: 4 -> 6\); remove them"):
         evidence.check_finished_runs(plan, root)
     run = ["run", "--out", tmp_path / "out", "--budget-s", 5]
-    for command in (["status"], run):
+    for command in (["status"], ["report"], run):
         code, lines = evidence_cli(*command, "--plan", plan_path, "--root", root)
         assert code == 2 and "hold runs of other settings than it gives them now" in lines[-1], lines
 
-    # An archive with a run of the old settings, or a run the plan does not have.
+    # An archive with a run of the old settings, and a run the plan does not have.
     shutil.rmtree(committed)
     scratch = tmp_path / "gpu" / plan.results
     finished_run(scratch / full.experiment / full.run.name, config)  # made before the edit
     finished_run(scratch / profile.experiment / "other-seed0", evidence.run_config(plan, profile))
     archive = tmp_path / "evidence.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:  # files only, as the runner packs them
-        for path in sorted(p for p in scratch.rglob("*") if p.is_file()):
-            tar.add(path, arcname=f"{plan.results}/{path.relative_to(scratch)}")
+
+    def pack():
+        with tarfile.open(archive, "w:gz") as tar:  # files only, as the runner packs them
+            for path in sorted(p for p in scratch.rglob("*") if p.is_file()):
+                tar.add(path, arcname=f"{plan.results}/{path.relative_to(scratch)}")
+
+    pack()
     with pytest.raises(evidence.UserError) as e:
         evidence.unpack(archive, root, plan)
-    said = str(e.value)
-    assert said.startswith(f"{archive}: nothing unpacked: tiny/full-seed0 has other settings (train.steps")
-    assert "tiny/other-seed0 is no run of the plan" in said
+    assert str(e.value) == (
+        f"{archive}: nothing unpacked: runs of other settings than the plan gives them: "
+        "tiny/full-seed0 (train.steps: 4 -> 6)"
+    )
     assert not [p for p in (root / plan.results).rglob("*") if p.is_file()]
+    finished_run(scratch / profile.experiment / profile.run.name, evidence.run_config(plan, profile))
+    shutil.rmtree(scratch / full.experiment / full.run.name)
+    pack()
+    assert evidence.unpack(archive, root, plan) == ([profile.name], [], ["tiny/other-seed0"])
+    assert not (root / plan.results / "tiny" / "other-seed0").exists()
 
 
 def test_the_runs_token_stores_are_under_the_runners_folder_unless_the_caller_says(tmp_path, monkeypatch):

@@ -405,21 +405,31 @@ def test_float16_parameters_step_as_float32_ones_do(name):
 
 
 @pytest.mark.parametrize("name", ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
-def test_an_integer_matrix_under_a_target_name_is_left_to_adamw(name):
-    """An integer kernel named like a projection (a step counter, a quantized copy) has no
-    gradient to project: it is labelled ``other`` and gets what ``optax.adamw`` gives it, on
-    every host (OSD failed deep in JAX, "grad requires real- or complex-valued inputs")."""
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int4, jnp.bool_])
+def test_an_integer_matrix_under_a_target_name_is_refused_at_init(name, dtype):
+    """An integer or boolean kernel named like a projection (a quantized copy, a mask) has no
+    gradient to project: refused at init in one line naming it and how to leave it to AdamW, on
+    every host (OSD failed deep in JAX, "grad requires real- or complex-valued inputs"; the
+    others gave it a float step, Q-GaLore's grid moving half its entries). A label_fn that calls
+    it ``other`` trains the rest."""
     params = {
         "self_attn": {
-            "q_proj": {"kernel": jnp.ones((64, 64), jnp.int32)},
+            "q_proj": {"kernel": jnp.ones((64, 64), dtype)},
             "k_proj": {"kernel": jnp.ones((64, 64), jnp.float32)},
         }
     }
-    assert mj.label_tree(params)["self_attn"] == {"q_proj": {"kernel": "other"}, "k_proj": {"kernel": "k"}}
     tx = mj.moara_adamw(1e-2, r_base=8, block_size=8, host=name, rank_allocation=False)
-    grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), params)
+    with pytest.raises(ValueError) as e:
+        tx.init(params)
+    assert str(e.value) == (
+        f"['self_attn']['q_proj']['kernel'] is {jnp.dtype(dtype)} and labelled 'q': a target matrix must be "
+        "floating point; a label_fn that gives it 'other' leaves it to AdamW"
+    )
+
+    def label_fn(path):
+        return "other" if "q_proj" in jax.tree_util.keystr(path) else mj.module_label(path)
+
+    tx = mj.moara_adamw(1e-2, r_base=8, block_size=8, host=name, rank_allocation=False, label_fn=label_fn)
+    grads = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-    want, _ = optax.adamw(1e-2).update(grads, optax.adamw(1e-2).init(params), params)
-    q = updates["self_attn"]["q_proj"]["kernel"]
-    assert q.dtype == want["self_attn"]["q_proj"]["kernel"].dtype
     assert np.isfinite(np.asarray(updates["self_attn"]["k_proj"]["kernel"])).all()

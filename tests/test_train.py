@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from helpers import cpu_devices
 
+import moara_jax as mj
 from train.config import load_config
 from train.errors import EXIT_PREEMPTED, UserError
 from train.rundir import dedupe_by_step, read_metrics
@@ -252,15 +253,14 @@ def test_an_allocation_profiled_at_another_r_base_moves_that_r_base_s_rank(tmp_p
         read_allocation(str(path), 32, tuple(types))
 
 
-LLAMA_TYPES = ("q", "k", "v", "o", "up", "gate", "down")
-MLA_TYPES = ("o", "up", "gate", "down", "q_a", "q_b", "kv_a", "kv_b")
+LLAMA_TYPES, MLA_TYPES = mj.LLAMA_MODULE_TYPES, mj.MLA_MODULE_TYPES
 
 
 def test_an_allocation_moves_rank_on_another_family_through_the_structural_mapping(tmp_path):
     """The paper applies the Llama 2 profile's rule to DeepSeek-V2, whose q_b and kv_b donate
     where Llama's q and k do: a Llama file on an MLA model (and an MLA file on a Llama model)
     moves the rank between those types and keeps the model's budget; a file that names a type
-    the model has no counterpart of, or ranks that add to the budget, are refused in one line.
+    the model has no counterpart of, or ranks that do not add up to the budget, are refused in one line.
     The trainer's banner and summary use these ranks."""
     from train.step import read_allocation
 
@@ -275,7 +275,7 @@ def test_an_allocation_moves_rank_on_another_family_through_the_structural_mappi
     assert read_allocation(str(path), 16, LLAMA_TYPES) == ranks
     path.write_text(json.dumps({**mla, "receivers": ["q_a"]}))  # Llama has no counterpart of q_a
     with pytest.raises(
-        UserError, match=r"allocation.json: this model has no \['q_a'\] \(this model's module"
+        UserError, match=r"allocation.json: its receivers: this model has no \['q_a'\] \(this model's module"
     ):
         read_allocation(str(path), 16, LLAMA_TYPES)
     path.write_text(json.dumps({**mla, "donors": ["q_b", "q"]}))  # both are Llama's q
@@ -1131,8 +1131,8 @@ def recorded_loop(monkeypatch) -> list[tuple[str, int]]:
 def test_the_host_reads_a_steps_metrics_only_after_dispatching_the_next(mode, monkeypatch, tmp_path):
     """The host never waits for the step it just dispatched (issue 22: the loop keeps the device
     busy): it reads step k's metrics after dispatching step k+1, except at the steps that
-    evaluate or save and at the last, which read their own first. A profile's alignments come
-    with its metrics at the steps it records."""
+    evaluate or save and at the last, which read their own first. A profile, whose reads also
+    take the alignments at every ``profile.every``-th step, records each of those steps."""
     events = recorded_loop(monkeypatch)
     profile = ["mode=profile", "profile.steps=12", "profile.every=3"]
     sets = [*FAST, "train.log_every=1"] + profile * (mode == "profile")

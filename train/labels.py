@@ -38,7 +38,7 @@ def describe(cfg, vocab_size: int | None = None) -> str:
     profiling = cfg.mode == "profile"  # what it measures: uniform ranks, no decomposition
     rows = {}
     if opt.name != "adamw":
-        rows = {r["path"]: r for r in Allocation.of(opt, params, profiling).table(opt, params)}
+        rows = {r["path"]: r for r in Allocation.of(opt, params, profiling=profiling).table(opt, params)}
     lines = [
         f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}"
         + ("" if opt.name == "adamw" or opt.host == "galore" else f" on {opt.host}")

@@ -157,6 +157,7 @@ class Setup:
     batch_sharding: jax.sharding.NamedSharding
     shardings: TrainState  # of the train state
     tx: optax.GradientTransformation
+    allocation: Allocation  # optimizer.rank_allocation as read for this model, once
     lr: optax.Schedule
     abstract_params: Any
     abstract_opt: Any
@@ -209,14 +210,10 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock) -> Setup:
     lr = schedule(cfg)
     profiling_mode = cfg.mode == "profile"
     abstract_params = models.abstract_params(model_cfg)
+    allocation = Allocation.of(cfg.optimizer, abstract_params, profiling=profiling_mode)
     try:
         tx = make_optimizer(
-            cfg.optimizer,
-            lr,
-            t.grad_clip,
-            profiling=profiling_mode,
-            peak_lr=t.lr,
-            abstract_params=abstract_params,
+            cfg.optimizer, lr, t.grad_clip, profiling=profiling_mode, peak_lr=t.lr, allocation=allocation
         )
         # Shape checks that need the model (e.g. Q-GaLore's group sizes) run at init.
         abstract_opt = jax.eval_shape(tx.init, abstract_params)
@@ -240,6 +237,7 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock) -> Setup:
         batch_sharding=batch_sharding(mesh, t.batch_size),
         shardings=TrainState(replicated, p_shard, o_shard),
         tx=tx,
+        allocation=allocation,
         lr=lr,
         abstract_params=abstract_params,
         abstract_opt=abstract_opt,
@@ -357,7 +355,7 @@ def rank_summary(setup: Setup) -> dict | None:
     opt = setup.cfg.optimizer
     if opt.name == "adamw":
         return None
-    rows = Allocation.of(opt, setup.abstract_params, setup.profiling).table(opt, setup.abstract_params)
+    rows = setup.allocation.table(opt, setup.abstract_params)
     return {
         "per_module": {r["module"]: r["requested"] for r in rows},
         "clipped": [r for r in rows if r["used"] < r["requested"]],

@@ -51,14 +51,19 @@ def donor_delta(r_base: int, donors: int, receivers: int) -> int:
 # The paper's structural mapping between the donors of a Llama-style block and of MLA's (DeepSeek-V2
 # donates from Q(b) and KV(b) where Llama donates from q and k, Section 4.1), both ways: an
 # allocation profiled on one family applies to the other through it.
-STRUCTURAL = {"q": "q_b", "k": "kv_b", "q_b": "q", "kv_b": "k"}
+_PAIRS = list(zip(mj.DEFAULT_DONORS, mj.MLA_DONORS, strict=True))
+STRUCTURAL = dict(_PAIRS) | {mla: llama for llama, mla in _PAIRS}
 
 
 def paper_order(types) -> tuple[str, ...]:
-    """Module type names in the paper's order (``moara_jax.MODULE_TYPES``: q k v o up gate down,
-    then MLA's), others after them by name."""
+    """Module type names in their model family's order (``moara_jax.LLAMA_MODULE_TYPES``: q k v o
+    up gate down; an MLA model's ``MLA_MODULE_TYPES``: q_a q_b kv_a kv_b o up gate down), others
+    after them by name."""
     types = set(types)
-    return tuple(t for t in mj.MODULE_TYPES if t in types) + tuple(sorted(types - set(mj.MODULE_TYPES)))
+    mla = types & (set(mj.MLA_MODULE_TYPES) - set(mj.LLAMA_MODULE_TYPES))
+    order = (*mj.MLA_MODULE_TYPES, *mj.LLAMA_MODULE_TYPES) if mla else mj.MODULE_TYPES
+    known = tuple(dict.fromkeys(t for t in order if t in types))
+    return known + tuple(sorted(types - set(known)))
 
 
 def module_types(abstract_params) -> tuple[str, ...]:
@@ -97,7 +102,7 @@ def _allocation_file(path: str) -> tuple[dict[str, int], int | None, list[str], 
         raise UserError(f"{where}: r_base must be a positive integer, got {profiled!r}")
     groups = []
     for key in ("donors", "receivers"):
-        names = data.get(key) or []
+        names = data.get(key, [])
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise UserError(f"{where}: {key} must be a list of module types, got {names!r}")
         groups.append(names)
@@ -133,7 +138,8 @@ def read_allocation(path: str, r_base: int, types: tuple[str, ...]) -> dict[str,
             "on this run's"
         )
     try:
-        donors, receivers = on_model(where, donors, types), on_model(where, receivers, types)
+        donors = on_model(f"{where}: its donors", donors, types)
+        receivers = on_model(f"{where}: its receivers", receivers, types)
         return mj.allocate_ranks(
             r_base, types, donors, receivers, donor_delta(r_base, len(donors), len(receivers))
         )
@@ -150,7 +156,7 @@ class Allocation:
     ranks: dict[str, int] | None  # per-module ranks of a profiling run's allocation file
 
     @classmethod
-    def of(cls, opt: OptimizerSection, abstract_params, profiling: bool = False) -> Allocation:
+    def of(cls, opt: OptimizerSection, abstract_params, *, profiling: bool = False) -> Allocation:
         """``uniform``, ``default`` or the path of an allocation file, for the model of
         ``abstract_params``; a profiling run (which measures uniform ranks) always gets uniform
         ranks."""
@@ -189,15 +195,16 @@ def make_optimizer(
     profiling: bool = False,
     peak_lr: float | None = None,
     abstract_params=None,
+    allocation: Allocation | None = None,
 ) -> optax.GradientTransformation:
     """AdamW, or GaLore/MoARa on the configured host (GaLore, Fira, Q-GaLore, OSD, LDAdam or
     SubTrack++), per the config; ``profiling``: what a profile measures, the configured host with
     uniform ranks and no decomposition. An allocation file (``optimizer.rank_allocation``) is read
-    for the model of ``abstract_params`` (required then)."""
+    for the model of ``abstract_params`` (required then), unless ``allocation`` gives it read."""
     if opt.name == "adamw":
         tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask=decay_mask(opt))
     else:
-        allocation = Allocation.of(opt, abstract_params, profiling)
+        allocation = allocation or Allocation.of(opt, abstract_params, profiling=profiling)
         tx = mj.moara_adamw(
             lr,
             r_base=opt.r_base,

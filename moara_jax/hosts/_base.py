@@ -101,7 +101,7 @@ class StageOptions:
       update_proj_gap: steps between basis refreshes (GaLore's ``T``).
       scale: GaLore's scale (Fira's ``alpha``), applied by ``recompose``.
       b1, b2, eps: the Adam of the low-rank values and block magnitudes (paper: 0.9, 0.999, 1e-6).
-      mu_dtype: the moments' dtype (``None``: the parameter's).
+      mu_dtype: the moments' dtype (``None``: the parameter's, float32 for float16).
       mag_dtype: the block magnitudes' moments' dtype.
       proj_type: which side is projected (``'std'``: galore-torch's rule).
       svd, seed, canonical_signs, name: how bases are made and named, as :func:`moara_jax.project`

@@ -116,7 +116,8 @@ def ldadam(
       b1, b2, eps: Adam, in PyTorch ``AdamW``'s formula (the reference's defaults are
         ``0.908, 0.99, 1e-8``).
       error_feedback: carry the dropped part of each step into the next (the reference's default).
-      mu_dtype, mag_dtype: dtypes of the subspace moments (``None``: the leaf's) and of the
+      mu_dtype, mag_dtype: dtypes of the subspace moments (``None``: the leaf's, float32 for
+        float16) and of the
         block magnitudes' moments.
       svd, seed, canonical_signs, name: as :func:`project`, for the first step's basis (the
         power iteration's orthonormalisation is sign-free: the update does not depend on it).
