@@ -159,8 +159,8 @@ class Allocation:
     def of(cls, opt: OptimizerSection, abstract_params, *, profiling: bool = False) -> Allocation:
         """``uniform``, ``default`` or the path of an allocation file, for the model of
         ``abstract_params``; a profiling run (which measures uniform ranks) always gets uniform
-        ranks."""
-        if profiling or opt.rank_allocation == "uniform":
+        ranks, and AdamW (which has none) reads no file."""
+        if profiling or opt.name == "adamw" or opt.rank_allocation == "uniform":
             return cls(False, None)
         if opt.rank_allocation == "default":
             return cls(True, None)
