@@ -107,6 +107,7 @@ def test_kernel_profile_groups_the_traced_loop_events_by_name(tmp_path):
         ((3, 100, 72), 64, 16, jnp.float32),  # stacked
     ],
 )
+@pytest.mark.slow
 def test_fused_kernel_experiment_computes_decompose_then_project(shape, rank, block, dtype, tiles):
     """The experimental Pallas kernel (interpreted) gives XLA's magnitudes and projection."""
     import fused_kernel

@@ -205,6 +205,7 @@ def test_a_save_that_fails_in_orbaxs_writer_thread_leaves_no_partial_checkpoint(
         for w in ("tensorboard", "summary", "plot", "metrics and summary")
     ],
 )
+@pytest.mark.slow
 def test_a_failed_write_of_the_runs_files_stops_cleanly(where, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     sets = ["metrics.writers=[jsonl,tensorboard]"] if where == "tensorboard" else []

@@ -140,6 +140,7 @@ SWEEP = textwrap.dedent("""
 
 @pytest.mark.parametrize("target", ["sweep", "sweep-sigint", "group"])
 @pytest.mark.parametrize("mode", ["saves", "startup", "completes", "completes-then-killed"])
+@pytest.mark.slow
 def test_a_signal_to_the_sweep_stops_it_after_the_run_in_progress(tmp_path, mode, target):
     """SIGTERM or SIGINT to the sweep, or SIGTERM to its process group: the run in progress gets
     SIGTERM (it saves, or is in its start-up with nothing to save, or finishes its wrap-up and

@@ -1127,7 +1127,7 @@ def recorded_loop(monkeypatch) -> list[tuple[str, int]]:
     return events
 
 
-@pytest.mark.parametrize("mode", ["train", "profile"])
+@pytest.mark.parametrize("mode", ["train", pytest.param("profile", marks=pytest.mark.slow)])
 def test_the_host_reads_a_steps_metrics_only_after_dispatching_the_next(mode, monkeypatch, tmp_path):
     """The host never waits for the step it just dispatched (issue 22: the loop keeps the device
     busy): it reads step k's metrics after dispatching step k+1, except at the steps that
