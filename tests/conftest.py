@@ -65,7 +65,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The ``slow`` tests (end-to-end runs in processes of their own, up to a minute each) first,
+    """The ``slow`` tests (end-to-end runs, in processes of their own or in this one, up to a
+    minute each, and the tests of 2.5 s or more that are neither oracles nor core contracts) first,
     in their order, so that pytest-xdist's workers end on short tests, not one on a long test
     while the other idles. ``gpu``-marked tests run only where JAX's default backend is a GPU
     (asked only when one was collected: the question starts JAX's backend)."""
