@@ -36,9 +36,8 @@ def describe(cfg, vocab_size: int | None = None) -> str:
     params = models.abstract_params(model_cfg)
     opt = cfg.optimizer
     profiling = cfg.mode == "profile"  # what it measures: uniform ranks, no decomposition
-    rows = {}
-    if opt.name != "adamw":
-        rows = {r["path"]: r for r in Allocation.of(opt, params, profiling=profiling).table(opt, params)}
+    allocation = Allocation.of(opt, params, profiling=profiling)  # the file read once
+    rows = {r["path"]: r for r in allocation.table(opt, params)} if opt.name != "adamw" else {}
     lines = [
         f"{model_cfg.name}: {models.param_count(model_cfg):,} parameters, optimizer {opt.name}"
         + ("" if opt.name == "adamw" or opt.host == "galore" else f" on {opt.host}")
@@ -61,7 +60,7 @@ def describe(cfg, vocab_size: int | None = None) -> str:
         label = row["module"] if row else "adamw"
         decay = "-" if decays is None else ("yes" if decays else "no")
         lines.append(f"{key:64s} {str(tuple(x.shape)):>22s} {label:>6s} {rank:>11s} {decay:>5s}")
-    tx = make_optimizer(opt, 0.01, cfg.train.grad_clip, profiling=profiling, abstract_params=params)
+    tx = make_optimizer(opt, 0.01, cfg.train.grad_clip, profiling=profiling, allocation=allocation)
     state = jax.eval_shape(tx.init, params)
     sizes = mj.state_bytes(state)
     lines.append(

@@ -194,17 +194,16 @@ def make_optimizer(
     *,
     profiling: bool = False,
     peak_lr: float | None = None,
-    abstract_params=None,
     allocation: Allocation | None = None,
 ) -> optax.GradientTransformation:
     """AdamW, or GaLore/MoARa on the configured host (GaLore, Fira, Q-GaLore, OSD, LDAdam or
     SubTrack++), per the config; ``profiling``: what a profile measures, the configured host with
-    uniform ranks and no decomposition. An allocation file (``optimizer.rank_allocation``) is read
-    for the model of ``abstract_params`` (required then), unless ``allocation`` gives it read."""
+    uniform ranks and no decomposition. ``allocation``: ``optimizer.rank_allocation`` as
+    ``Allocation.of`` reads it for the model (needed for an allocation file; else made here)."""
     if opt.name == "adamw":
         tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask=decay_mask(opt))
     else:
-        allocation = allocation or Allocation.of(opt, abstract_params, profiling=profiling)
+        allocation = allocation or Allocation.of(opt, None, profiling=profiling)
         tx = mj.moara_adamw(
             lr,
             r_base=opt.r_base,
