@@ -19,9 +19,12 @@ Phases (run in the order given, each skipped when its estimate exceeds the time 
   ``train.xla_flags.GPU_FLAG_SETS``, against a baseline (``configs/paper/llama2-350m.yaml``'s remat
   and layers, ``--jax-args`` over them) run before and after them (their difference is the drift
   of the device over the phase);
-- ``train_loop``: ``python -m train.prepare`` (the builtin corpus, byte tokenizer) and ``python -m
-  train`` at 350M with logging every step and two evaluations, against ``train_step.py`` on the same
-  model and batch: the loop's step times over the benchmark's;
+- ``train_loop`` / ``train_loop_60m``: ``python -m train.prepare`` (the builtin corpus, byte
+  tokenizer) and ``python -m train`` at 350M (the paper's protocol) / 60M (the evidence runs'
+  setting) with logging every step and two evaluations, its loop's parts timed on the host
+  (``benchmarks/loop_waits.py``: dispatch, drawing the next batch, the reads that wait for a step,
+  the rest; ``loop_waits-MODEL.json``), against ``train_step.py`` on the same model and batch: the
+  loop's step times over the benchmark's;
 - ``full_tests``: ``python -m pytest -q -n 8`` with JAX on the GPU, its counts and failures.
 
 Everything goes to ``--out`` (the device's ``$OUT``): ``session.json`` (rewritten after every
@@ -428,17 +431,29 @@ def phase_variants(s: Session, group: str) -> dict:
     return result
 
 
-def phase_train_loop(s: Session) -> dict:
-    """python -m train with logging and evaluation on, against train_step.py on the same model."""
-    store, run_dir = s.work / "store", s.work / "run"
-    base = [
-        "--config",
-        "configs/paper/llama2-350m.yaml",
-        "--set",
-        "data.source=builtin",
-        "--set",
-        "data.tokenizer=bytes",
-    ]
+# The train_loop phases' settings: the config, its r_base and block size, and python -m train's
+# batch (the 350M paper protocol's; the evidence runs' 60M, whose loop waited on the host, see
+# benchmarks/loop_waits.py).
+LOOP_SETTINGS = {
+    "llama2-350m": dict(config="configs/paper/llama2-350m.yaml", r_base=256, block=32, batch=512, micro=128),
+    "llama2-60m": dict(
+        config="configs/experiments/wiki60m/base.yaml",
+        r_base=128,
+        block=64,
+        batch=128,
+        micro=128,
+        data=["data.paths=[]", "data.validation_paths=[]"],  # its Wikipedia files: not on the machine
+    ),
+}
+
+
+def phase_train_loop(s: Session, model: str) -> dict:
+    """python -m train with logging and evaluation on, its loop's parts timed (loop_waits.py),
+    against train_step.py on the same model and batch."""
+    setting = LOOP_SETTINGS[model]
+    store, run_dir = s.work / f"store-{model}", s.work / f"run-{model}"
+    data = ["data.tokenizer=bytes", *setting.get("data", [])]
+    base = ["--config", setting["config"], *(a for x in ["data.source=builtin", *data] for a in ("--set", x))]
     prep = s.run([sys.executable, "-m", "train.prepare", *base, "--out", str(store), "--quiet"])
     if prep["rc"] != 0:
         return {"error": "prepare failed", **prep}
@@ -446,7 +461,7 @@ def phase_train_loop(s: Session) -> dict:
     sets = [
         "data.source=store",
         f"data.store={store}",
-        "data.tokenizer=bytes",
+        *data,
         f"train.steps={steps}",
         f"train.eval_every={every}",
         "train.eval_batches=2",
@@ -456,30 +471,29 @@ def phase_train_loop(s: Session) -> dict:
     if s.smoke:
         sets += ["model.name=tiny", "model.overrides={}", "train.batch_size=16", "train.micro_batch_size=8"]
         sets += ["train.seq_len=32", "optimizer.r_base=16", "optimizer.block_size=16"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "train",
-        "--config",
-        "configs/paper/llama2-350m.yaml",
-        "--run-dir",
-        str(run_dir),
-    ]
+    waits = s.work / f"loop_waits-{model}.json"
+    cmd = [sys.executable, "benchmarks/loop_waits.py", "--out", str(waits), "--skip", "3", "--"]
+    cmd += ["--config", setting["config"], "--run-dir", str(run_dir)]
     train = s.run(cmd + [a for x in sets for a in ("--set", x)] + ["--quiet"])
     if train["rc"] != 0:
         return {"error": "python -m train failed", **train}
     run = RunDir(run_dir)
-    model = json.loads(run.model_file.read_text())
+    model_file = json.loads(run.model_file.read_text())
     rows = run.rows(None)
-    result = {"train": train, "loop": loop_step_times(rows, skip=3), "vocab_size": model["vocab_size"]}
-    sh = shapes(s, "llama2-350m")
-    args = step_args(sh)
+    result = {"train": train, "loop": loop_step_times(rows, skip=3), "vocab_size": model_file["vocab_size"]}
+    host = _json(waits)
+    if host is not None:
+        result["host_ms"] = {k: v for k, v in host.items() if k.endswith("_ms") or k.endswith("iterations")}
+        shutil.copy(waits, s.out / waits.name)
+    args = step_args(dict(model=model, batch=setting["batch"], micro=setting["micro"], seq=256))
+    args += ["--r-base", str(setting["r_base"]), "--block-size", str(setting["block"])]
     if s.smoke:
         args = ["--model", "tiny", "--batch", "16", "--micro-batch", "8", "--seq-len", "32", "--r-base", "16"]
         args += ["--block-size", "16"]
-    out = s.work / "train_step_same_model.json"
-    cmd = [sys.executable, "benchmarks/train_step.py", *args, "--vocab-size", str(model["vocab_size"])]
-    cmd += ["--remat", model["remat"], "--layers", "scanned" if model["scan_layers"] else "unrolled"]
+    out = s.work / f"train_step_same_model-{model}.json"
+    cmd = [sys.executable, "benchmarks/train_step.py", *args, "--vocab-size", str(model_file["vocab_size"])]
+    layers = "scanned" if model_file["scan_layers"] else "unrolled"
+    cmd += ["--remat", model_file["remat"], "--layers", layers]
     cmd += ["--only", "moara_full", "--steps", "10", "--warmup", "3", "--out", str(out)]
     bench = s.run(cmd)
     data = _json(out)
@@ -493,15 +507,18 @@ def phase_train_loop(s: Session) -> dict:
 
 
 def loop_step_times(rows: list[dict], skip: int) -> dict:
-    """Step times of a run's metrics rows after the first ``skip`` steps: the median (the steady
-    step), the mean of the steps that neither evaluate nor follow an evaluation, and the wall time
-    per step with everything (logging, evaluation) in it."""
+    """Step times of a run's metrics rows (``log_every`` 1) after the first ``skip`` steps: the
+    median (the steady step), the mean of the steps that neither evaluate, nor follow or precede an
+    evaluation, and the wall time per step with everything (logging, evaluation) in it. The step
+    before an evaluation is left out because its read may also wait for the evaluating step (read
+    at once, so then logged at a few milliseconds: seen on an H100)."""
     steps = {r["step"]: r for r in rows if "step_time_s" in r}
     evals = {r["step"] for r in rows if "eval_loss" in r}
     kept = [steps[k] for k in sorted(steps) if k > skip]
     if len(kept) < 2:
         return {}
-    plain = [r["step_time_s"] for r in kept if r["step"] not in evals and r["step"] - 1 not in evals]
+    near = evals | {k - 1 for k in evals} | {k + 1 for k in evals}
+    plain = [r["step_time_s"] for r in kept if r["step"] not in near]
     first, last = kept[0], kept[-1]
     return {
         "median_step_s": statistics.median(r["step_time_s"] for r in kept),
@@ -519,7 +536,8 @@ PHASES = {
     "vs_torch_1b": (lambda s: 150.0, lambda s: phase_vs_torch(s, "llama2-1b")),
     "variants_model": (lambda s: 60.0, lambda s: phase_variants(s, "model")),
     "variants_flags": (lambda s: 60.0, lambda s: phase_variants(s, "flags")),
-    "train_loop": (lambda s: 60.0 if s.smoke else 170.0, phase_train_loop),
+    "train_loop": (lambda s: 60.0 if s.smoke else 170.0, lambda s: phase_train_loop(s, "llama2-350m")),
+    "train_loop_60m": (lambda s: 60.0 if s.smoke else 100.0, lambda s: phase_train_loop(s, "llama2-60m")),
     "full_tests": (lambda s: 240.0, phase_full_tests),
 }
 

@@ -464,8 +464,45 @@ def test_gpu_session_reads_pytest_counts_and_loop_step_times():
     rows += [{"step": 5, "step_time_s": 2.9, "wall_s": 36.1}, {"step": 6, "step_time_s": 1.1, "wall_s": 37.2}]
     times = gpu_session.loop_step_times(rows, skip=1)  # step 1 holds the compilation
     assert times["median_step_s"] == 1.1  # of 1.0, 1.0, 1.2, 2.9, 1.1
-    assert times["mean_plain_step_s"] == pytest.approx((1.0 + 1.0 + 1.1) / 3)  # not 4 (eval) or 5 (after it)
+    # not 4 (eval), 5 (after it) or 3 (before it: its read may wait for step 4 too)
+    assert times["mean_plain_step_s"] == pytest.approx((1.0 + 1.1) / 2)
     assert times["wall_per_step_s"] == pytest.approx((37.2 - 31) / 4) and times["evaluations"] == 1
+
+
+def test_loop_waits_splits_each_iteration_into_the_loops_parts():
+    """From a dispatch to the next: each part's time, the rest as ``other``; the summary takes the
+    plain iterations (no evaluation or save) after the first ``skip`` steps."""
+    import loop_waits
+
+    t = loop_waits.Timings()
+    # (part, the step the loop was at, start, end) in seconds; step k is dispatched at step k - 1
+    t.calls = [("dispatch", 0, 0.0, 2.0), ("draw", 1, 2.0, 2.1)]  # step 1: its compilation
+    t.calls += [("dispatch", 1, 2.2, 2.201), ("draw", 2, 2.201, 2.203), ("read", 2, 2.203, 2.25)]
+    t.calls += [("dispatch", 2, 2.26, 2.261), ("read", 3, 2.261, 2.262), ("read", 3, 2.262, 2.31)]
+    t.calls += [("evaluate", 3, 2.31, 2.5), ("dispatch", 3, 2.5, 2.502)]
+    rows = t.iterations()
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the last dispatch ends no iteration
+    assert rows[0]["dispatch"] == pytest.approx(2000) and rows[0]["period"] == pytest.approx(2200)
+    assert rows[1]["read"] == pytest.approx(47) and rows[1]["other"] == pytest.approx(60 - 1 - 2 - 47)
+    assert rows[2]["read"] == pytest.approx(49) and rows[2]["evaluate"] == pytest.approx(190)
+    summary = loop_waits.summarize(rows, skip=1)
+    assert summary["plain_iterations"] == 1 and summary["read_ms"]["median"] == pytest.approx(47)
+
+
+@pytest.mark.slow
+def test_gpu_session_times_the_training_loops_parts_against_the_step_benchmark(tmp_path):
+    """The train_loop phase at 60M (here its --smoke sizes): the loop's step times over
+    train_step.py's, and where its host time goes (loop_waits.py's file among the results)."""
+    import gpu_session
+
+    session = gpu_session.Session(tmp_path, budget_s=240, smoke=True)
+    result = gpu_session.phase_train_loop(session, "llama2-60m")
+    assert "error" not in result, result
+    waits = json.loads((tmp_path / "loop_waits-llama2-60m.json").read_text())
+    assert waits["train_exit"] == 0 and len(waits["rows"]) == 7  # 8 steps: 7 dispatch-to-dispatch
+    assert {r["step"] for r in waits["rows"] if r["evaluate"]} == {4}
+    assert result["host_ms"]["read_ms"]["median"] > 0 and result["benchmark_ms"] > 0
+    assert result["median_step_over_benchmark"] > 0
 
 
 def test_gpu_session_variants_run_over_the_paper_settings():

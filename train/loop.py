@@ -480,6 +480,9 @@ class StepLoop:
         self.last_eval: float | None = evals[-1]["eval_loss"] if evals else None
         self.last_eval_step: int | None = evals[-1]["step"] if evals else None
         self.last_done = 0.0  # when the metrics of the last step read became available
+        # The steps read since the last logged row, and their time (evaluations and saves left
+        # out): a row's step time is their mean (see read_metrics).
+        self.window_steps, self.window_s = 0, 0.0
         self._cpu = jax.local_devices(backend="cpu")[0]
         # One program for the schedule (tiny.yaml's, on a 2-core CPU): a call takes 0.02 ms, its
         # operations dispatched one by one 0.2 ms; the first 0.08 s, against 0.42 s for theirs.
@@ -597,14 +600,24 @@ class StepLoop:
         if recording:
             self.recorder.record(step, host["alignment"])
             self.writer.scalars(step, {f"alignment/S_{k}": v[-1] for k, v in self.recorder.values.items()})
+        # A read's wait is not its step's time: the read of step k - 1 may return only when step
+        # k is nearly done (seen on an H100: 1-3 ms "steps" at every step that reads its own
+        # metrics at once), so a row's step time is the mean over the steps since the last row,
+        # which their reads' waits add up to. This session's first step, which holds the
+        # compilation, is left out of the mean (and logged alone where it is a logging step).
+        first = step == self.first_step + 1
+        if not first:
+            self.window_steps, self.window_s = self.window_steps + 1, self.window_s + dt
         if step % t.log_every == 0 or step == total:
-            tokens_per_s = self.setup.tokens_per_step / dt
+            step_time = dt if first else self.window_s / self.window_steps
+            self.window_steps, self.window_s = 0, 0.0
+            tokens_per_s = self.setup.tokens_per_step / step_time
             row = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": grad_norm}
-            row |= {"tokens_per_s": tokens_per_s, "step_time_s": dt, "wall_s": self.writer.wall()}
-            if step == self.first_step + 1:  # this session's first: its time includes the compilation
+            row |= {"tokens_per_s": tokens_per_s, "step_time_s": step_time, "wall_s": self.writer.wall()}
+            if first:  # this session's first: its time includes the compilation
                 row["includes_compile"] = True
             self.writer.write(row)
-            self.writer.progress(step, loss, tokens_per_s, dt)
+            self.writer.progress(step, loss, tokens_per_s, step_time)
         return None
 
     def evaluate(self, step: int, params) -> None:
