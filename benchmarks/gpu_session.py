@@ -531,7 +531,8 @@ def loop_step_times(rows: list[dict], skip: int) -> dict:
 
 PHASES = {
     "env": (lambda s: 20.0, phase_env),
-    "gpu_tests": (lambda s: 60.0, phase_gpu_tests),
+    # 2026-11-27, H100: 62 s had run the first of the tests and no more (the call's budget ended)
+    "gpu_tests": (lambda s: 120.0, phase_gpu_tests),
     "vs_torch_350m": (lambda s: 150.0, lambda s: phase_vs_torch(s, "llama2-350m")),
     "vs_torch_1b": (lambda s: 150.0, lambda s: phase_vs_torch(s, "llama2-1b")),
     "variants_model": (lambda s: 60.0, lambda s: phase_variants(s, "model")),
