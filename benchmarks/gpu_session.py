@@ -431,18 +431,14 @@ def phase_variants(s: Session, group: str) -> dict:
     return result
 
 
-# The train_loop phases' settings: the config, its r_base and block size, and python -m train's
-# batch (the 350M paper protocol's; the evidence runs' 60M, whose loop waited on the host, see
-# benchmarks/loop_waits.py).
+# The train_loop phases' configs, and the settings over them that make them run on the builtin
+# corpus: the 350M paper protocol, and the evidence runs' 60M setting (with its Wikipedia files
+# left out and T5's 32,000-id vocabulary kept, so that the step is the evidence runs' step).
 LOOP_SETTINGS = {
-    "llama2-350m": dict(config="configs/paper/llama2-350m.yaml", r_base=256, block=32, batch=512, micro=128),
-    "llama2-60m": dict(
-        config="configs/experiments/wiki60m/base.yaml",
-        r_base=128,
-        block=64,
-        batch=128,
-        micro=128,
-        data=["data.paths=[]", "data.validation_paths=[]"],  # its Wikipedia files: not on the machine
+    "llama2-350m": ("configs/paper/llama2-350m.yaml", []),
+    "llama2-60m": (
+        "configs/experiments/wiki60m/base.yaml",
+        ["data.paths=[]", "data.validation_paths=[]", "model.overrides.vocab_size=32000"],
     ),
 }
 
@@ -450,10 +446,10 @@ LOOP_SETTINGS = {
 def phase_train_loop(s: Session, model: str) -> dict:
     """python -m train with logging and evaluation on, its loop's parts timed (loop_waits.py),
     against train_step.py on the same model and batch."""
-    setting = LOOP_SETTINGS[model]
+    config, extra = LOOP_SETTINGS[model]
     store, run_dir = s.work / f"store-{model}", s.work / f"run-{model}"
-    data = ["data.tokenizer=bytes", *setting.get("data", [])]
-    base = ["--config", setting["config"], *(a for x in ["data.source=builtin", *data] for a in ("--set", x))]
+    data = ["data.tokenizer=bytes", *extra]
+    base = ["--config", config, *(a for x in ["data.source=builtin", *data] for a in ("--set", x))]
     prep = s.run([sys.executable, "-m", "train.prepare", *base, "--out", str(store), "--quiet"])
     if prep["rc"] != 0:
         return {"error": "prepare failed", **prep}
@@ -473,7 +469,7 @@ def phase_train_loop(s: Session, model: str) -> dict:
         sets += ["train.seq_len=32", "optimizer.r_base=16", "optimizer.block_size=16"]
     waits = s.work / f"loop_waits-{model}.json"
     cmd = [sys.executable, "benchmarks/loop_waits.py", "--out", str(waits), "--skip", "3", "--"]
-    cmd += ["--config", setting["config"], "--run-dir", str(run_dir)]
+    cmd += ["--config", config, "--run-dir", str(run_dir)]
     train = s.run(cmd + [a for x in sets for a in ("--set", x)] + ["--quiet"])
     if train["rc"] != 0:
         return {"error": "python -m train failed", **train}
@@ -485,15 +481,9 @@ def phase_train_loop(s: Session, model: str) -> dict:
     if host is not None:
         result["host_ms"] = {k: v for k, v in host.items() if k.endswith("_ms") or k.endswith("iterations")}
         shutil.copy(waits, s.out / waits.name)
-    args = step_args(dict(model=model, batch=setting["batch"], micro=setting["micro"], seq=256))
-    args += ["--r-base", str(setting["r_base"]), "--block-size", str(setting["block"])]
-    if s.smoke:
-        args = ["--model", "tiny", "--batch", "16", "--micro-batch", "8", "--seq-len", "32", "--r-base", "16"]
-        args += ["--block-size", "16"]
     out = s.work / f"train_step_same_model-{model}.json"
-    cmd = [sys.executable, "benchmarks/train_step.py", *args, "--vocab-size", str(model_file["vocab_size"])]
-    layers = "scanned" if model_file["scan_layers"] else "unrolled"
-    cmd += ["--remat", model_file["remat"], "--layers", layers]
+    args = same_step_args(run)
+    cmd = [sys.executable, "benchmarks/train_step.py", *args]
     cmd += ["--only", "moara_full", "--steps", "10", "--warmup", "3", "--out", str(out)]
     bench = s.run(cmd)
     data = _json(out)
@@ -504,6 +494,24 @@ def phase_train_loop(s: Session, model: str) -> dict:
     result |= {"benchmark_ms": ms, "benchmark_command": shlex.join(cmd[1:])}
     result |= {f"{k[:-2]}_over_benchmark": v * 1e3 / ms for k, v in loop.items() if k.endswith("_s") and v}
     return result
+
+
+def same_step_args(run: RunDir) -> list[str]:
+    """train_step.py's arguments for the step a run took: its model (preset, vocabulary, remat,
+    layer layout), batch, micro-batch, sequence length, r_base and block size."""
+    model, config = json.loads(run.model_file.read_text()), run.config()
+    t, o = config["train"], config["optimizer"]
+    args = ["--model", config["model"]["name"], "--vocab-size", str(model["vocab_size"])]
+    args += ["--remat", model["remat"], "--layers", "scanned" if model["scan_layers"] else "unrolled"]
+    args += ["--batch", str(t["batch_size"]), "--micro-batch", str(t["micro_batch_size"] or t["batch_size"])]
+    return args + [
+        "--seq-len",
+        str(t["seq_len"]),
+        "--r-base",
+        str(o["r_base"]),
+        "--block-size",
+        str(o["block_size"]),
+    ]
 
 
 def loop_step_times(rows: list[dict], skip: int) -> dict:

@@ -3,18 +3,20 @@ the step loop's iterations timed on the host's clock.
 
 An iteration runs from one step's dispatch to the next one's: the dispatch (``step_fn``: tracing
 aside, the launch of the step's work), drawing the next batch (the grain iterator and its transfer
-to the device), the reads of step metrics (each waits for its step) and what else the loop does
-(logging, the divergence guard). Iterations that evaluate or save are reported apart. Where the
-device is the bottleneck the reads hold the waiting and the dispatch and the draw are short; a
-dispatch or a draw that takes about a step's time says that the host cannot queue a step ahead,
-so that the device waits for the host's part of every iteration (issue 22: on an H100, steps that
-read their own metrics at once waited only 1-3 ms for a 50 ms step).
+to the device), the wait for a step's metrics (``StepLoop.fetch``: one ``jax.device_get``), the
+rest of reading them (the schedule's value, the divergence guard, logging) and whatever else the
+loop does. Iterations that evaluate or save, and the two after them (whose reads follow the
+evaluation's), are left out of the summary. Where the device is the bottleneck the waits hold the
+time and the dispatch and the draw are short; a dispatch or a draw that takes about a step's time
+says that the host cannot queue a step ahead, so that the device waits for the host's part of
+every iteration (issue 22: on an H100, most steps that read their own metrics at once, the
+evaluating ones, waited 0.6-5.5 ms for a 50 ms step).
 
   python benchmarks/loop_waits.py --out waits.json [--skip 3] -- --config FILE [--set k=v ...]
 
 Everything after ``--`` is ``python -m train``'s command line. The JSON holds each part's median
-and mean over the plain iterations (no evaluation, no save) after the first ``--skip``, and each
-iteration's times.
+and mean (``wait`` and ``read_rest`` together make the read) over the plain iterations after the
+first ``--skip``, and each iteration's times.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("dispatch", "draw", "read", "evaluate", "save")
+PARTS = ("dispatch", "draw", "read", "evaluate", "save")  # not nested: with "other", the period
+SUMMARY = ("period", "dispatch", "draw", "wait", "read_rest", "other")
 
 
 class Timings:
@@ -54,20 +57,24 @@ class Timings:
         starts = [(c[2], c[1] + 1) for c in self.calls if c[0] == "dispatch"]  # (time, step dispatched)
         rows = []
         for (t0, step), (t1, _) in zip(starts, starts[1:], strict=False):
-            row = dict.fromkeys(PARTS, 0.0) | {"step": step, "period": (t1 - t0) * 1e3}
+            row = dict.fromkeys((*PARTS, "wait"), 0.0) | {"step": step, "period": (t1 - t0) * 1e3}
             for part, _, a, b in self.calls:
                 if t0 <= a < t1:
                     row[part] += (b - a) * 1e3
             row["other"] = row["period"] - sum(row[p] for p in PARTS)
+            row["read_rest"] = row["read"] - row["wait"]  # the wait happens inside the read
             rows.append(row)
         return rows
 
 
 def summarize(rows: list[dict], skip: int) -> dict:
-    """Medians and means of each part over the plain iterations after the first ``skip`` steps."""
-    plain = [r for r in rows if r["step"] > skip and not r["evaluate"] and not r["save"]]
+    """Medians and means of each part over the plain iterations after the first ``skip`` steps:
+    neither evaluating nor saving, nor one of the two after such an iteration."""
+    busy = {r["step"] for r in rows if r["evaluate"] or r["save"]}
+    near = busy | {k + 1 for k in busy} | {k + 2 for k in busy}
+    plain = [r for r in rows if r["step"] > skip and r["step"] not in near]
     out = {"plain_iterations": len(plain), "iterations": len(rows)}
-    for part in ("period", "dispatch", "draw", "read", "other"):
+    for part in SUMMARY:
         values = [r[part] for r in plain]
         out[f"{part}_ms"] = (
             {"median": statistics.median(values), "mean": statistics.fmean(values)} if values else None
@@ -85,6 +92,7 @@ def instrument(timings: Timings) -> None:
         init(self, *args, **kwargs)
         self.step_fn = timings.wrap("dispatch", self.step_fn, self)
         self.batches.next = timings.wrap("draw", self.batches.next, self)
+        self.fetch = timings.wrap("wait", self.fetch, self)
         for part in ("read_metrics", "evaluate", "save"):
             setattr(self, part, timings.wrap(part.removesuffix("_metrics"), getattr(self, part), self))
 
@@ -110,11 +118,7 @@ def main(argv=None) -> int:
     result = {"train_exit": code, "train_args": train_argv, "skip": args.skip, **summarize(rows, args.skip)}
     result["rows"] = [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    parts = ", ".join(
-        f"{p} {result[f'{p}_ms']['median']:.2f}"
-        for p in ("period", "dispatch", "draw", "read", "other")
-        if result[f"{p}_ms"]
-    )
+    parts = ", ".join(f"{p} {result[f'{p}_ms']['median']:.2f}" for p in SUMMARY if result[f"{p}_ms"])
     print(f"loop_waits: {result['plain_iterations']} plain iterations, median ms: {parts}")
     return code
 

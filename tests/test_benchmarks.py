@@ -470,23 +470,34 @@ def test_gpu_session_reads_pytest_counts_and_loop_step_times():
 
 
 def test_loop_waits_splits_each_iteration_into_the_loops_parts():
-    """From a dispatch to the next: each part's time, the rest as ``other``; the summary takes the
-    plain iterations (no evaluation or save) after the first ``skip`` steps."""
+    """From a dispatch to the next: each part's time (the wait for a step's metrics inside their
+    read), the rest as ``other``; the summary takes the iterations after the first ``skip`` steps
+    that neither evaluate or save nor follow one within two steps."""
     import loop_waits
 
     t = loop_waits.Timings()
     # (part, the step the loop was at, start, end) in seconds; step k is dispatched at step k - 1
     t.calls = [("dispatch", 0, 0.0, 2.0), ("draw", 1, 2.0, 2.1)]  # step 1: its compilation
-    t.calls += [("dispatch", 1, 2.2, 2.201), ("draw", 2, 2.201, 2.203), ("read", 2, 2.203, 2.25)]
-    t.calls += [("dispatch", 2, 2.26, 2.261), ("read", 3, 2.261, 2.262), ("read", 3, 2.262, 2.31)]
-    t.calls += [("evaluate", 3, 2.31, 2.5), ("dispatch", 3, 2.5, 2.502)]
+    t.calls += [("dispatch", 1, 2.2, 2.201), ("draw", 2, 2.201, 2.203)]
+    t.calls += [("read", 2, 2.203, 2.25), ("wait", 2, 2.204, 2.24)]  # the read of step 1
+    t.calls += [("dispatch", 2, 2.26, 2.261), ("read", 3, 2.261, 2.262), ("wait", 3, 2.261, 2.2615)]
+    t.calls += [("read", 3, 2.262, 2.31), ("wait", 3, 2.262, 2.309), ("evaluate", 3, 2.31, 2.5)]
+    for k in range(3, 8):  # steps 4 to 8: 50 ms each, 40 of them waiting
+        t.calls += [("dispatch", k, 2.5 + (k - 3) * 0.05, 2.5 + (k - 3) * 0.05 + 0.001)]
+        t.calls += [("read", k + 1, 2.51 + (k - 3) * 0.05, 2.55 + (k - 3) * 0.05)]
+        t.calls += [("wait", k + 1, 2.51 + (k - 3) * 0.05, 2.54 + (k - 3) * 0.05)]
     rows = t.iterations()
-    assert [r["step"] for r in rows] == [1, 2, 3]  # the last dispatch ends no iteration
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]  # the last dispatch ends no iteration
     assert rows[0]["dispatch"] == pytest.approx(2000) and rows[0]["period"] == pytest.approx(2200)
-    assert rows[1]["read"] == pytest.approx(47) and rows[1]["other"] == pytest.approx(60 - 1 - 2 - 47)
+    assert rows[1]["read"] == pytest.approx(47) and rows[1]["wait"] == pytest.approx(36)
+    assert rows[1]["read_rest"] == pytest.approx(11) and rows[1]["other"] == pytest.approx(60 - 1 - 2 - 47)
     assert rows[2]["read"] == pytest.approx(49) and rows[2]["evaluate"] == pytest.approx(190)
     summary = loop_waits.summarize(rows, skip=1)
-    assert summary["plain_iterations"] == 1 and summary["read_ms"]["median"] == pytest.approx(47)
+    assert summary["plain_iterations"] == 3  # steps 2, 6 and 7: not 3 (evaluates), 4 or 5 (after it)
+    assert summary["period_ms"]["median"] == pytest.approx(50)
+    assert summary["wait_ms"]["median"] == pytest.approx(30) and summary["read_rest_ms"][
+        "median"
+    ] == pytest.approx(10)
 
 
 @pytest.mark.slow
@@ -496,13 +507,60 @@ def test_gpu_session_times_the_training_loops_parts_against_the_step_benchmark(t
     import gpu_session
 
     session = gpu_session.Session(tmp_path, budget_s=240, smoke=True)
-    result = gpu_session.phase_train_loop(session, "llama2-60m")
+    try:
+        result = gpu_session.phase_train_loop(session, "llama2-60m")
+    finally:
+        session.close()
     assert "error" not in result, result
     waits = json.loads((tmp_path / "loop_waits-llama2-60m.json").read_text())
     assert waits["train_exit"] == 0 and len(waits["rows"]) == 7  # 8 steps: 7 dispatch-to-dispatch
     assert {r["step"] for r in waits["rows"] if r["evaluate"]} == {4}
-    assert result["host_ms"]["read_ms"]["median"] > 0 and result["benchmark_ms"] > 0
-    assert result["median_step_over_benchmark"] > 0
+    # each reads a step, but the first (nothing to read yet) and the one after the evaluation (step
+    # 4 read its own metrics at once)
+    reading = {r["step"] for r in waits["rows"] if r["read"] >= r["wait"] > 0}
+    assert reading == {2, 3, 4, 6, 7}, waits["rows"]
+    assert result["host_ms"] == {k: v for k, v in waits.items() if k.endswith(("_ms", "iterations"))}
+    # the benchmark ran the run's own step: tiny, batch 16 in micro-batches of 8, sequence 32
+    assert (
+        "--model tiny" in result["benchmark_command"]
+        and "--micro-batch 8 --seq-len 32" in result["benchmark_command"]
+    )
+
+
+def test_gpu_session_benchmarks_the_step_the_60m_loop_run_took(tmp_path):
+    """train_loop_60m's train_step.py arguments come from its run: the evidence runs' 60M step
+    (T5's 32,000 ids though it reads the byte-level corpus, batch 128 unsplit, r_base 128, block 64)."""
+    import dataclasses
+
+    import gpu_session
+
+    from train.config import load_config, to_dict
+    from train.model import model_config
+    from train.rundir import RunDir
+
+    config, extra = gpu_session.LOOP_SETTINGS["llama2-60m"]
+    sets = ["data.source=builtin", "data.tokenizer=bytes", *extra]
+    cfg = load_config(str(BENCH.parent / config), sets)
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_config(to_dict(cfg))
+    run.write_model(dataclasses.asdict(model_config(cfg, 259)))
+    args = gpu_session.same_step_args(run)
+    assert args == [
+        *("--model", "llama2-60m", "--vocab-size", "32000", "--remat", "none", "--layers", "unrolled"),
+        *(
+            "--batch",
+            "128",
+            "--micro-batch",
+            "128",
+            "--seq-len",
+            "256",
+            "--r-base",
+            "128",
+            "--block-size",
+            "64",
+        ),
+    ]
 
 
 def test_gpu_session_variants_run_over_the_paper_settings():
