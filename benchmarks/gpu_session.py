@@ -501,17 +501,11 @@ def same_step_args(run: RunDir) -> list[str]:
     layer layout), batch, micro-batch, sequence length, r_base and block size."""
     model, config = json.loads(run.model_file.read_text()), run.config()
     t, o = config["train"], config["optimizer"]
-    args = ["--model", config["model"]["name"], "--vocab-size", str(model["vocab_size"])]
-    args += ["--remat", model["remat"], "--layers", "scanned" if model["scan_layers"] else "unrolled"]
-    args += ["--batch", str(t["batch_size"]), "--micro-batch", str(t["micro_batch_size"] or t["batch_size"])]
-    return args + [
-        "--seq-len",
-        str(t["seq_len"]),
-        "--r-base",
-        str(o["r_base"]),
-        "--block-size",
-        str(o["block_size"]),
-    ]
+    sh = dict(model=config["model"]["name"], batch=t["batch_size"], seq=t["seq_len"])
+    args = step_args(sh | {"micro": t["micro_batch_size"] or t["batch_size"]})
+    args += ["--vocab-size", str(model["vocab_size"]), "--r-base", str(o["r_base"])]
+    layers = "scanned" if model["scan_layers"] else "unrolled"
+    return args + ["--block-size", str(o["block_size"]), "--remat", model["remat"], "--layers", layers]
 
 
 def loop_step_times(rows: list[dict], skip: int) -> dict:

@@ -546,21 +546,17 @@ def test_gpu_session_benchmarks_the_step_the_60m_loop_run_took(tmp_path):
     run.write_config(to_dict(cfg))
     run.write_model(dataclasses.asdict(model_config(cfg, 259)))
     args = gpu_session.same_step_args(run)
-    assert args == [
-        *("--model", "llama2-60m", "--vocab-size", "32000", "--remat", "none", "--layers", "unrolled"),
-        *(
-            "--batch",
-            "128",
-            "--micro-batch",
-            "128",
-            "--seq-len",
-            "256",
-            "--r-base",
-            "128",
-            "--block-size",
-            "64",
-        ),
-    ]
+    settings = dict(zip(args[::2], args[1::2], strict=True))
+    assert settings == {
+        **{"--model": "llama2-60m", "--vocab-size": "32000", "--remat": "none", "--layers": "unrolled"},
+        **{
+            "--batch": "128",
+            "--micro-batch": "128",
+            "--seq-len": "256",
+            "--r-base": "128",
+            "--block-size": "64",
+        },
+    }
 
 
 def test_gpu_session_variants_run_over_the_paper_settings():
