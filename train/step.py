@@ -138,14 +138,13 @@ def read_allocation(path: str, r_base: int, types: tuple[str, ...]) -> dict[str,
             "on this run's"
         )
     try:
-        donors = on_model(f"{where}: its donors", donors, types)
-        receivers = on_model(f"{where}: its receivers", receivers, types)
+        donors = on_model("its donors", donors, types)
+        receivers = on_model("its receivers", receivers, types)
         return mj.allocate_ranks(
             r_base, types, donors, receivers, donor_delta(r_base, len(donors), len(receivers))
         )
     except ValueError as e:
-        said = str(e) if str(e).startswith(where) else f"{where}: {e}"
-        raise UserError(f"{said} (this model's module types: {list(types)})") from None
+        raise UserError(f"{where}: {e} (this model's module types: {list(types)})") from None
 
 
 @dataclass(frozen=True)
