@@ -75,6 +75,11 @@ def allocate_ranks(
         raise ValueError(f"donors and receivers overlap: {sorted(set(donors) & set(receivers))}")
     if bool(donors) != bool(receivers):
         raise ValueError("donors and receivers must both be empty or both be non-empty")
+    if delta is None and donors and r_base == 1:
+        warn(
+            "rank allocation: r_base 1 leaves no rank to move (the default delta, r_base // 2, is 0), "
+            "so every module type keeps rank 1; use r_base >= 2, or turn rank allocation off"
+        )
     delta = r_base // 2 if delta is None else delta
     if not is_int(delta, minimum=0):
         raise ValueError(f"delta must be a non-negative integer, got {delta!r}")

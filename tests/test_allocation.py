@@ -90,6 +90,18 @@ def test_allocation_errors_name_the_problem():
         mj.allocate_ranks(8, types, delta=8)
 
 
+def test_r_base_1_says_that_no_rank_moves():
+    """The default delta (r_base // 2) is 0 at r_base 1: the allocation is uniform, and says so."""
+    with pytest.warns(UserWarning, match="r_base 1 leaves no rank to move"):
+        ranks = mj.allocate_ranks(1, mj.LLAMA_MODULE_TYPES)
+    assert set(ranks.values()) == {1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a delta of 0 asked for, or no donors: nothing to say
+        assert set(mj.allocate_ranks(1, mj.LLAMA_MODULE_TYPES, delta=0).values()) == {1}
+        assert set(mj.allocate_ranks(1, mj.LLAMA_MODULE_TYPES, (), ()).values()) == {1}
+        assert mj.allocate_ranks(2, mj.LLAMA_MODULE_TYPES)["down"] == 4
+
+
 def _mla_tree():
     """Abstract DeepSeek-V2 MLA attention and a down projection, Flax layout."""
     s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
