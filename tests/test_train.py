@@ -752,6 +752,28 @@ def test_labels_command_prints_the_optimizer_view():
     assert "moments 650.88" in lines[-1]
 
 
+def test_a_new_state_is_the_seeded_init_and_its_parameters_compile_apart_from_the_optimizer():
+    """A new run's parameters come from a program of the model alone, the same under GaLore and
+    MoARa (so runs of one model under other optimizers find its compile in the compilation
+    cache), and the state is exactly ``Setup.init`` of the run's seed."""
+    import chex
+    import jax
+
+    from train import loop
+
+    sets = ["train.seed=3", "data.tokenizer=bytes"]
+    galore, moara = (
+        loop.make_setup(load_config(TINY, [*sets, f"optimizer.name={name}"]), True, loop.Clock())
+        for name in ("galore", "moara")
+    )
+    key = jax.random.PRNGKey(3)
+    assert galore.param_init().lower(key).as_text() == moara.param_init().lower(key).as_text()
+    assert jax.jit(galore.init).lower(key).as_text() != jax.jit(moara.init).lower(key).as_text()
+    start = loop.restore_or_init(moara, None, resume=False, main=True)
+    assert start.step == 0 and start.resumed_from is None
+    chex.assert_trees_all_equal(start.state, jax.jit(moara.init)(key))
+
+
 def test_model_override_numbers_written_as_yaml_reads_them():
     """PyYAML reads ``1e-5`` as a string; a float field of the model takes it as the number, as
     the typed config sections do."""

@@ -178,8 +178,15 @@ class Setup:
         return self.cfg.train.batch_size * self.cfg.train.seq_len
 
     def init(self, rng) -> TrainState:
-        """A new train state (for ``jax.eval_shape`` and the jitted, sharded init)."""
+        """A new train state (for ``jax.eval_shape``; ``restore_or_init`` makes one in two programs)."""
         return self.start_from(models.init_params(self.model_cfg, rng))
+
+    def param_init(self):
+        """The seeded parameters' init, jitted into their shardings: a program of the model alone,
+        the same for every optimizer, so that runs of one model under other optimizers find it in
+        the compilation cache (its random draws are most of a new state's compile time)."""
+        init = functools.partial(models.init_params, self.model_cfg)
+        return jax.jit(init, out_shardings=self.shardings.params)
 
     def start_from(self, params) -> TrainState:
         return TrainState(jnp.zeros([], jnp.int32), params, self.tx.init(params))
@@ -303,9 +310,9 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
         say(f"no checkpoint in {ckpt.directory}; starting from scratch")
     if setup.cfg.model.init_from is not None:
         params = init_from_params(setup.cfg, setup.model_cfg, setup.shardings.params)
-        state = jax.jit(setup.start_from, out_shardings=setup.shardings, donate_argnums=0)(params)
     else:
-        state = jax.jit(setup.init, out_shardings=setup.shardings)(jax.random.PRNGKey(setup.cfg.train.seed))
+        params = setup.param_init()(jax.random.PRNGKey(setup.cfg.train.seed))
+    state = jax.jit(setup.start_from, out_shardings=setup.shardings, donate_argnums=0)(params)
     return Start(state, 0, None, {})
 
 
