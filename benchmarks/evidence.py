@@ -17,11 +17,11 @@ prints the size of what a GPU command would take along (at most 64 MiB).
 ``run`` is the one command on a bare GPU machine, from the repository root: it installs the
 carried wheels that are missing, builds the token store with all cores (``train.prepare``, given
 what is left of the budget), then runs the plan's next unfinished runs, ``--concurrent`` at a time
-sharing the GPU: ``auto`` (the default) runs one at a time, then two, then four while the step up
-measurably paid, and keeps the fastest level measured (``choose_level``). A run is started only
-when its estimated duration fits in what is left of ``--budget-s`` (estimated from finished runs'
-measured times, else from the plan's deliberately generous ``estimate_s``, both times
-``--safety``); at the end of the budget the runs still going
+sharing the GPU: ``auto`` (the default) runs one at a time, then two, three and four while each
+step up measurably paid, and keeps the fastest level measured (``choose_level``). A run is started
+only when its estimated duration fits in what is left of ``--budget-s`` (estimated from finished
+runs' measured times, scaled by the gain from sharing measured so far, else from the plan's
+deliberately generous ``estimate_s``, both times ``--safety``); at the end of the budget the runs still going
 are stopped (SIGTERM: they save a checkpoint) and the runner exits. A stopped run is lost in
 practice: checkpoints never come back in the archive, and this workplace gives the GPU machine
 back 30 s after a call, so only a next call that finds the same machine still warm resumes it.
@@ -114,9 +114,13 @@ RESERVE_S = 15.0
 # ``--max-concurrent``); a level is taken over the one below it only where the training runs it
 # measured take ``PAYS`` times fewer device-seconds per step. ``MEMORY``: the share of the
 # device's memory the runs split between them (``XLA_PYTHON_CLIENT_MEM_FRACTION``).
-LEVELS = (1, 2, 4)
+LEVELS = (1, 2, 3, 4)
 PAYS = 1.1
 MEMORY = 0.9
+# An estimate at a level not measured yet takes the device-seconds per step of the nearest level
+# below it that was, times this margin (sharing more is assumed to gain nothing more, and to lose
+# at most this much).
+UNMEASURED = 1.1
 # Table 5 of the paper (Llama 2 350M, 1k-step profile; `tab:profiling_length` in its source):
 # S_tau per module type, highest first.
 PAPER_S_TAU = {"v": 0.959, "o": 0.932, "up": 0.922, "gate": 0.921, "q": 0.899, "k": 0.885, "down": 0.819}
@@ -297,14 +301,21 @@ def measure(run_dir: pathlib.Path) -> Measured | None:
 
 
 def estimate(
-    kind: tuple, steps: int, concurrency: int, measured: list[Measured], default_s: float, safety: float
+    kind: tuple,
+    steps: int,
+    concurrency: int,
+    measured: list[Measured],
+    default_s: float,
+    safety: float,
+    costs: dict[int, float] | None = None,
 ) -> tuple[float, str]:
     """Seconds a run should take, and on what basis. From each finished run: its fixed part
     (start-up, compilation, the last checkpoint) plus ``steps`` x its seconds per step, times
-    ``OTHER_KIND`` for another kind of run and times ``concurrency / its concurrency`` when more
-    runs share the device (no gain from sharing assumed); the largest over the runs of the same
-    kind (else over all), of those measured at ``concurrency`` runs sharing the device where there
-    are any, times ``safety``. Without any: ``default_s x concurrency x safety``."""
+    ``OTHER_KIND`` for another kind of run and times ``share_factor`` for ``concurrency`` runs
+    sharing the device (from ``costs``, the device-seconds per step measured at each level,
+    ``sharing_costs``; without them no gain from sharing is assumed); the largest over the runs of
+    the same kind (else over all), of those measured at ``concurrency`` runs sharing the device
+    where there are any, times ``safety``. Without any: ``default_s x concurrency x safety``."""
     same = [m for m in measured if m.kind == kind]
     pool = same or measured
     if not pool:
@@ -314,12 +325,30 @@ def estimate(
     pool = level or pool
     guesses = []
     for m in pool:
-        factor = (1.0 if m.kind == kind else OTHER_KIND) * max(1.0, concurrency / m.concurrency)
+        factor = share_factor(m.concurrency, concurrency, costs or {})
+        factor *= 1.0 if m.kind == kind else OTHER_KIND
         fixed = max(0.0, m.wall_s - m.steps * m.per_step_s)
         guesses.append((fixed + steps * m.per_step_s * factor) * safety)
     what = "the same kind" if same else "other kinds"
     at = f", measured {concurrency} at a time" if level and concurrency > 1 else ""
     return max(guesses), f"{len(pool)} finished run(s) of {what}{at}"
+
+
+def share_factor(met: float, concurrency: int, costs: dict[int, float]) -> float:
+    """How many times longer a step takes with ``concurrency`` runs sharing the device than in a
+    run that met ``met`` runs (its recorded concurrency): ``concurrency x cost / (its level x its
+    level's cost)``, the costs being the device-seconds per step measured at each level. At a level
+    not measured, the cost of the nearest measured level below it times ``UNMEASURED``, but never
+    more than no gain from sharing. Where its level's cost or any lower level's is unknown (or it
+    met no one level for long): no gain, ``concurrency / met`` (at least 1)."""
+    no_gain = max(1.0, concurrency / met)
+    at = level_of(met)
+    below = [n for n in costs if n < concurrency]
+    if at not in costs or (concurrency not in costs and not below):
+        return no_gain
+    if concurrency in costs:
+        return concurrency * costs[concurrency] / (at * costs[at])
+    return min(no_gain, concurrency * costs[max(below)] * UNMEASURED / (at * costs[at]))
 
 
 def level_of(concurrency: float) -> int | None:
@@ -692,7 +721,8 @@ class Runner:
         default = self.plan.estimate_s["profile" if config["mode"] == "profile" else "train"]
         if self.args.estimate_s is not None:
             default = self.args.estimate_s
-        return estimate(kind_of(config), steps_of(config), level, measured, default, self.args.safety)
+        costs = sharing_costs(measured)
+        return estimate(kind_of(config), steps_of(config), level, measured, default, self.args.safety, costs)
 
     def loop(self) -> int:
         """Runs the plan's next runs (``schedule``); on an error too, stops and records what still
@@ -1122,6 +1152,10 @@ def cmd_status(args) -> int:
     root = pathlib.Path(args.root).resolve()
     check_finished_runs(plan, root)
     measured = [m for p in plan.runs if (m := measure(root / plan.results / p.experiment / p.run.name))]
+    devices = sorted({m.device for m in measured})
+    # The estimates at the level --concurrent auto starts with, where the runs come from one device.
+    costs = sharing_costs(measured) if len(devices) == 1 else {}
+    level = choose_level(costs, LEVELS[-1])[0] if costs else 1
     for planned in plan.runs:
         state = RunDir(root / plan.results / planned.experiment / planned.run.name).state()
         local = RunDir(root / SCRATCH / "runs" / planned.experiment / planned.run.name).state()
@@ -1129,14 +1163,19 @@ def cmd_status(args) -> int:
         if state not in FINISHED:
             config = run_config(plan, planned)
             default = plan.estimate_s["profile" if config["mode"] == "profile" else "train"]
-            est, basis = estimate(kind_of(config), steps_of(config), 1, measured, default, args.safety)
-            text += f"; estimate {est:.0f}s ({basis})"
+            kind, steps = kind_of(config), steps_of(config)
+            est, basis = estimate(kind, steps, 1, measured, default, args.safety, costs)
+            text += f"; estimate {est:.0f}s alone"
+            if level > 1:
+                shared = estimate(kind, steps, level, measured, default, args.safety, costs)[0]
+                text += f", {shared:.0f}s {level} at a time"
+            text += f" ({basis})"
         print(f"{planned.name}: {text}")
-    for device in sorted({m.device for m in measured}):  # what --concurrent auto starts from there
-        costs = sharing_costs([m for m in measured if m.device == device])
-        if costs:
-            level = choose_level(costs, LEVELS[-1])[0]
-            print(f"sharing {device}: {describe_costs(costs)} per training step; auto starts {level} at once")
+    for device in devices:  # what --concurrent auto starts from there
+        found = sharing_costs([m for m in measured if m.device == device])
+        if found:
+            start = choose_level(found, LEVELS[-1])[0]
+            print(f"sharing {device}: {describe_costs(found)} per training step; auto starts {start} at once")
     return 0
 
 

@@ -85,6 +85,30 @@ def test_estimates_scale_the_fixed_part_and_the_steps_of_finished_runs():
     assert evidence.estimate(kind, 400, 2, [shared], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 1.5)
 
 
+def test_estimates_take_the_gain_from_sharing_the_device_measured_so_far():
+    kind = ("train", "galore", "galore", False, "uniform")
+    alone = evidence.Measured("a", kind, 200, 100.0, 0.3, 1, "gpu")  # 40 s fixed, 200 x 0.3 s
+    paired = evidence.Measured("b", kind, 200, 160.0, 0.6, 2, "gpu")  # 40 s fixed, 200 x 0.6 s
+    costs = {1: 0.3, 2: 0.24}  # device-seconds per step: two at a time do 1.25x the work
+    # From a run alone to two at a time: 2 x 0.24 / 0.3 = 1.6 times its step, not 2.
+    assert evidence.share_factor(1, 2, costs) == pytest.approx(1.6)
+    assert evidence.estimate(kind, 400, 2, [alone], 999, 1.0, costs)[0] == pytest.approx(40 + 400 * 0.3 * 1.6)
+    # From a run two at a time to one alone: 0.3 / (2 x 0.24) of its step (no longer as long).
+    assert evidence.estimate(kind, 400, 1, [paired], 999, 1.0, costs)[0] == pytest.approx(40 + 400 * 0.375)
+    # Three at a time, not measured: two's cost 1.1 times over, 3 x 0.24 x 1.1 / 0.3 = 2.64.
+    assert evidence.share_factor(1, 3, costs) == pytest.approx(3 * 0.24 * evidence.UNMEASURED / 0.3)
+    # ... but never more than no gain at all (from a run two at a time: 3 / 2).
+    assert evidence.share_factor(2, 3, {1: 0.3, 2: 0.29}) == pytest.approx(1.5)
+    # Measured at three: its own cost, whatever the level below it gave.
+    assert evidence.share_factor(2, 3, {1: 0.3, 2: 0.24, 3: 0.2}) == pytest.approx(3 * 0.2 / (2 * 0.24))
+    # No gain assumed where the costs are unknown: none measured, the run's own level not measured
+    # (a run that ran half its time alone), or no level at or below the one asked for.
+    assert evidence.share_factor(1, 2, {}) == 2.0
+    assert evidence.share_factor(4 / 3, 2, costs) == pytest.approx(1.5)
+    assert evidence.share_factor(2, 1, {2: 0.24}) == 1.0
+    assert evidence.estimate(kind, 400, 2, [alone], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
+
+
 def test_the_safety_factor_applies_to_the_plans_estimate_too():
     kind = ("train", "galore", "galore", False, "uniform")
     est, basis = evidence.estimate(kind, 400, 2, [], 300, 1.5)
@@ -341,16 +365,18 @@ def test_each_run_records_the_concurrency_it_met_not_the_setting(tmp_path, monke
 
 
 def test_auto_levels_go_up_while_sharing_pays_and_keep_the_fastest():
-    one, two, four = 0.25, 0.25 / 1.6, 0.25 / 1.7  # device-seconds per step
+    one, two, three, four = 0.25, 0.25 / 1.6, 0.25 / 1.8, 0.25 / 1.85  # device-seconds per step
     assert evidence.choose_level({}, 4)[0] == 1
     assert evidence.choose_level({1: one}, 4)[0] == 2
-    assert evidence.choose_level({1: one, 2: two}, 4)[0] == 4  # 1.6x: the next level is measured
-    level, why = evidence.choose_level({1: one, 2: two, 4: four}, 4)  # 4 pays 1.06x over 2: not enough
-    assert level == 2 and "2 at a time 0.1562 s (1.60x), 4 at a time 0.1471 s (1.70x)" in why
+    assert evidence.choose_level({1: one, 2: two}, 4)[0] == 3  # 1.6x: the next level is measured
+    assert evidence.choose_level({1: one, 2: two, 3: three}, 4)[0] == 4  # 3 pays 1.125x over 2
+    level, why = evidence.choose_level({1: one, 2: two, 3: three, 4: four}, 4)  # 4: 1.03x over 3
+    assert level == 3 and "3 at a time 0.1389 s (1.80x), 4 at a time 0.1351 s (1.85x)" in why
+    assert evidence.choose_level({1: one, 2: two, 3: two * 0.95}, 4)[0] == 2  # 3 did not pay
     assert evidence.choose_level({1: one, 2: one * 0.95}, 4)[0] == 1  # sharing did not pay
     assert evidence.choose_level({2: two}, 4)[0] == 1  # one at a time measured first
     assert evidence.choose_level({1: one, 2: two}, 2)[0] == 2  # --max-concurrent 2
-    assert evidence.choose_level({1: one, 2: two}, 3)[0] == 3
+    assert evidence.choose_level({1: one, 2: two, 3: three}, 3)[0] == 3
     # What a run met: a level, or none for one that ran half its time alone.
     assert [evidence.level_of(c) for c in (1.0, 1.9, 4 / 3, 3.8)] == [1, 2, None, 4]
     kind = ("train", "galore", "galore", False, "uniform")
@@ -380,14 +406,14 @@ runs:
 
 
 def test_auto_measures_whether_sharing_the_device_pays_and_keeps_the_fastest(tmp_path, monkeypatch):
-    """A device that does 1.6 runs' work per second with two runs on it and 1.7 with four: the
-    runner measures one run alone, then two, then four, and goes back to two. A run never starts
-    into memory other runs hold."""
+    """A device that does 1.6 runs' work per second with two runs on it, 1.8 with three and 1.85
+    with four: the runner measures one run alone, then two, three and four, and goes back to
+    three. A run never starts into memory other runs hold."""
     plan_path = tiny_setting(tmp_path)
     plan_path.write_text(SEEDS_PLAN)
     root = tmp_path / "gpu"
     names = [f"{c}-seed{s}" for s in range(3) for c in ("galore", "rank", "decomp", "full")]
-    rates = {1: 1.0, 2: 1.6, 3: 1.65, 4: 1.7}
+    rates = {1: 1.0, 2: 1.6, 3: 1.8, 4: 1.85}
     runner, procs, lines = fake_runner(
         monkeypatch, plan_path, root, {n: (10, True) for n in names}, rates.get, concurrent="auto"
     )
@@ -408,14 +434,15 @@ def test_auto_measures_whether_sharing_the_device_pays_and_keeps_the_fastest(tmp
     runner.start = checked
     runner.loop()
     runner.table()
-    assert [level["level"] for level in runner.session["levels"]] == [1, 2, 4, 2]
-    assert [level for _, level in starts] == [1, 2, 2, 4, 4, 4, 4, 2, 2, 2, 2, 2]
+    assert [level["level"] for level in runner.session["levels"]] == [1, 2, 3, 4, 3]
+    assert [level for _, level in starts] == [1, 2, 2, 3, 3, 3, 4, 4, 4, 4, 3, 3]
     met = [runner_record(root, name)["concurrency"] for name, _ in starts]
-    assert met[:7] == [1.0, 2.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+    assert met == [1.0, 2.0, 2.0, 3.0, 3.0, 3.0, 4.0, 4.0, 4.0, 4.0, 2.0, 2.0]  # the last two: no third
     assert "sharing the device: 2 at a time, to measure it (1 at a time 2.5 s)" in lines
-    assert any(line.startswith("sharing the device: 2 at a time, the fastest measured") for line in lines)
+    assert any(line.startswith("sharing the device: 3 at a time, the fastest measured") for line in lines)
     (table,) = [line for line in lines if line.startswith("device-seconds per training step: ")]
-    assert "2 at a time 1.562 s (1.60x), 4 at a time 1.5 s (1.67x)" in table  # the 0.5 s polls
+    # (the 0.5 s polls)
+    assert "2 at a time 1.562 s (1.60x), 3 at a time 1.417 s (1.76x), 4 at a time 1.375 s (1.82x)" in table
 
 
 def test_auto_starts_a_run_alone_where_only_alone_it_fits_the_budget(tmp_path, monkeypatch):
@@ -627,6 +654,10 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
     assert ("sharing cpu" in states) == bool(costs)
     if costs:
         assert states["sharing cpu"].startswith(evidence.describe_costs(costs) + " per training step")
+    # Each run to do is estimated alone, and at the level auto starts with where that shares.
+    level = evidence.choose_level(costs, evidence.LEVELS[-1])[0] if costs else 1
+    assert states[first_todo].split("; estimate ")[1].split("s alone")[0].isdigit()
+    assert (f"s {level} at a time (" in states[first_todo]) == (level > 1)
 
     # train.sweep's report from the committed runs, grid points without runs included.
     out = repo / "results" / "tiny"
