@@ -24,7 +24,8 @@ runs' measured times, scaled by the gain from sharing measured so far, else from
 deliberately generous ``estimate_s``, both times ``--safety``); at the end of the budget the runs still going
 are stopped (SIGTERM: they save a checkpoint) and the runner exits. A stopped run is lost in
 practice: checkpoints never come back in the archive, and this workplace gives the GPU machine
-back 30 s after a call, so only a next call that finds the same machine still warm resumes it.
+back 30 s after a call, so only a next call that finds the same machine still warm resumes it
+(its estimate: the steps after its newest checkpoint).
 After two runs in a row end without a result no run is started, but those running go on to the
 end; an error stops and records what runs and still packs what finished. Runs go to
 ``.evidence/runs`` (git-ignored); runs already finished in ``RESULTS`` (committed) or there are
@@ -529,6 +530,7 @@ class Runner:
         }
         self.stop_requested = False
         self.shared_at = self.t0  # when Runner.share last counted
+        self.configs: dict = {}  # each planned run's config, as resolved once
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.t0)
@@ -721,8 +723,18 @@ class Runner:
         default = self.plan.estimate_s["profile" if config["mode"] == "profile" else "train"]
         if self.args.estimate_s is not None:
             default = self.args.estimate_s
-        costs = sharing_costs(measured)
-        return estimate(kind_of(config), steps_of(config), level, measured, default, self.args.safety, costs)
+        costs, done = sharing_costs(measured), self.checkpointed(planned)
+        left = steps_of(config) - done
+        est, basis = estimate(kind_of(config), left, level, measured, default, self.args.safety, costs)
+        return est, basis + (f"; {left} steps left after checkpoint {done}" if done else "")
+
+    def checkpointed(self, planned: Planned) -> int:
+        """The step of the newest checkpoint of a run this machine stopped short (0: none), from
+        which a start resumes it: only its steps after it are estimated."""
+        run = RunDir(self.where(planned, True))
+        if run.state() != "resumable":
+            return 0
+        return max(int(p.name) for p in run.checkpoints.iterdir() if p.name.isdigit())
 
     def loop(self) -> int:
         """Runs the plan's next runs (``schedule``); on an error too, stops and records what still
@@ -795,7 +807,6 @@ class Runner:
         run that ends, stops what still runs at the end of the budget. After two runs in a row
         ended without a result it starts no more; those running go on."""
         todo = self.pending()
-        self.configs: dict = {}
         crashes, started, refused = 0, 0, None
         names = ", ".join(p.name for p in todo[:6]) + (" ..." if len(todo) > 6 else "")
         self.say(f"{len(todo)} run(s) of the plan to do: {names}")

@@ -445,6 +445,24 @@ def test_auto_measures_whether_sharing_the_device_pays_and_keeps_the_fastest(tmp
     assert "2 at a time 1.562 s (1.60x), 3 at a time 1.417 s (1.76x), 4 at a time 1.375 s (1.82x)" in table
 
 
+def test_a_run_stopped_short_on_this_machine_is_estimated_from_its_checkpoint_on(tmp_path, monkeypatch):
+    """A start resumes a run this machine stopped short (at the end of an earlier call's budget):
+    only the steps after its newest checkpoint are estimated, so it fits where a whole run would not."""
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    runner, _, _ = fake_runner(monkeypatch, plan_path, root, {})
+    planned = runner.plan.runs[1]
+    config = evidence.run_config(runner.plan, planned)
+    steps = evidence.steps_of(config)
+    m = evidence.Measured("x", evidence.kind_of(config), steps, 10.0 + steps * 0.5, 0.5, 1, "cpu")
+    whole, basis = runner.estimate(planned, [m], 1)
+    assert whole == pytest.approx(10 + steps * 0.5) and "left" not in basis
+    (runner.where(planned, True) / "checkpoints" / "1").mkdir(parents=True)
+    (runner.where(planned, True) / "checkpoints" / "3").mkdir()
+    part, basis = runner.estimate(planned, [m], 1)
+    assert part == pytest.approx(10 + (steps - 3) * 0.5)
+    assert basis == f"1 finished run(s) of the same kind; {steps - 3} steps left after checkpoint 3"
+
+
 def test_auto_starts_a_run_alone_where_only_alone_it_fits_the_budget(tmp_path, monkeypatch):
     """After one run alone the runner would measure two at a time, which assumes no gain (each
     twice as long): with too little budget left for that, the next run starts alone."""
