@@ -21,8 +21,8 @@ sharing the GPU: ``auto`` (the default) runs one at a time, then two, three and 
 step up measurably paid, and keeps the fastest level measured (``choose_level``). A run is started
 only when its estimated duration fits in what is left of ``--budget-s`` (estimated from finished
 runs' measured times, scaled by the gain from sharing measured so far, else from the plan's
-deliberately generous ``estimate_s``, both times ``--safety``); at the end of the budget the runs still going
-are stopped (SIGTERM: they save a checkpoint) and the runner exits. A stopped run is lost in
+deliberately generous ``estimate_s``, both times ``--safety``); at the end of the budget the runs
+still going are stopped (SIGTERM: they save a checkpoint) and the runner exits. A stopped run is lost in
 practice: checkpoints never come back in the archive, and this workplace gives the GPU machine
 back 30 s after a call, so only a next call that finds the same machine still warm resumes it
 (its estimate: the steps after its newest checkpoint).
