@@ -337,19 +337,21 @@ def estimate(
 
 def share_factor(met: float, concurrency: int, costs: dict[int, float]) -> float:
     """How many times longer a step takes with ``concurrency`` runs sharing the device than in a
-    run that met ``met`` runs (its recorded concurrency): ``concurrency x cost / (its level x its
-    level's cost)``, the costs being the device-seconds per step measured at each level. At a level
-    not measured, the cost of the nearest measured level below it times ``UNMEASURED``, but never
-    more than no gain from sharing. Where its level's cost or any lower level's is unknown (or it
-    met no one level for long): no gain, ``concurrency / met`` (at least 1)."""
+    run that met ``met`` runs (its recorded concurrency, ``level_of`` which is its level): the
+    run's own device-seconds per step (its step over ``met``) scaled by the level costs,
+    ``concurrency x cost(concurrency) / (met x cost(its level))``, the costs being the
+    device-seconds per step measured at each level (``sharing_costs``). At a level not measured,
+    the cost of the nearest measured level below it times ``UNMEASURED``, but never more than with
+    no gain over the run's own sharing (``concurrency / met``). Where its level's cost or any lower
+    level's is unknown (or it met no one level for long): that no gain, at least 1."""
     no_gain = max(1.0, concurrency / met)
     at = level_of(met)
     below = [n for n in costs if n < concurrency]
     if at not in costs or (concurrency not in costs and not below):
         return no_gain
     if concurrency in costs:
-        return concurrency * costs[concurrency] / (at * costs[at])
-    return min(no_gain, concurrency * costs[max(below)] * UNMEASURED / (at * costs[at]))
+        return concurrency * costs[concurrency] / (met * costs[at])
+    return min(no_gain, concurrency * costs[max(below)] * UNMEASURED / (met * costs[at]))
 
 
 def level_of(concurrency: float) -> int | None:
@@ -786,9 +788,10 @@ class Runner:
 
     def next_start(self, planned: Planned, running: list[Running], measured: list[Measured]):
         """``(level, estimate, basis)`` for starting ``planned`` now, or ``None`` with the smallest
-        estimate tried and its basis when it must wait or does not fit. The level's memory share must be free
-        (runs started at a lower level hold a larger one); under ``auto``, a run that does not fit
-        at the chosen level may start at a lower one (alone, no gain from sharing is assumed)."""
+        estimate tried and its basis when it must wait or does not fit. The level's memory share
+        must be free (runs started at a lower level hold a larger one); under ``auto``, a run that
+        does not fit at the chosen level may start at a lower one (fewer runs sharing, a shorter
+        estimate), down to alone."""
         chosen = self.level(measured)
         lower = [n for n in reversed(LEVELS) if n < chosen] if self.args.concurrent == "auto" else []
         held = sum(r.fraction for r in running)

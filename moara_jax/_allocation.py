@@ -11,7 +11,7 @@ from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label,
 from moara_jax._matrices import MatrixAxesOrFn, leaf_views
 from moara_jax._projection import effective_rank
 from moara_jax._validate import is_int
-from moara_jax._warnings import warn
+from moara_jax._warnings import warn as _warn
 
 DEFAULT_DONORS = ("q", "k")
 MLA_DONORS = ("q_b", "kv_b")
@@ -44,6 +44,7 @@ def allocate_ranks(
     donors: Iterable[str] = DEFAULT_DONORS,
     receivers: Iterable[str] = DEFAULT_RECEIVERS,
     delta: int | None = None,
+    warn: bool = True,
 ) -> dict[str, int]:
     """Per-module-type ranks: donors ``r_base - delta``, receivers ``r_base + delta |D| / |R|``.
 
@@ -54,6 +55,7 @@ def allocate_ranks(
       module_types: the model's module types, e.g. ``('q','k','v','o','up','gate','down')``.
       donors, receivers: disjoint subsets of ``module_types``.
       delta: rank each donor gives; defaults to ``r_base // 2``.
+      warn: say with a warning when the default ``delta`` moves no rank (``r_base`` 1).
 
     Raises:
       ValueError: naming the argument, for a non-positive ``r_base``, a negative ``delta``, a donor or
@@ -75,8 +77,8 @@ def allocate_ranks(
         raise ValueError(f"donors and receivers overlap: {sorted(set(donors) & set(receivers))}")
     if bool(donors) != bool(receivers):
         raise ValueError("donors and receivers must both be empty or both be non-empty")
-    if delta is None and donors and r_base == 1:
-        warn(
+    if warn and delta is None and donors and r_base == 1:
+        _warn(
             "rank allocation: r_base 1 leaves no rank to move (the default delta, r_base // 2, is 0), "
             "so every module type keeps rank 1; use r_base >= 2, or turn rank allocation off"
         )
@@ -123,7 +125,8 @@ def resolve_module_ranks(
 
     ``donors``/``receivers`` ``None``: the defaults (:func:`default_donors`, ``('down',)``).
     With the default donors and receivers, a tree that lacks all the donors or all the receivers
-    moves no rank (every type keeps ``r_base``); ``warn=True`` says so with a warning. Donors or
+    moves no rank (every type keeps ``r_base``); ``warn=True`` says so with a warning (and where
+    ``r_base`` 1 leaves the default ``delta`` none to move, :func:`allocate_ranks`). Donors or
     receivers named by the caller must all be present (``ValueError`` otherwise). The rule's
     settings (``donors``, ``receivers``, ``delta``) with no rule to apply them to
     (``rank_allocation=False``, or ``ranks`` given) are refused: they would change no rank.
@@ -153,7 +156,7 @@ def resolve_module_ranks(
             if warn:
                 _warn_no_allocation(types, donors, receivers, r_base)
             donors, receivers = (), ()
-    return allocate_ranks(r_base, types, donors, receivers, delta)
+    return allocate_ranks(r_base, types, donors, receivers, delta, warn=warn)
 
 
 def _warn_no_allocation(
@@ -164,7 +167,7 @@ def _warn_no_allocation(
         missing.append(f"donors {DEFAULT_DONORS} (MLA: {MLA_DONORS})")
     if not receivers:
         missing.append(f"receivers {DEFAULT_RECEIVERS}")
-    warn(
+    _warn(
         f"moara_adamw: rank allocation is on, but the parameters have none of the default "
         f"{' and none of the default '.join(missing)}, so no rank moves: the module types present, "
         f"{list(types)}, all keep r_base = {r_base}. Pass donors= and receivers= naming types "

@@ -92,7 +92,7 @@ def test_allocation_errors_name_the_problem():
 
 def test_r_base_1_says_that_no_rank_moves():
     """The default delta (r_base // 2) is 0 at r_base 1: the allocation is uniform, and says so."""
-    with pytest.warns(UserWarning, match="r_base 1 leaves no rank to move"):
+    with pytest.warns(UserWarning, match="r_base 1 leaves no rank to move") as said:
         ranks = mj.allocate_ranks(1, mj.LLAMA_MODULE_TYPES)
     assert set(ranks.values()) == {1}
     with warnings.catch_warnings():
@@ -100,6 +100,17 @@ def test_r_base_1_says_that_no_rank_moves():
         assert set(mj.allocate_ranks(1, mj.LLAMA_MODULE_TYPES, delta=0).values()) == {1}
         assert set(mj.allocate_ranks(1, mj.LLAMA_MODULE_TYPES, (), ()).values()) == {1}
         assert mj.allocate_ranks(2, mj.LLAMA_MODULE_TYPES)["down"] == 4
+        assert set(mj.allocate_ranks(1, mj.LLAMA_MODULE_TYPES, warn=False).values()) == {1}
+    # The optimizer says it once, when its state is made (not when built, nor at each update).
+    kernel = {"kernel": jnp.ones((8, 8))}
+    params = {"self_attn": {"q_proj": kernel, "k_proj": kernel}, "mlp": {"down_proj": kernel}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tx = mj.moara_adamw(0.01, r_base=1, block_size=4)
+        state = tx.init(params)
+        for _ in range(2):
+            _, state = tx.update(params, state, params)
+    assert [str(w.message) for w in caught].count(str(said[0].message)) == 1
 
 
 def _mla_tree():

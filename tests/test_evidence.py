@@ -101,6 +101,8 @@ def test_estimates_take_the_gain_from_sharing_the_device_measured_so_far():
     assert evidence.share_factor(2, 3, {1: 0.3, 2: 0.29}) == pytest.approx(1.5)
     # Measured at three: its own cost, whatever the level below it gave.
     assert evidence.share_factor(2, 3, {1: 0.3, 2: 0.24, 3: 0.2}) == pytest.approx(3 * 0.2 / (2 * 0.24))
+    # A run that met 1.8 runs (level 2): its own device-seconds per step are its step over 1.8.
+    assert evidence.share_factor(1.8, 3, {1: 0.3, 2: 0.24, 3: 0.2}) == pytest.approx(3 * 0.2 / (1.8 * 0.24))
     # No gain assumed where the costs are unknown: none measured, the run's own level not measured
     # (a run that ran half its time alone), or no level at or below the one asked for.
     assert evidence.share_factor(1, 2, {}) == 2.0

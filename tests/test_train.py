@@ -752,7 +752,7 @@ def test_labels_command_prints_the_optimizer_view():
     assert "moments 650.88" in lines[-1]
 
 
-def test_a_new_state_is_the_seeded_init_and_its_parameters_compile_apart_from_the_optimizer():
+def test_a_new_state_is_the_seeded_init_and_its_parameters_compile_apart_from_the_optimizer(monkeypatch):
     """A new run's parameters come from a program of the model alone, the same under GaLore and
     MoARa (so runs of one model under other optimizers find its compile in the compilation
     cache), and the state is exactly ``Setup.init`` of the run's seed."""
@@ -769,8 +769,11 @@ def test_a_new_state_is_the_seeded_init_and_its_parameters_compile_apart_from_th
     key = jax.random.PRNGKey(3)
     assert galore.param_init().lower(key).as_text() == moara.param_init().lower(key).as_text()
     assert jax.jit(galore.init).lower(key).as_text() != jax.jit(moara.init).lower(key).as_text()
+    made = []  # the programs restore_or_init makes the parameters with
+    param_init = loop.Setup.param_init
+    monkeypatch.setattr(loop.Setup, "param_init", lambda self: made.append(param_init(self)) or made[-1])
     start = loop.restore_or_init(moara, None, resume=False, main=True)
-    assert start.step == 0 and start.resumed_from is None
+    assert len(made) == 1 and start.step == 0 and start.resumed_from is None
     chex.assert_trees_all_equal(start.state, jax.jit(moara.init)(key))
 
 
