@@ -22,10 +22,10 @@ step up measurably paid, and keeps the fastest level measured (``choose_level``)
 only when its estimated duration fits in what is left of ``--budget-s`` (estimated from finished
 runs' measured times, scaled by the gain from sharing measured so far, else from the plan's
 deliberately generous ``estimate_s``, both times ``--safety``); at the end of the budget the runs
-still going are stopped (SIGTERM: they save a checkpoint) and the runner exits. A stopped run is lost in
-practice: checkpoints never come back in the archive, and this workplace gives the GPU machine
-back 30 s after a call, so only a next call that finds the same machine still warm resumes it
-(its estimate: the steps after its newest checkpoint).
+still going are stopped (SIGTERM: they save a checkpoint) and the runner exits. A stopped run is
+lost in practice: checkpoints never come back in the archive, and this workplace gives the GPU
+machine back 30 s after a call, so only a next call that finds the same machine still warm
+resumes it (its estimate: the steps after its newest checkpoint).
 After two runs in a row end without a result no run is started, but those running go on to the
 end; an error stops and records what runs and still packs what finished. Runs go to
 ``.evidence/runs`` (git-ignored); runs already finished in ``RESULTS`` (committed) or there are
@@ -718,14 +718,18 @@ class Runner:
                 self.say(f"  | {line}")
         return record
 
-    def estimate(self, planned: Planned, measured: list[Measured], level: int) -> tuple[float, str]:
+    def estimate(
+        self, planned: Planned, measured: list[Measured], level: int, costs: dict[int, float]
+    ) -> tuple[float, str]:
+        """``estimate`` of ``planned`` at ``level`` (``costs``: ``sharing_costs(measured)``), from
+        its newest checkpoint on where this machine stopped it short."""
         if planned.name not in self.configs:
             self.configs[planned.name] = run_config(self.plan, planned)
         config = self.configs[planned.name]
         default = self.plan.estimate_s["profile" if config["mode"] == "profile" else "train"]
         if self.args.estimate_s is not None:
             default = self.args.estimate_s
-        costs, done = sharing_costs(measured), self.checkpointed(planned)
+        done = self.checkpointed(planned)
         left = steps_of(config) - done
         est, basis = estimate(kind_of(config), left, level, measured, default, self.args.safety, costs)
         return est, basis + (f"; {left} steps left after checkpoint {done}" if done else "")
@@ -794,12 +798,12 @@ class Runner:
         estimate), down to alone."""
         chosen = self.level(measured)
         lower = [n for n in reversed(LEVELS) if n < chosen] if self.args.concurrent == "auto" else []
-        held = sum(r.fraction for r in running)
+        held, costs = sum(r.fraction for r in running), sharing_costs(measured)
         least = None  # the smallest estimate that did not fit (what a refusal names)
         for level in (chosen, *lower):
             if len(running) >= level or held + MEMORY / level > MEMORY + 1e-9:
                 continue
-            est, basis = self.estimate(planned, measured, level)
+            est, basis = self.estimate(planned, measured, level, costs)
             if est <= self.left() - RESERVE_S:
                 return level, est, basis
             least = (est, basis) if least is None or est < least[0] else least

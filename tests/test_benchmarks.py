@@ -495,9 +495,8 @@ def test_loop_waits_splits_each_iteration_into_the_loops_parts():
     summary = loop_waits.summarize(rows, skip=1)
     assert summary["plain_iterations"] == 3  # steps 2, 6 and 7: not 3 (evaluates), 4 or 5 (after it)
     assert summary["period_ms"]["median"] == pytest.approx(50)
-    assert summary["wait_ms"]["median"] == pytest.approx(30) and summary["read_rest_ms"][
-        "median"
-    ] == pytest.approx(10)
+    assert summary["wait_ms"]["median"] == pytest.approx(30)
+    assert summary["read_rest_ms"]["median"] == pytest.approx(10)
 
 
 @pytest.mark.slow

@@ -456,11 +456,11 @@ def test_a_run_stopped_short_on_this_machine_is_estimated_from_its_checkpoint_on
     config = evidence.run_config(runner.plan, planned)
     steps = evidence.steps_of(config)
     m = evidence.Measured("x", evidence.kind_of(config), steps, 10.0 + steps * 0.5, 0.5, 1, "cpu")
-    whole, basis = runner.estimate(planned, [m], 1)
+    whole, basis = runner.estimate(planned, [m], 1, {})
     assert whole == pytest.approx(10 + steps * 0.5) and "left" not in basis
     (runner.where(planned, True) / "checkpoints" / "1").mkdir(parents=True)
     (runner.where(planned, True) / "checkpoints" / "3").mkdir()
-    part, basis = runner.estimate(planned, [m], 1)
+    part, basis = runner.estimate(planned, [m], 1, {})
     assert part == pytest.approx(10 + (steps - 3) * 0.5)
     assert basis == f"1 finished run(s) of the same kind; {steps - 3} steps left after checkpoint 3"
 
@@ -503,11 +503,11 @@ def test_an_error_in_the_loop_stops_and_records_the_runs_and_packs_what_finished
     runner, procs, lines = fake_runner(monkeypatch, plan_path, root, script, concurrent=2)
     estimate, calls = runner.estimate, []
 
-    def failing(planned, measured, level):  # the third run's estimate fails, profile ended, full runs
+    def failing(planned, measured, level, costs):  # the third run's estimate fails, profile ended, full runs
         calls.append(planned.name)
         if len(calls) == 3:
             raise evidence.UserError("a config that does not resolve")
-        return estimate(planned, measured, level)
+        return estimate(planned, measured, level, costs)
 
     runner.estimate = failing
     with pytest.raises(evidence.UserError, match="does not resolve"):
