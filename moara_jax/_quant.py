@@ -31,7 +31,7 @@ import optax
 
 from moara_jax._adam import MAG, PLAIN, node_adam
 from moara_jax._labels import path_names
-from moara_jax._validate import check_adam
+from moara_jax._validate import check_adam, in_made_form_on_update
 
 BLOCK_SIZE = 256
 MIN_8BIT_SIZE = 4096
@@ -375,4 +375,5 @@ def adam8bit(
         del kind
         return _moment_step(g, mu, nu, count_inc, b1, b2, eps)
 
-    return node_adam(init_moments, step)
+    # Its quantized moments are nodes that Flax nnx's Optimizer hands back as mappings.
+    return in_made_form_on_update(node_adam(init_moments, step))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -76,6 +77,76 @@ def dtype_arg(name: str, value: Any) -> jnp.dtype | None:
     return dtype
 
 
+def _nnx_state_type() -> type | None:
+    """Flax nnx's ``State``, when nnx is imported (a state can hold one only then)."""
+    statelib = sys.modules.get("flax.nnx.statelib")
+    return getattr(statelib, "State", None)
+
+
+def _child(node: Any, key: Any) -> Any:
+    """The child of ``node`` at one entry of a JAX key path, in the node as made or as the
+    mapping Flax nnx turned it into (keyed by attribute name, dict key or flat index)."""
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        name = key.name
+        return node[name] if isinstance(node, Mapping) else getattr(node, name)
+    if isinstance(key, jax.tree_util.DictKey):
+        return node[key.key]
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        if isinstance(node, Mapping):
+            return node[key.key]
+        return jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0][key.key]
+    raise KeyError(key)
+
+
+def in_made_form(state: Any, init: Callable[[Any], Any], like: Any) -> Any:
+    """``state`` in the form ``init`` makes it for a tree ``like`` (the parameters, or what a
+    stage is initialised on), where Flax nnx's ``Optimizer`` has turned its nodes into
+    ``nnx.State`` mappings.
+
+    ``nnx.Optimizer.update`` writes the new state back through ``nnx.update``, which replaces
+    every node of it (a ``NamedTuple``, a quantized moment) by a mapping of its children: the
+    arrays are kept, a node's static data (a quantized basis's shape and side) is lost. The form
+    is taken from ``init`` on the shapes of ``like`` and filled with the state's arrays by path.
+    A state with no nnx mapping in it is returned as it is, at no cost; so is one already in
+    that form, or one whose arrays are not where the form has them (the update then says what
+    is wrong)."""
+    state_type = _nnx_state_type()
+    if state_type is None:
+        return state
+    is_mapping = lambda x: isinstance(x, state_type)  # noqa: E731
+    if not any(is_mapping(x) for x in jax.tree.leaves(state, is_leaf=is_mapping)):
+        return state
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), like)
+    try:
+        with quiet():  # the init's warnings were given when the state was made
+            made = jax.eval_shape(init, shapes)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(made)
+        if treedef == jax.tree.structure(state):
+            return state
+        leaves = []
+        for path, _ in paths:
+            node = state
+            for key in path:
+                node = _child(node, key)
+            leaves.append(node)
+    except Exception:  # not this state's form: the update's own error says what is wrong
+        return state
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def in_made_form_on_update(tx: Any) -> Any:
+    """``tx`` whose ``update`` takes its state also in the form Flax nnx's ``Optimizer`` hands
+    back (:func:`in_made_form`; ``tx`` is initialised on what its updates look like: the
+    parameters, or the nodes of the stage before it)."""
+
+    def update_fn(updates, state, params=None, **extra):
+        return tx.update(updates, in_made_form(state, tx.init, updates), params, **extra)
+
+    return type(tx)(tx.init, update_fn)
+
+
 def fit_errors(tx: Any, init: Callable[[Any], Any], name: str) -> Any:
     """``tx`` (an ``optax.GradientTransformationExtraArgs``) whose ``update``, failing on updates
     that do not fit its state (a gradient transposed, flattened, of another size; a parameter
@@ -85,6 +156,7 @@ def fit_errors(tx: Any, init: Callable[[Any], Any], name: str) -> Any:
     fits costs nothing: the comparison runs only after a failure."""
 
     def update_fn(updates, state, params=None, **extra):
+        state = in_made_form(state, init, params if params is not None else updates)
         try:
             return tx.update(updates, state, params, **extra)
         # AttributeError, KeyError: a state of another kind of transform (decompose, host) there

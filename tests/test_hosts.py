@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import moara_jax as mj
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 ROOT = README.parent
+HOSTS = ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"]
 
 
 @pytest.fixture
@@ -253,6 +255,43 @@ def test_every_host_state_round_trips_through_flax_serialization(name):
         want, state = step(g, state, params)
         got, restored = step(g, restored, params)
         jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+class _NnxBlock(nnx.Module):
+    """A target matrix (a q_proj, 64 x 96: 8-bit moments where a host keeps them) and a norm."""
+
+    def __init__(self, rngs):
+        self.q_proj = nnx.Linear(64, 96, use_bias=False, rngs=rngs)
+        self.norm = nnx.RMSNorm(96, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.q_proj(x))
+
+
+@pytest.mark.parametrize("name", [*HOSTS, "adam8bit"])
+def test_flax_nnx_optimizer_steps_every_host_as_optax_does(name):
+    """``nnx.Optimizer`` hands its state back with every node turned into an ``nnx.State``
+    mapping (Q-GaLore's quantized bases and 8-bit moments lose their static data): each step
+    after the first takes it so, and the parameters stay those of the same optimizer stepped by
+    hand on the same gradients, bit for bit (a refresh at step 2)."""
+    if name == "adam8bit":
+        tx = optax.chain(mj.adam8bit(), optax.scale(-0.01))
+    else:
+        host = mj.QGaLore(basis_group_size=32) if name == "q_galore" else name
+        tx = mj.moara_adamw(
+            0.01, r_base=8, block_size=16, update_proj_gap=2, host=host, rank_allocation=False
+        )
+    model = _NnxBlock(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 64))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    state = tx.init(params)
+    for _ in range(3):
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        updates, state = tx.update(nnx.as_pure(grads), state, params)
+        params = optax.apply_updates(params, updates)
+        optimizer.update(model, grads)
+        jax.tree.map(np.testing.assert_array_equal, nnx.as_pure(nnx.state(model, nnx.Param)), params)
 
 
 def _decay_run(host, steps=3, **kwargs):
