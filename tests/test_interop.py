@@ -843,6 +843,12 @@ def test_evaluate_errors_name_the_problem(tmp_path, capsys):
         assert evaluation.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+    # A run dir that is not there is said so, and nothing is made in its place (its default --out,
+    # eval/ under it, was made first, and the error named missing files).
+    typo = tmp_path / "typo"
+    assert evaluation.main(["--run-dir", str(typo), "--ppl-files", f"t={good}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"run dir {typo}: no such directory" in err and not typo.exists(), err
 
 
 # ------------------------------------------------------------------------ lm-evaluation-harness

@@ -509,6 +509,25 @@ def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message, capsys):
     assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
+def test_a_later_config_file_changes_the_model_overrides_it_names_and_keeps_the_others(tmp_path):
+    """Config files read in order (``base:`` and several ``--config``) merge ``model.overrides``
+    field by field, as ``--set`` does: a file adding ``loss_chunk`` to the 7B config keeps its
+    ``remat: full`` (the later file's overrides replaced the earlier's whole)."""
+    from train.config import load_config
+
+    paper = ROOT / "configs" / "paper" / "llama2-7b.yaml"
+    layer, based = tmp_path / "layer.yaml", tmp_path / "based.yaml"
+    layer.write_text("model: {overrides: {loss_chunk: 128}}\n")
+    based.write_text(f"base: {paper}\nmodel: {{overrides: {{loss_chunk: 128}}}}\n")
+    want = load_config(paper, ["model.overrides.loss_chunk=128"]).model.overrides
+    assert want["remat"] == "full" and want["loss_chunk"] == 128, want
+    assert load_config([paper, layer]).model.overrides == want
+    assert load_config(based).model.overrides == want
+    # A field is replaced, not merged: the later file's value wins.
+    layer.write_text("model: {overrides: {remat: dots}}\n")
+    assert load_config([paper, layer]).model.overrides["remat"] == "dots"
+
+
 def test_config_files_that_cannot_be_read_are_one_clear_line(tmp_path, capsys):
     """A config that is a directory, not UTF-8, or whose ``base`` is no file name; a data path that
     is a directory. An empty section (``optimizer:`` with its keys commented out) is its defaults."""
@@ -744,6 +763,9 @@ def test_labels_command_prints_the_optimizer_view():
 
     assert _describe_optimizer(load_config(paper, on)).endswith(", weight decay 0.1 on all")
     assert _describe_optimizer(load_config(TINY, ["optimizer.name=adamw"])) == "adamw"
+    profiling = _describe_optimizer(load_config(TINY, ["mode=profile"]))  # not the run's moara
+    assert profiling.startswith("galore profiling (uniform ranks, no decomposition), r_base 16, T ")
+    assert "block" not in profiling and "moara" not in profiling
     # The tokenizer's vocabulary where it can be read (bytes: 257), padded by an override.
     embed = next(line for line in describe(load_config(TINY)).splitlines() if "embed_tokens" in line)
     assert "(257, 64)" in embed

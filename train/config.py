@@ -198,13 +198,16 @@ def _build(cls, data: Any, prefix: str):
 
 
 def _merge(base: dict, over: dict) -> dict:
+    """``over`` (a later config file) on ``base``, section by section and key by key. A model
+    field in ``model.overrides`` is one key: a later file's ``overrides`` change or add fields and
+    keep the others (as ``--set model.overrides.FIELD=`` does), a field's own value (a
+    ``rope_scaling`` mapping) is replaced whole."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = (
-            _merge(out[k], v)
-            if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides"
-            else v
-        )
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **v} if k == "overrides" else _merge(out[k], v)
+        else:
+            out[k] = v
     return out
 
 

@@ -387,6 +387,8 @@ def evaluate(args) -> dict:
         raise UserError("give one of --run-dir and --hf")
     if args.hf and args.step is not None:
         raise UserError("--step picks a checkpoint of --run-dir; an --hf directory has one set of weights")
+    if args.run_dir and not pathlib.Path(args.run_dir).is_dir():  # before --out is made in it
+        raise UserError(f"run dir {args.run_dir}: no such directory")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     texts, tasks = parse_named(args.ppl_files, "--ppl-files"), parse_named(args.tasks, "--tasks")

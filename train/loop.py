@@ -383,6 +383,9 @@ def _describe_optimizer(cfg: RunConfig) -> str:
     decay = [f"weight decay {o.weight_decay:g} on {o.weight_decay_mask}"] if o.weight_decay else []
     if o.name == "adamw":
         return ", ".join(["adamw", *decay])
+    if cfg.mode == "profile":  # the host with uniform ranks and no decomposition (train.profile)
+        parts = [f"{o.host} profiling (uniform ranks, no decomposition)", f"r_base {o.r_base}"]
+        return ", ".join([*parts, f"T {o.update_proj_gap}", f"svd {o.svd}", *decay])
     parts = [f"{o.name} on {o.host}", f"r_base {o.r_base}", f"T {o.update_proj_gap}", f"svd {o.svd}"]
     if o.name == "moara" and o.decompose:
         parts.append(f"block {o.block_size}")
