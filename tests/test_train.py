@@ -2,6 +2,7 @@
 an 8-device sharded run, data edge cases, config errors, compare and profiling."""
 
 import contextlib
+import dataclasses
 import gzip
 import io
 import json
@@ -833,11 +834,18 @@ def test_model_overrides_pad_the_vocabulary_and_rename_the_preset():
 
 @pytest.mark.parametrize(
     "key,value",
-    [("train.grad_clip", 1.0), ("train.param_dtype", "bfloat16"), ("train.seed", 3), ("optimizer.r_base", 4)],
+    [
+        ("train.grad_clip", 1.0),
+        ("train.param_dtype", "bfloat16"),
+        ("train.seed", 3),
+        ("optimizer.r_base", 4),
+        ("train.eval_batches", 99),
+    ],
 )
 def test_a_resume_refuses_settings_the_state_or_data_order_depend_on(key, value):
     """A gradient clip adds a stage (and its state) to the optimizer; the parameters' dtype is
-    the checkpoint's: a resume that changes them is refused by name, before any restore."""
+    the checkpoint's; the windows every evaluation reads make the run's curve one curve: a resume
+    that changes them is refused by name, before any restore."""
     from train.config import check_resumable, to_dict
 
     saved = to_dict(load_config(TINY))
@@ -1233,6 +1241,20 @@ def test_evaluation_reads_each_validation_window_once(tmp_path):
     assert got == pytest.approx(float(loss_fn(cfg, params, every)), rel=1e-6)
     # The windows that only fill the last batch up would have moved it (a repeated window).
     assert got != pytest.approx(float(loss_fn(cfg, params, windows)), rel=1e-6)
+
+    # A run in micro-batches evaluates the same windows a micro-batch at a time (the eval step is
+    # compiled for its rows, as the train step is): batch 8 in micro-batches of 4, 2 batches.
+    from train.loop import eval_batches
+
+    t = load_config(TINY, ["train.batch_size=8", "train.micro_batch_size=4", "train.eval_batches=2"]).train
+    micro = eval_batches(data, t)
+    assert len(micro) == 4 and all(b.shape == (4, 16) and w.tolist() == [1.0] * 4 for b, w in micro)
+    np.testing.assert_array_equal(np.concatenate([b for b, _ in micro]), every[:16])
+    whole = data.val_batches(8, 2)
+    got_micro = mean_nll(jax.jit(make_eval_step(cfg)), params, micro)
+    assert got_micro == pytest.approx(mean_nll(jax.jit(make_eval_step(cfg)), params, whole), rel=1e-6)
+    unsplit = eval_batches(data, dataclasses.replace(t, micro_batch_size=None))
+    assert [b.shape for b, _ in unsplit] == [(8, 16)] * 2
 
 
 @pytest.mark.slow

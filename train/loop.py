@@ -378,6 +378,14 @@ def _embedding_params(abstract_params) -> int:
     )
 
 
+def eval_batches(data, t) -> list[tuple[np.ndarray, np.ndarray]]:
+    """What an evaluation reads (``Data.val_batches``): the windows of ``t.eval_batches`` global
+    batches, in batches of a micro-batch's rows (a run whose step fits memory only in micro-batches
+    evaluates in them too)."""
+    rows = t.micro_batch_size or t.batch_size
+    return data.val_batches(rows, t.eval_batches * (t.batch_size // rows))
+
+
 def _describe_optimizer(cfg: RunConfig) -> str:
     o = cfg.optimizer
     decay = [f"weight decay {o.weight_decay:g} on {o.weight_decay_mask}"] if o.weight_decay else []
@@ -466,7 +474,7 @@ class StepLoop:
         )
         self.val_batches = [
             (global_batch(b, rows, None, b.shape), global_batch(w, row_weights, None, w.shape))
-            for b, w in setup.data.val_batches(t.batch_size, t.eval_batches)
+            for b, w in eval_batches(setup.data, t)
         ]
         sinks = (
             make_sinks(cfg.metrics.writers, run, to_dict(cfg), cfg.metrics.wandb_project, start.resumed_from)
