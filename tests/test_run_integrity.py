@@ -565,10 +565,23 @@ def test_guard_catches_nan_a_loss_spike_and_a_dead_gradient():
 
 
 def fake_run(
-    root, name, status="completed", tokenizer="bytes", validation="v1", device="cpu", session=(0, 10)
+    root,
+    name,
+    status="completed",
+    tokenizer="bytes",
+    validation="v1",
+    device="cpu",
+    session=(0, 10),
+    evaluation=(32, 2, 8),
 ):
+    """A run dir's files for compare; ``evaluation`` is its ``(seq_len, eval_batches,
+    batch_size)`` in ``config.yaml`` (``None``: no config, as a run dir copied without it)."""
     run = root / name
     run.mkdir()
+    if evaluation is not None:
+        seq_len, eval_batches, batch_size = evaluation
+        train = {"seq_len": seq_len, "eval_batches": eval_batches, "batch_size": batch_size}
+        (run / "config.yaml").write_text(json.dumps({"train": train}))
     rows = [
         {"step": s, "eval_loss": math.log(p), "eval_ppl": p, "wall_s": float(s)}
         for s, p in ((5, 30.0), (10, 20.0))
@@ -590,6 +603,18 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
         ("cut", {"status": "interrupted"}, "cut did not complete (status: interrupted)"),
         ("sp", {"tokenizer": "sentencepiece"}, "sp has another tokenizer than base"),
         ("val", {"validation": "v2"}, "val has another validation data than base"),
+        (
+            "seq",
+            {"evaluation": (64, 2, 8)},
+            "seq evaluates other validation windows than base (train.seq_len 64 vs 32, "
+            "eval_batches x batch_size 16 vs 16)",
+        ),
+        (
+            "all",
+            {"evaluation": (32, 100000, 8)},
+            "all evaluates other validation windows than base (train.seq_len 32 vs 32, "
+            "eval_batches x batch_size 800000 vs 16)",
+        ),
     ):
         other = fake_run(tmp_path, name, **kw)
         with pytest.raises(UserError, match=re.escape(why)):
@@ -602,6 +627,10 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
     summary["data"]["tokenizer"]["name"] = "renamed.model"
     (renamed / "summary.json").write_text(json.dumps(summary))
     compare([base, renamed], tmp_path / "out")
+    # Another eval_batches x batch_size of the same windows (4 x 4 against 2 x 8), and a run dir
+    # without its config.yaml (nothing to compare): comparable.
+    compare([base, fake_run(tmp_path, "same", evaluation=(32, 4, 4))], tmp_path / "out")
+    compare([base, fake_run(tmp_path, "bare", evaluation=None)], tmp_path / "out")
     compare([base, fake_run(tmp_path, "gpu", device="H100", session=(5, 15))], tmp_path / "out")
     err = capsys.readouterr().err
     assert "different devices (H100, cpu)" in err and "base and gpu ran at the same time" in err

@@ -32,7 +32,28 @@ def load_run(run_dir: pathlib.Path) -> dict:
         raise UserError(f"{run.summary_file} is not a JSON object of a run's summary: the run dir is damaged")
     summary = summary or {}
     status = summary.get("status", f"running or killed (no {SUMMARY})")
-    return {"name": run.name, "dir": str(run_dir), "evals": evals, "summary": summary, "status": status}
+    return {
+        "name": run.name,
+        "dir": str(run_dir),
+        "evals": evals,
+        "summary": summary,
+        "status": status,
+        "evaluation": evaluation(run),
+    }
+
+
+def evaluation(run: RunDir) -> tuple[int, int] | None:
+    """What the run's evaluations read, from its ``config.yaml``: ``(train.seq_len, windows)``,
+    the windows being ``train.eval_batches x train.batch_size`` (at most: a smaller split is read
+    whole); ``None`` when the run dir holds no readable config."""
+    try:
+        t = run.config().get("train") or {}
+    except UserError:
+        return None
+    values = (t.get("seq_len"), t.get("eval_batches"), t.get("batch_size"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return None
+    return values[0], values[1] * values[2]
 
 
 def eval_rows(run: RunDir) -> list[dict]:
@@ -69,6 +90,12 @@ def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
         for key, what in (("tokenizer", "tokenizer"), ("validation_sha256", "validation data")):
             if key in base and key in data and _identity(key, data[key]) != _identity(key, base[key]):
                 refusals.append(f"{run['name']} has another {what} than {runs[0]['name']}")
+        mine, first = run.get("evaluation"), runs[0].get("evaluation")
+        if mine and first and mine != first:
+            refusals.append(
+                f"{run['name']} evaluates other validation windows than {runs[0]['name']} (train.seq_len "
+                f"{mine[0]} vs {first[0]}, eval_batches x batch_size {mine[1]} vs {first[1]})"
+            )
     kinds = {run["summary"].get("device_kind") for run in runs} - {None}
     if len(kinds) > 1:
         warnings.append(

@@ -437,7 +437,8 @@ def to_dict(cfg: RunConfig) -> dict:
 DEFAULT_MODEL = "tiny"  # the model of a config that names none (and has no init_from)
 
 # Settings a resumed run must share with the run it continues (they shape the state, its dtypes
-# or the data order: a gradient clip adds a stage to the optimizer's state); everything else
+# or the data order: a gradient clip adds a stage to the optimizer's state; the windows its
+# evaluations read, so that its curve is one curve); everything else
 # (steps, learning rate, logging, mesh, ...) may change.
 _FIXED_ON_RESUME = (
     "mode",
@@ -447,6 +448,7 @@ _FIXED_ON_RESUME = (
     "train.batch_size",
     "train.seq_len",
     "train.seed",
+    "train.eval_batches",  # what every evaluation of the run reads
     "train.grad_clip",
     "train.param_dtype",
 )

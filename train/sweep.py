@@ -38,7 +38,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from train.compare import eval_rows, problems, reach
+from train.compare import eval_rows, evaluation, problems, reach
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import pyplot
 from train.rundir import RunDir, check_directory_path
@@ -252,7 +252,7 @@ def _stats(values: list[float]) -> dict:
         return {"mean": None, "std": None, "n": 0}
     return {
         "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "std": statistics.stdev(values) if len(values) > 1 else None,  # of one value: none
         "n": len(values),
     }
 
@@ -309,7 +309,12 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
             m, b = row["mean_curve"][key], base[key]
             row[red] = 100 * (1 - m / b) if m is not None and b else None
     summaries = [
-        {"name": r["run"], "status": "completed", "summary": RunDir(out / r["run"]).summary() or {}}
+        {
+            "name": r["run"],
+            "status": "completed",
+            "summary": RunDir(out / r["run"]).summary() or {},
+            "evaluation": evaluation(RunDir(out / r["run"])),
+        }
         for point in points
         for r in done[point]
     ]
@@ -351,7 +356,10 @@ def mean_curve(seeds: list[dict]) -> list[dict]:
 
 
 def _pm(s: dict, fmt: str = ".2f") -> str:
-    return "-" if s["mean"] is None else f"{s['mean']:{fmt}} ± {s['std']:{fmt}}"
+    """``mean ± std``; the value alone for one run (its spread is unknown, not 0)."""
+    if s["mean"] is None:
+        return "-"
+    return f"{s['mean']:{fmt}}" if s["std"] is None else f"{s['mean']:{fmt}} ± {s['std']:{fmt}}"
 
 
 def markdown(result: dict) -> str:
