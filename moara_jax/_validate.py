@@ -33,10 +33,19 @@ def real(value) -> bool:
     return isinstance(value, (int, float)) and real_number(value)
 
 
+def static_hint(value: Any) -> str:
+    """For a setting that must be a Python value but is an array (``optax.inject_hyperparams``
+    makes every numeric argument one unless ``static_args`` names it), what to do about it."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return " (an array: under optax.inject_hyperparams, name it in static_args)"
+    return ""
+
+
 def check_block_size(block_size: int) -> int:
     """Validates ``block_size`` (any integer type, not bool) and returns it as a Python int."""
     if not is_int(block_size):
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        hint = static_hint(block_size)
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}{hint}")
     return int(block_size)
 
 

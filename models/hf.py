@@ -220,6 +220,12 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
         raise ValueError(f"only the SiLU (SwiGLU) MLP is supported, got hidden_act={act!r}")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("MLP biases are not supported (mlp_bias=True)")
+    dropout = getattr(hf_config, "attention_dropout", 0.0) or 0.0
+    if dropout:  # an export would say 0.0: the models here have no dropout
+        raise ValueError(
+            f"attention dropout is not supported (attention_dropout={dropout!r}): the models train "
+            "without dropout; set it to 0.0 to load the weights"
+        )
     theta, scaling = _rope(hf_config)
     fields = dict(
         model_type=kind,

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from models.configs import ModelConfig, replace_config
+from models.configs import DTYPES, ModelConfig, replace_config, rope_scaling_type
 from models.hf import (
     _hf_entries,
     _names,
@@ -58,8 +58,9 @@ FRAMEWORK_FIELDS = (
 
 def architecture(cfg: ModelConfig) -> dict[str, Any]:
     """What makes two configs the same model (the fields that shape the parameters or the
-    maths), with equivalent spellings made equal: the implied KV-head count and head size, and no
-    ``attention_bias`` for Qwen2 (whose q/k/v always have biases and o_proj never)."""
+    maths), with equivalent spellings made equal: the implied KV-head count and head size, no
+    ``attention_bias`` for Qwen2 (whose q/k/v always have biases and o_proj never), and RoPE
+    scaling by its ``rope_type`` (the older ``type`` key read as it; the default type as none)."""
     out = {
         f: getattr(cfg, f)
         for f in cfg.__dataclass_fields__
@@ -70,6 +71,12 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
         out["head_dim"] = cfg.head_size
     if cfg.model_type == "qwen2":
         out.pop("attention_bias")
+    kind = rope_scaling_type(cfg.rope_scaling)
+    out["rope_scaling"] = (
+        None
+        if kind == "default"
+        else {**{k: v for k, v in cfg.rope_scaling.items() if k != "type"}, "rope_type": kind}
+    )
     return out
 
 
@@ -117,6 +124,8 @@ def write_hf_dir(
     Needs ``safetensors`` and ``transformers`` (not torch)."""
     import transformers
 
+    if dtype is not None and str(jax.numpy.dtype(dtype)) not in DTYPES:  # before anything is written
+        raise ValueError(f"write_hf_dir: dtype must be one of {DTYPES} (or None), got {dtype!r}")
     st = _safetensors()
     hf_config = to_hf_config(cfg)  # before anything is written: transformers may refuse it
     directory = pathlib.Path(directory)

@@ -147,6 +147,11 @@ def test_bf16_export_stores_bf16_and_loads_as_bf16(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         assert b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
+    # A dtype the models do not load (int8 weights, which load_hf_params then refused) is refused
+    # before anything is written.
+    with pytest.raises(ValueError, match=r"write_hf_dir: dtype must be one of .*got 'int8'"):
+        write_hf_dir(tmp_path / "int8", cfg, params, dtype="int8")
+    assert not (tmp_path / "int8").exists()
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3"])
@@ -169,6 +174,24 @@ def test_config_json_carries_the_keys_transformers_4_reads(scaling, tmp_path):
         json.dumps({k: v for k, v in config.items() if k not in ("rope_parameters", "dtype")})
     )
     assert models.read_hf_config(legacy) == models.read_hf_config(tmp_path) == cfg
+
+
+def test_equivalent_rope_scaling_spellings_are_one_architecture(tmp_path):
+    """The older ``type`` key of a llama3 scaling comes back from an export with ``rope_type``,
+    and a scaling of the default type is none: the same model, as ``architecture`` (what
+    ``model.init_from`` compares a run's model with) says; another factor is another model."""
+    legacy = {k if k != "rope_type" else "type": v for k, v in LLAMA3_SCALING.items()}
+    cfg = models.get_config("llama3.2-tiny", rope_scaling=legacy)
+    write_hf_dir(tmp_path, cfg, models.init_params(cfg, jax.random.PRNGKey(0)))
+    back = models.read_hf_config(tmp_path)
+    assert back.rope_scaling != cfg.rope_scaling  # spelled otherwise...
+    assert models.architecture(back) == models.architecture(cfg)  # ...the same model
+    plain = models.get_config("llama3.2-tiny")
+    assert models.architecture(plain.replace(rope_scaling={"rope_type": "default"})) == models.architecture(
+        plain
+    )
+    other = models.get_config("llama3.2-tiny", rope_scaling={**LLAMA3_SCALING, "factor": 4.0})
+    assert models.architecture(other) != models.architecture(cfg)
 
 
 def test_bad_directories_are_named(tmp_path):

@@ -339,6 +339,10 @@ def test_unsupported_hf_features_are_refused():
     biased.mlp_bias = True
     with pytest.raises(ValueError, match="mlp_bias"):
         models.config_from_hf(biased)
+    dropped = models.to_hf_config(CASES["llama2-mha-untied"])
+    dropped.attention_dropout = 0.3  # accepted and exported as 0.0, it was
+    with pytest.raises(ValueError, match=r"attention dropout is not supported \(attention_dropout=0.3\)"):
+        models.config_from_hf(dropped)
 
 
 def test_a_separate_lm_head_is_not_dropped_under_a_tied_config():

@@ -326,6 +326,20 @@ def test_decomposed_static_data_stays_python_with_an_injected_eps():
     assert mj.decompose(4).update(g, optax.EmptyState())[0]["w"].gradient is None
     kept, _ = mj.decompose(4, keep_gradient=True).update(g, optax.EmptyState())
     assert kept["w"].gradient is g["w"]
+    # A setting that must be static, injected as an array, is named with what to do about it.
+    for make, kwargs, static_args, name in (
+        (mj.scale_by_moara, dict(rank=2, block_size=4), (), "block_size"),
+        (mj.scale_by_galore, dict(rank=2), (), "rank"),
+        (
+            mj.scale_by_moara,
+            dict(rank=2, block_size=4, update_proj_gap=3),
+            ("rank", "block_size"),
+            "update_proj_gap",
+        ),
+    ):
+        message = rf"{name} must be a positive integer, got Array\(.*name it in static_args\)"
+        with pytest.raises(ValueError, match=message):
+            optax.inject_hyperparams(make, static_args=static_args)(**kwargs).init(g)
     tx = optax.inject_hyperparams(mj.scale_by_moara, static_args=("rank", "block_size", "update_proj_gap"))(
         rank=2, block_size=4, update_proj_gap=3
     )
