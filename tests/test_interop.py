@@ -30,6 +30,7 @@ from models.hf_files import write_hf_dir
 from train import evaluate as evaluation
 from train import export as exporting
 from train.errors import UserError
+from train.rundir import read_metrics
 from train.sources import SentencePieceTokenizer
 
 torch = pytest.importorskip("torch")
@@ -597,6 +598,29 @@ def test_init_from_starts_the_run_from_the_exported_weights(run, exported):
     want = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
     assert first["step"] == 1 and first["loss"] == pytest.approx(want, rel=1e-5)
     assert json.loads((new / "model.json").read_text())["name"] == exported.name
+
+
+@pytest.mark.slow
+def test_a_run_from_init_from_resumes_without_its_directory(run, exported, tmp_path):
+    """A resume continues from the checkpoint, not from ``init_from``: with the directory moved
+    away since (it was read again, and the resume refused), the run goes on from its model.json
+    to its end; a new run from the moved path is refused in one line."""
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(exported, source)
+    sets = [*run["sets"], f"model.init_from={source}", "checkpoint.every=2", "train.eval_every=2"]
+    run_cli(tmp_path / "r", *sets, "train.steps=2")
+    built = (tmp_path / "r" / "model.json").read_text()
+    shutil.move(source, tmp_path / "moved")
+    run_cli(tmp_path / "r", *sets, "train.steps=4", extra=["--resume"])
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 4, summary
+    assert (tmp_path / "r" / "model.json").read_text() == built
+    steps = [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[-1] == 4, steps  # each step once, to the end
+    fresh = run_cli(tmp_path / "fresh", *sets, "train.steps=2", check=False)
+    assert fresh.returncode == 2 and f"model.init_from: {source} is not a directory" in fresh.stderr
 
 
 @pytest.mark.slow

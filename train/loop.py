@@ -90,8 +90,12 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             f"{run} holds a completed run ({run.summary_file.name}) and no checkpoint to continue "
             "it from; choose another run dir"
         )
+    # A resume continues from the checkpoint, not from init_from: the model is the one the run
+    # built (model.json), so the directory may have moved or gone since.
+    resumes = resume and run.has_checkpoints() and cfg.model.init_from is not None
+    built = run.model_config() if resumes and run.model_file.is_file() else None
     with errors_shared():  # e.g. one process's data file missing
-        setup = make_setup(cfg, quiet, clock)
+        setup = make_setup(cfg, quiet, clock, built)
     with errors_shared():  # (a collective: after the block above, which every process passed)
         if differs_from_first(setup.data.identity()):
             raise UserError(
@@ -192,13 +196,15 @@ class Setup:
         return TrainState(jnp.zeros([], jnp.int32), params, self.tx.init(params))
 
 
-def make_setup(cfg: RunConfig, quiet: bool, clock: Clock) -> Setup:
+def make_setup(cfg: RunConfig, quiet: bool, clock: Clock, built: models.ModelConfig | None = None) -> Setup:
+    """The run's parts; ``built``: the model a resumed run from ``model.init_from`` built (its
+    ``model.json``), taken in place of the directory's."""
     t = cfg.train
     if cfg.model.init_from is not None:
-        model_config(cfg, 0)  # a bad directory or a mismatch is reported before any data work
+        model_config(cfg, 0, built)  # a bad directory or a mismatch is said before any data work
     data = build_data(cfg.data, t.seq_len, quiet=quiet)
     clock.mark("data_s")
-    model_cfg = model_config(cfg, data.vocab_size)
+    model_cfg = model_config(cfg, data.vocab_size, built)
     if t.seq_len > model_cfg.max_position_embeddings:
         raise UserError(
             f"train.seq_len ({t.seq_len}) exceeds the model's max_position_embeddings "

@@ -12,11 +12,15 @@ from train.config import DEFAULT_MODEL, RunConfig, yaml_float
 from train.errors import UserError
 
 
-def model_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
-    """The ``models.ModelConfig`` of a run whose tokenizer has ``vocab_size`` ids."""
+def model_config(
+    cfg: RunConfig, vocab_size: int, built: models.ModelConfig | None = None
+) -> models.ModelConfig:
+    """The ``models.ModelConfig`` of a run whose tokenizer has ``vocab_size`` ids. ``built``: the
+    model a run from ``model.init_from`` built (its ``model.json``), which a resume takes in place
+    of the directory's (the checkpoint holds the weights; the directory need not stay)."""
     m, t = cfg.model, cfg.train
     if m.init_from is not None:
-        return _init_from_config(cfg, vocab_size)
+        return _init_from_config(cfg, vocab_size, built)
     overrides = {"vocab_size": vocab_size} | _numbers(m.overrides)
     wanted = overrides["vocab_size"]
     if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < vocab_size:
@@ -40,18 +44,30 @@ def _numbers(overrides: dict) -> dict:
     return {k: yaml_float(v) if k in _FLOAT_FIELDS else v for k, v in overrides.items()}
 
 
-def _init_from_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
+def _init_from_config(
+    cfg: RunConfig, vocab_size: int, built: models.ModelConfig | None = None
+) -> models.ModelConfig:
     m, t = cfg.model, cfg.train
     directory = pathlib.Path(m.init_from).expanduser()
-    if not directory.is_dir():
-        raise UserError(f"model.init_from: {directory} is not a directory")
-    try:
-        found = models.read_hf_config(directory)
-    except (ImportError, ValueError) as e:
-        raise UserError(f"model.init_from: {e}") from None
+    if built is not None:  # a resume: the model the run built from the directory; how it
+        # computes as the directory's would be (the framework fields' defaults), then as now set
+        defaults = {
+            f.name: f.default
+            for f in dataclasses.fields(built)
+            if f.name in FRAMEWORK_FIELDS and f.name != "name"
+        }
+        found, default_name = built.replace(**defaults), built.name
+    else:
+        if not directory.is_dir():
+            raise UserError(f"model.init_from: {directory} is not a directory")
+        try:
+            found = models.read_hf_config(directory)
+        except (ImportError, ValueError) as e:
+            raise UserError(f"model.init_from: {e}") from None
+        default_name = directory.name
     overrides = _numbers(m.overrides)
     framework = {k: v for k, v in overrides.items() if k in FRAMEWORK_FIELDS}
-    name = framework.pop("name", directory.name)
+    name = framework.pop("name", default_name)
     stated = {k: v for k, v in overrides.items() if k not in FRAMEWORK_FIELDS}
     try:
         if m.name is not None:  # the preset's architecture, but the vocabulary (the tokenizer's)
