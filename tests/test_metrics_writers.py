@@ -108,3 +108,11 @@ def test_a_writer_whose_package_is_missing_is_a_clear_error(tmp_path, monkeypatc
         make_sinks(["tensorboard"], tmp_path, {}, "p")
     with pytest.raises(UserError, match=r"wandb is not installed: pip install 'moara-jax\[wandb\]'"):
         make_sinks(["wandb"], tmp_path, {}, "p")
+    # Said when the config is read: before the data is built and the run dir is written (a sweep's
+    # check of its grid says it too, before any run).
+    from train.config import load_config
+
+    tiny = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    for writer, package in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
+        with pytest.raises(UserError, match=rf"names {writer} but {package} is not installed"):
+            load_config(tiny, [f"metrics.writers=[jsonl, {writer}]"])

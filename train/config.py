@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 import pathlib
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -115,6 +117,24 @@ class MetricsSection:
 
 
 WRITERS = ("jsonl", "tensorboard", "wandb")
+# The package a metric writer needs, and the extra of moara-jax that installs it.
+WRITER_PACKAGES = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+def writer_not_installed(writer: str) -> str:
+    """The line that says ``writer``'s package is missing and how to install it."""
+    package, extra = WRITER_PACKAGES[writer]
+    return f"metrics.writers names {writer} but {package} is not installed: pip install 'moara-jax[{extra}]'"
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported (imported already, or found), without importing it."""
+    if package in sys.modules:  # None there: its import is blocked
+        return sys.modules[package] is not None
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -290,6 +310,9 @@ def validate(cfg: RunConfig) -> None:
     configured_flags(cfg.xla.gpu_flag_sets, cfg.xla.flags, gpu=True)  # names and forms only
     unknown_writers = [w for w in cfg.metrics.writers if w not in WRITERS]
     _need(not unknown_writers, f"metrics.writers: unknown {unknown_writers} (known: {', '.join(WRITERS)})")
+    for writer in cfg.metrics.writers:  # before the data is built and the run dir written
+        if writer in WRITER_PACKAGES:
+            _need(_installed(WRITER_PACKAGES[writer][0]), writer_not_installed(writer))
     p = cfg.profile
     _need(p.every >= 1 and p.steps >= 1, "profile.steps and profile.every must be >= 1")
     if cfg.mode == "profile":

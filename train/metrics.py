@@ -11,6 +11,7 @@ import sys
 import time
 from typing import NamedTuple
 
+from train.config import writer_not_installed
 from train.errors import HeldFaults, IOFault, UserError, io_operation
 from train.rundir import METRICS, TENSORBOARD, RunDir, write_atomically
 
@@ -31,10 +32,7 @@ class TensorBoardSink:
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            raise UserError(
-                "metrics.writers names tensorboard but tensorboardX is not installed: "
-                "pip install 'moara-jax[tensorboard]'"
-            ) from None
+            raise UserError(writer_not_installed("tensorboard")) from None
         self.path = run_dir / TENSORBOARD
         self._writer_type = SummaryWriter
         self.writer = self._open(purge_step=None if resume_step is None else resume_step + 1)
@@ -73,9 +71,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise UserError(
-                "metrics.writers names wandb but wandb is not installed: pip install 'moara-jax[wandb]'"
-            ) from None
+            raise UserError(writer_not_installed("wandb")) from None
         self.path = run_dir
         self.run = wandb.init(
             project=project,
