@@ -975,6 +975,16 @@ def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path)
         assert over.returncode == 2, over.stderr
         assert "holds a completed run (summary.json) and no checkpoint" in over.stderr
     assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
+    # Nor is a run the divergence guard stopped whose checkpoints were all set aside (a new run
+    # replaced its metrics, where the same steps would diverge again).
+    failed = json.loads(kept["summary.json"]) | {"status": "diverged"}
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(failed))
+    kept["summary.json"] = (tmp_path / "run" / "summary.json").read_bytes()
+    for extra in ([], ["--resume"]):
+        over = run_cli(tmp_path / "run", *sets, extra=extra, check=False)
+        assert over.returncode == 2, over.stderr
+        assert "holds a run that stopped with status diverged (summary.json) and no checkpoint" in over.stderr
+    assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
 
 
 @pytest.mark.parametrize("during", ["the last evaluation", "the summary"])

@@ -90,6 +90,11 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             f"{run} holds a completed run ({run.summary_file.name}) and no checkpoint to continue "
             "it from; choose another run dir"
         )
+    elif run.state() == "failed":  # every checkpoint set aside: a new run would replace its record
+        raise UserError(
+            f"{run} holds a run that stopped with status {run.status()} ({run.summary_file.name}) and "
+            "no checkpoint to continue it from; choose another run dir"
+        )
     # A resume continues from the checkpoint, not from init_from: the model is the one the run
     # built (model.json), so the directory may have moved or gone since.
     resumes = resume and run.has_checkpoints() and cfg.model.init_from is not None
