@@ -50,7 +50,10 @@ def _hf_entries(cfg: ModelConfig, path) -> list[tuple[str, int | None, bool]]:
 
 def to_hf(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, np.ndarray]:
     """State dict of numpy arrays with HF names (``lm_head.weight`` included when tied, as
-    ``transformers``' ``state_dict()`` has it)."""
+    ``transformers``' ``state_dict()`` has it), in the parameters' dtypes. bfloat16 parameters
+    give ``ml_dtypes`` bfloat16 arrays, which ``torch.from_numpy`` refuses: for torch, take
+    ``torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)`` (the same bits), or
+    :func:`write_hf_dir` and ``from_pretrained``."""
     out: dict[str, np.ndarray] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         arr = np.asarray(leaf)

@@ -148,6 +148,10 @@ def test_bf16_export_stores_bf16_and_loads_as_bf16(tmp_path):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         assert b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
+    # to_hf's bfloat16 arrays reach torch by their bits, as its docstring says.
+    weight = models.to_hf(cfg.replace(param_dtype="bfloat16"), loaded)["model.embed_tokens.weight"]
+    as_torch = torch.from_numpy(weight.view(np.uint16)).view(torch.bfloat16)
+    assert torch.equal(as_torch, model.model.embed_tokens.weight.detach())
     # A dtype the models do not load (int8 weights, which load_hf_params then refused) is refused
     # before anything is written.
     with pytest.raises(ValueError, match=r"write_hf_dir: dtype must be one of .*got 'int8'"):
