@@ -1270,7 +1270,8 @@ def test_evaluation_reads_each_validation_window_once(tmp_path):
 @pytest.mark.slow
 def test_a_resume_onto_other_data_is_refused(tmp_path):
     """A file added to the run's glob since its checkpoint: the store found on resume holds
-    other windows, so the restored iterator would draw other batches; one line, nothing run."""
+    other windows, so the restored iterator would draw other batches; one line, nothing run. The
+    same files at another path: the run goes on."""
     docs = tmp_path / "docs"
     docs.mkdir()
     write_jsonl(docs / "a.jsonl", 200, 0)
@@ -1286,6 +1287,12 @@ def test_a_resume_onto_other_data_is_refused(tmp_path):
     (docs / "b.jsonl").unlink()  # the same files again: the resume goes on
     again = run_cli(tmp_path / "run", *FAST, "train.steps=8", *data, extra=["--resume"])
     assert "resuming from step 4" in again.stdout and losses(tmp_path / "run").keys() >= {5, 8}
+    # The same files moved elsewhere, given at their new paths: the same tokens, so the run goes
+    # on (paths are not what a resume keeps; the store's content is).
+    shutil.move(docs, tmp_path / "moved")
+    moved = [*data[:1], f"data.paths=[{tmp_path / 'moved'}/*.jsonl]", *data[2:]]
+    on = run_cli(tmp_path / "run", *FAST, "train.steps=10", *moved, extra=["--resume"])
+    assert "resuming from step 8" in on.stdout and losses(tmp_path / "run").keys() >= {9, 10}
 
 
 @pytest.mark.slow

@@ -481,10 +481,18 @@ _FIXED_ON_PROFILE_RESUME = ("profile.every", "profile.ema")
 # Fields of a model preset the trainer sets itself (the tokenizer's vocabulary, train's dtypes).
 _TRAINER_SET_MODEL_FIELDS = ("name", "vocab_size", "param_dtype", "dtype")
 # How the model computes, not what it is: a resume may take less memory or another attention.
+# Where the data, its tokenizer and the store are: files moved since are found at their new
+# paths (the checkpoint's hash of the store's content refuses other tokens); the directory of
+# model.init_from, which a resume does not read (the model is the run's model.json).
 _FREE_ON_RESUME = (
     "optimizer.svd",
     "data.workers",
     "data.cache_dir",
+    "data.paths",
+    "data.validation_paths",
+    "data.tokenizer",
+    "data.store",
+    "model.init_from",
     "model.overrides.remat",
     "model.overrides.attention_impl",
     "model.overrides.loss_chunk",
