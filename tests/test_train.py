@@ -423,6 +423,8 @@ def test_sweep_then_compare(tmp_path):
         (["model.name=llama9"], "unknown model 'llama9'"),
         (["data.source=files", "data.paths=['/nonexistent.jsonl']"], "data file not found"),
         (["train.batch_size=6", "mesh.data=4"], "does not match the 1 available devices"),
+        (["mesh.tensor=0"], "mesh.fsdp and mesh.tensor must be >= 1, got 1 and 0"),
+        (["mesh.data=0"], "mesh.data must be -1 (the devices fsdp x tensor leave) or >= 1, got 0"),
         (["optimizer.rank_allocation=/no/such.json"], "is neither uniform, default nor an allocation file"),
         (["metrics.writers=[jsonl,mlflow]"], "metrics.writers: unknown ['mlflow']"),
         (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
@@ -481,7 +483,7 @@ def test_sweep_then_compare(tmp_path):
             "hidden_size (64) must be divisible by num_attention_heads (3)",  # (llama: head_dim or not)
         ),
         (["mesh.fsdp=3"], "mesh fsdp x tensor = 3 x 1 does not divide the 1 available devices"),
-        (["mesh.fsdp=0"], "mesh fsdp and tensor must be >= 1, got fsdp 0, tensor 1"),
+        (["mesh.fsdp=0"], "mesh.fsdp and mesh.tensor must be >= 1, got 0 and 1"),
         (["data.paths=[a.jsonl]"], "data.paths is set but data.source is builtin, which reads no files"),
         (
             ["data.source=tfds", "data.validation_paths=[a.jsonl]"],

@@ -300,6 +300,12 @@ def validate(cfg: RunConfig) -> None:
         )
     _validate_optimizer(cfg.optimizer)
     _validate_train(cfg.train)
+    m = cfg.mesh  # the device count is the machine's (make_mesh); these are the config's alone
+    _need(min(m.fsdp, m.tensor) >= 1, f"mesh.fsdp and mesh.tensor must be >= 1, got {m.fsdp} and {m.tensor}")
+    _need(
+        m.data == -1 or m.data >= 1,
+        f"mesh.data must be -1 (the devices fsdp x tensor leave) or >= 1, got {m.data}",
+    )
     _validate_data(cfg.data)
     _need(
         cfg.checkpoint.keep >= 1 and cfg.checkpoint.every >= 0,
