@@ -80,6 +80,14 @@ def architecture(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def _dtype_name(dtype: Any) -> str | None:
+    """NumPy's name of ``dtype`` (``None`` for what is no dtype, as ``'bf16'``)."""
+    try:
+        return str(jax.numpy.dtype(dtype))
+    except TypeError:
+        return None
+
+
 def _safetensors():
     try:
         import safetensors  # noqa: F401
@@ -124,7 +132,7 @@ def write_hf_dir(
     Needs ``safetensors`` and ``transformers`` (not torch)."""
     import transformers
 
-    if dtype is not None and str(jax.numpy.dtype(dtype)) not in DTYPES:  # before anything is written
+    if dtype is not None and _dtype_name(dtype) not in DTYPES:  # before anything is written
         raise ValueError(f"write_hf_dir: dtype must be one of {DTYPES} (or None), got {dtype!r}")
     st = _safetensors()
     hf_config = to_hf_config(cfg)  # before anything is written: transformers may refuse it

@@ -268,14 +268,19 @@ class _NnxBlock(nnx.Module):
         return self.norm(self.q_proj(x))
 
 
-@pytest.mark.parametrize("name", [*HOSTS, "adam8bit"])
+@pytest.mark.parametrize("name", [*HOSTS, "adam8bit", "q_galore_stages"])
 def test_flax_nnx_optimizer_steps_every_host_as_optax_does(name):
     """``nnx.Optimizer`` hands its state back with every node turned into an ``nnx.State``
     mapping (Q-GaLore's quantized bases and 8-bit moments lose their static data): each step
     after the first takes it so, and the parameters stay those of the same optimizer stepped by
-    hand on the same gradients, bit for bit (a refresh at step 2)."""
+    hand on the same gradients, bit for bit (a refresh at step 2). Also Q-GaLore's stages chained
+    by hand (on the matrix alone: every leaf of a stage chain is projected)."""
     if name == "adam8bit":
         tx = optax.chain(mj.adam8bit(), optax.scale(-0.01))
+    elif name == "q_galore_stages":
+        stages = mj.host_stages(mj.QGaLore(basis_group_size=32), rank=8, update_proj_gap=2)
+        matrix = lambda p: jax.tree.map(lambda x: x.ndim == 2, p)  # noqa: E731
+        tx = optax.chain(optax.masked(mj.stage_chain(*stages, mj.recompose()), matrix), optax.scale(-0.01))
     else:
         host = mj.QGaLore(basis_group_size=32) if name == "q_galore" else name
         tx = mj.moara_adamw(

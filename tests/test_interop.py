@@ -154,9 +154,10 @@ def test_bf16_export_stores_bf16_and_loads_as_bf16(tmp_path):
     assert torch.equal(as_torch, model.model.embed_tokens.weight.detach())
     # A dtype the models do not load (int8 weights, which load_hf_params then refused) is refused
     # before anything is written.
-    with pytest.raises(ValueError, match=r"write_hf_dir: dtype must be one of .*got 'int8'"):
-        write_hf_dir(tmp_path / "int8", cfg, params, dtype="int8")
-    assert not (tmp_path / "int8").exists()
+    for bad in ("int8", "bf16"):  # a dtype of no float weights, a name NumPy does not know
+        with pytest.raises(ValueError, match=rf"write_hf_dir: dtype must be one of .*got '{bad}'"):
+            write_hf_dir(tmp_path / bad, cfg, params, dtype=bad)
+        assert not (tmp_path / bad).exists()
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3"])
@@ -625,6 +626,12 @@ def test_a_run_from_init_from_resumes_without_its_directory(run, exported, tmp_p
     assert steps == sorted(set(steps)) and steps[-1] == 4, steps  # each step once, to the end
     fresh = run_cli(tmp_path / "fresh", *sets, "train.steps=2", check=False)
     assert fresh.returncode == 2 and f"model.init_from: {source} is not a directory" in fresh.stderr
+    # A run dir without model.json (made before runs wrote one) has its model in the directory
+    # only: another one is refused, where its config would have been read as the run's model.
+    (tmp_path / "r" / "model.json").unlink()
+    other = [*run["sets"], f"model.init_from={tmp_path / 'moved'}", "checkpoint.every=2"]
+    old = run_cli(tmp_path / "r", *other, "train.steps=6", extra=["--resume"], check=False)
+    assert old.returncode == 2 and "holds no model.json to take the model from" in old.stderr, old.stderr
 
 
 @pytest.mark.slow

@@ -99,7 +99,7 @@ def test_wandb_runs_offline_with_the_config_and_logs_by_step(tmp_path, monkeypat
     assert log == ("log", 3, {"train/loss": 1.25}) and finish == ("finish",)
 
 
-def test_a_writer_whose_package_is_missing_is_a_clear_error(tmp_path, monkeypatch):
+def test_a_writer_whose_package_is_missing_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tensorboardX", None)
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(
@@ -108,11 +108,21 @@ def test_a_writer_whose_package_is_missing_is_a_clear_error(tmp_path, monkeypatc
         make_sinks(["tensorboard"], tmp_path, {}, "p")
     with pytest.raises(UserError, match=r"wandb is not installed: pip install 'moara-jax\[wandb\]'"):
         make_sinks(["wandb"], tmp_path, {}, "p")
-    # Said when the config is read: before the data is built and the run dir is written (a sweep's
-    # check of its grid says it too, before any run).
+    # Said by python -m train before the data is built and the run dir is written, and by a
+    # sweep's check of its grid before any run; a command that writes no metrics reads the config.
+    from train import sweep
+    from train.__main__ import main
     from train.config import load_config
 
-    tiny = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tiny = str(root / "configs" / "tiny.yaml")
     for writer, package in (("tensorboard", "tensorboardX"), ("wandb", "wandb")):
-        with pytest.raises(UserError, match=rf"names {writer} but {package} is not installed"):
-            load_config(tiny, [f"metrics.writers=[jsonl, {writer}]"])
+        sets = [f"metrics.writers=[jsonl, {writer}]"]
+        assert main(["--config", tiny, "--run-dir", str(tmp_path / writer), "--quiet", "--set", sets[0]]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"names {writer} but {package} is not installed" in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / writer).exists()
+        runs = sweep.expand(pathlib.Path(tiny), [], [0])
+        with pytest.raises(UserError, match=rf"seed0: metrics.writers names {writer} but {package}"):
+            sweep.run_configs(pathlib.Path(tiny), runs, sets)
+        assert load_config(tiny, sets).metrics.writers == ["jsonl", writer]

@@ -573,6 +573,7 @@ def fake_run(
     device="cpu",
     session=(0, 10),
     evaluation=(32, 2, 8),
+    validation_tokens=None,
 ):
     """A run dir's files for compare; ``evaluation`` is its ``(seq_len, eval_batches,
     batch_size)`` in ``config.yaml`` (``None``: no config, as a run dir copied without it)."""
@@ -589,7 +590,11 @@ def fake_run(
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {
         "status": status,
-        "data": {"tokenizer": {"kind": tokenizer}, "validation_sha256": validation},
+        "data": {
+            "tokenizer": {"kind": tokenizer},
+            "validation_sha256": validation,
+            **({"tokens": {"validation": validation_tokens}} if validation_tokens else {}),
+        },
         "device_kind": device,
         "sessions": [[session[0], session[1], "host"]],
     }
@@ -631,6 +636,9 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
     # without its config.yaml (nothing to compare): comparable.
     compare([base, fake_run(tmp_path, "same", evaluation=(32, 4, 4))], tmp_path / "out")
     compare([base, fake_run(tmp_path, "bare", evaluation=None)], tmp_path / "out")
+    # A split of 10 windows of 33 tokens, read whole by 2 x 8 and by 100 x 8: the same windows.
+    small = [fake_run(tmp_path, f"small{n}", evaluation=(32, n, 8), validation_tokens=330) for n in (2, 100)]
+    compare(small, tmp_path / "out")
     compare([base, fake_run(tmp_path, "gpu", device="H100", session=(5, 15))], tmp_path / "out")
     err = capsys.readouterr().err
     assert "different devices (H100, cpu)" in err and "base and gpu ran at the same time" in err

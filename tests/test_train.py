@@ -861,6 +861,34 @@ def test_a_resume_refuses_settings_the_state_or_data_order_depend_on(key, value)
     check_resumable(saved, to_dict(load_config(TINY)))
 
 
+def test_a_resume_takes_its_data_and_init_from_at_new_paths_and_a_sweep_reuse_does_not():
+    """Where the data, tokenizer, store and ``init_from`` are may change on a resume (the store's
+    hash checks the tokens; the model is model.json's), not between a sweep's grid and a finished
+    run it would reuse (nothing is restored there to check); starting from a directory or not is
+    no such change."""
+    import copy
+
+    from train.config import changed_settings, check_resumable, to_dict
+
+    saved = to_dict(load_config(TINY))
+    moved = copy.deepcopy(saved)
+    moved["data"] |= {"paths": ["/moved/a.jsonl"], "tokenizer": "/moved/sp.model", "store": "/moved/s"}
+    check_resumable(saved, moved)
+    assert [c.split(":")[0] for c in changed_settings(saved, moved)] == [
+        "data.paths",
+        "data.store",
+        "data.tokenizer",
+    ]
+    started = copy.deepcopy(saved)
+    started["model"] |= {"name": None, "init_from": "/models/a"}
+    elsewhere = copy.deepcopy(started)
+    elsewhere["model"]["init_from"] = "/moved/a"
+    check_resumable(started, elsewhere)
+    assert changed_settings(started, elsewhere) == ["model.init_from: '/models/a' -> '/moved/a'"]
+    with pytest.raises(UserError, match=r"differs in model.init_from \('/models/a' -> None\): keep it"):
+        check_resumable(started, saved)
+
+
 def test_a_resume_on_another_host_names_the_host_and_the_options_stated_not_its_defaults():
     from train.config import check_resumable, to_dict
 

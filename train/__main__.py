@@ -57,10 +57,11 @@ def train(argv=None) -> int:
     run_dir = pathlib.Path(args.run_dir or pathlib.Path("runs") / stem)
 
     def body() -> int:
-        from train.config import load_config
+        from train.config import check_writers, load_config
         from train.store import Interrupted
 
         cfg = load_config(args.config, args.overrides)
+        check_writers(cfg.metrics.writers)
         _set_xla_flags(cfg, args.quiet)
         if distributed.multi_process():
             distributed.initialize()

@@ -38,14 +38,15 @@ def load_run(run_dir: pathlib.Path) -> dict:
         "evals": evals,
         "summary": summary,
         "status": status,
-        "evaluation": evaluation(run),
+        "evaluation": evaluation(run, summary),
     }
 
 
-def evaluation(run: RunDir) -> tuple[int, int] | None:
+def evaluation(run: RunDir, summary: dict | None = None) -> tuple[int, int] | None:
     """What the run's evaluations read, from its ``config.yaml``: ``(train.seq_len, windows)``,
-    the windows being ``train.eval_batches x train.batch_size`` (at most: a smaller split is read
-    whole); ``None`` when the run dir holds no readable config."""
+    the windows being ``train.eval_batches x train.batch_size``, or the whole validation split's
+    when it has fewer (from the tokens its ``summary`` records: windows of ``seq_len + 1``);
+    ``None`` when the run dir holds no readable config."""
     try:
         t = run.config().get("train") or {}
     except UserError:
@@ -53,7 +54,11 @@ def evaluation(run: RunDir) -> tuple[int, int] | None:
     values = (t.get("seq_len"), t.get("eval_batches"), t.get("batch_size"))
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         return None
-    return values[0], values[1] * values[2]
+    seq_len, windows = values[0], values[1] * values[2]
+    tokens = ((summary or {}).get("data") or {}).get("tokens", {}).get("validation")
+    if isinstance(tokens, int) and not isinstance(tokens, bool):
+        windows = min(windows, tokens // (seq_len + 1))
+    return seq_len, windows
 
 
 def eval_rows(run: RunDir) -> list[dict]:

@@ -127,6 +127,15 @@ def writer_not_installed(writer: str) -> str:
     return f"metrics.writers names {writer} but {package} is not installed: pip install 'moara-jax[{extra}]'"
 
 
+def check_writers(writers: list[str]) -> None:
+    """Refuses a metric writer whose package is not installed, in one line: what a run (and each
+    run of a sweep) checks before it builds the data or writes its run dir. Not part of
+    ``validate``: commands that write no metrics read such configs too."""
+    for writer in writers:
+        if writer in WRITER_PACKAGES and not _installed(WRITER_PACKAGES[writer][0]):
+            raise UserError(writer_not_installed(writer))
+
+
 def _installed(package: str) -> bool:
     """Whether ``package`` can be imported (imported already, or found), without importing it."""
     if package in sys.modules:  # None there: its import is blocked
@@ -316,9 +325,6 @@ def validate(cfg: RunConfig) -> None:
     configured_flags(cfg.xla.gpu_flag_sets, cfg.xla.flags, gpu=True)  # names and forms only
     unknown_writers = [w for w in cfg.metrics.writers if w not in WRITERS]
     _need(not unknown_writers, f"metrics.writers: unknown {unknown_writers} (known: {', '.join(WRITERS)})")
-    for writer in cfg.metrics.writers:  # before the data is built and the run dir written
-        if writer in WRITER_PACKAGES:
-            _need(_installed(WRITER_PACKAGES[writer][0]), writer_not_installed(writer))
     p = cfg.profile
     _need(p.every >= 1 and p.steps >= 1, "profile.steps and profile.every must be >= 1")
     if cfg.mode == "profile":
@@ -487,21 +493,25 @@ _FIXED_ON_PROFILE_RESUME = ("profile.every", "profile.ema")
 # Fields of a model preset the trainer sets itself (the tokenizer's vocabulary, train's dtypes).
 _TRAINER_SET_MODEL_FIELDS = ("name", "vocab_size", "param_dtype", "dtype")
 # How the model computes, not what it is: a resume may take less memory or another attention.
-# Where the data, its tokenizer and the store are: files moved since are found at their new
-# paths (the checkpoint's hash of the store's content refuses other tokens); the directory of
-# model.init_from, which a resume does not read (the model is the run's model.json).
 _FREE_ON_RESUME = (
     "optimizer.svd",
     "data.workers",
     "data.cache_dir",
+    "model.overrides.remat",
+    "model.overrides.attention_impl",
+    "model.overrides.loss_chunk",
+)
+# Where the data, its tokenizer and the store are, and model.init_from's directory: a resume
+# finds files moved since at their new paths (the hash of the store's content saved with the
+# checkpoint refuses other tokens) and does not read init_from (the model is the run's
+# model.json). Only a resume: the sweep's reuse of finished runs, which restores nothing, keeps
+# comparing them.
+_MOVABLE_ON_RESUME = (
     "data.paths",
     "data.validation_paths",
     "data.tokenizer",
     "data.store",
     "model.init_from",
-    "model.overrides.remat",
-    "model.overrides.attention_impl",
-    "model.overrides.loss_chunk",
 )
 
 
@@ -564,7 +574,13 @@ def check_resumable(saved: dict, new: dict) -> None:
     one, what the checkpoint or the data order depend on (a profiling run's: also how it
     records)."""
     fixed = _FIXED_ON_RESUME + (_FIXED_ON_PROFILE_RESUME if new.get("mode") == "profile" else ())
-    changed = changed_settings(saved, new, fixed)
+    was, now = ((config.get("model") or {}).get("init_from") for config in (saved or {}, new))
+    if (was is None) != (now is None):  # a run from a directory or a preset: not the same run
+        raise UserError(
+            f"--resume: the run's {CONFIG} differs in model.init_from ({was!r} -> {now!r}): keep it "
+            "(its directory need not be there: a resume takes the model from the run's model.json)"
+        )
+    changed = changed_settings(saved, new, fixed, ignoring=_MOVABLE_ON_RESUME)
     if changed:
         raise UserError(
             f"--resume: the run's {CONFIG} differs in settings a resume cannot change ({', '.join(changed)})"

@@ -89,10 +89,13 @@ def run_config(base: pathlib.Path, run: Run, sets: list[str] = ()) -> dict:
 def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[str, dict]:
     """Each run's config (``run_config``): a bad layer, ``--set`` or seed is one line naming the
     run before any run starts, not the same failure once per run."""
+    from train.config import check_writers
+
     configs = {}
     for run in runs:
         try:
             configs[run.name] = run_config(base, run, sets)
+            check_writers(configs[run.name]["metrics"]["writers"])
         except UserError as e:
             raise UserError(f"{run.name}: {e}") from None
     return configs
@@ -313,11 +316,12 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
             "name": r["run"],
             "status": "completed",
             "summary": RunDir(out / r["run"]).summary() or {},
-            "evaluation": evaluation(RunDir(out / r["run"])),
         }
         for point in points
         for r in done[point]
     ]
+    for s in summaries:
+        s["evaluation"] = evaluation(RunDir(out / s["name"]), s["summary"])
     refusals, warnings = problems(summaries) if summaries else ([], [])
     result = {
         "baseline": baseline,

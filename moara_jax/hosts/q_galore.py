@@ -49,7 +49,7 @@ from moara_jax._quant import (
     unit_flat,
     unit_restore,
 )
-from moara_jax._validate import is_int
+from moara_jax._validate import in_made_form_on_update, is_int
 from moara_jax.hosts._base import Host, StageOptions, is_zero, real
 
 
@@ -273,7 +273,8 @@ def q_galore_project(
         new_state = QGaLoreProjectState(optax.safe_increment(state.count), *columns)
         return jax.tree.unflatten(treedef, out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    # Its quantized bases are nodes that Flax nnx's Optimizer hands back as mappings.
+    return in_made_form_on_update(optax.GradientTransformation(init_fn, update_fn))
 
 
 class QuantizeWeightsState(NamedTuple):
