@@ -441,12 +441,54 @@ def test_gpu_session_names_the_gpu_tests_that_fail(tmp_path, monkeypatch):
         "def test_ok():\n    pass\n"
         "def test_wrong():\n    assert 1 == 2\n"
         "def test_elsewhere():\n    pytest.skip('needs a GPU')\n"
+        # a test that starts python -m train runs a second JAX process: no preallocation
+        "def test_shares_the_gpu():\n    import os\n"
+        "    assert os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'\n"
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
     monkeypatch.setattr(gpu_session, "ROOT", tmp_path)
-    result = gpu_session.phase_gpu_tests(gpu_session.Session(tmp_path, budget_s=120, smoke=True))
+    timeouts = []
+    child = gpu_session.Session._child
+
+    def timed(cmd, env, timeout, capture):
+        timeouts.append(timeout)
+        return child(cmd, env, timeout, capture)
+
+    monkeypatch.setattr(gpu_session.Session, "_child", staticmethod(timed))
+    result = gpu_session.phase_gpu_tests(gpu_session.Session(tmp_path, budget_s=600, smoke=True))
     assert result["failures"] == ["tests/test_gpu.py::test_wrong"]
-    assert result["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert result["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
+    assert (
+        timeouts == [gpu_session.GPU_TESTS_S] and gpu_session.GPU_TESTS_S < 600
+    )  # capped: the rest keep theirs
+
+
+def test_gpu_session_times_moara_against_galore_first_with_the_gpu_to_itself(tmp_path, monkeypatch):
+    """The vs_torch phases run this project's Full and GaLore first (issue 22's ratio, before the
+    slow peer compile), each JAX child with the pool of a GPU to itself (JAX's default 75% is
+    under what the 1B step needs without remat), the peers with their own allocator."""
+    import gpu_session
+
+    seen = []
+
+    def fake_run(self, cmd, env=None, timeout=None):
+        seen.append((cmd[cmd.index("--only") + 1], (env or {}).get("XLA_PYTHON_CLIENT_MEM_FRACTION")))
+        return {"rc": 1, "seconds": 0.0, "stopped_at_deadline": False}  # no result: nothing to merge
+
+    monkeypatch.setattr(gpu_session.Session, "run", fake_run)
+    monkeypatch.setattr(gpu_session, "paper_args", lambda model: [])
+    result = gpu_session.phase_vs_torch(
+        gpu_session.Session(tmp_path, budget_s=600, smoke=True), "llama2-350m"
+    )
+    fraction = gpu_session.JAX_ALONE_MEM_FRACTION
+    assert seen == [
+        ("moara_full", fraction),
+        ("galore_vanilla", fraction),
+        ("galore_torch", None),
+        ("adamw", fraction),
+        ("adamw_torch", None),
+    ]
+    assert set(result["runs"]) == {name for name, _ in seen}
 
 
 def test_gpu_session_reads_pytest_counts_and_loop_step_times():
