@@ -141,18 +141,22 @@ def _torch_peer_at(cfg, optimizer: str, args, micro_batch: int) -> dict:
         opt = torch.optim.AdamW(
             model.parameters(), lr=0.01, eps=1e-6, weight_decay=0.0, fused=device == "cuda"
         )
-    forward = torch.compile(model) if args.compile else model
     micro = args.batch // micro_batch
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len + 1), generator=g).to(device)
 
+    def chunk_loss(chunk):
+        logits = model(input_ids=chunk[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten()) / micro
+
+    # The loss compiled with the model, as this project's step has its loss in the same program:
+    # Inductor fuses the float32 cast into the cross entropy instead of keeping a float32 copy
+    # of the logits (4.2 GB at micro-batch 128) for the backward.
+    loss_of = torch.compile(chunk_loss) if args.compile else chunk_loss
+
     def step():
         for chunk in tokens.chunk(micro):
-            logits = forward(input_ids=chunk[:, :-1]).logits
-            loss = (
-                torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
-                / micro
-            )
+            loss = loss_of(chunk)
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
