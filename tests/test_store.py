@@ -632,6 +632,17 @@ def test_validation_paths_are_the_validation_split(tmp_path):
     m = opened.manifest
     assert m["splits"]["validation"]["documents"] == 7 and m["splits"]["train"]["documents"] == 80
     assert m["source"]["validation"] == "inputs"
+    # max_documents caps the train documents; the validation files are read whole, however many
+    # files (or pieces) they come in (each file was capped on its own: 3 x 5 here).
+    vals = write_corpus(tmp_path / "vals", files=3, docs=7, seed=3)
+    capped = files_section(train, validation_paths=vals, max_documents=5, store=str(tmp_path / "c"))
+    m = open_store(capped, quiet=True).manifest
+    assert m["splits"]["validation"]["documents"] == 21 and m["splits"]["train"]["documents"] == 5
+    # A file whose name holds glob characters is read as written when no glob matches it.
+    bracketed = tmp_path / "c4[1].jsonl"
+    bracketed.write_bytes(pathlib.Path(train[0]).read_bytes())
+    literal = files_section([str(bracketed)], validation_paths=val, store=str(tmp_path / "b"))
+    assert open_store(literal, quiet=True).manifest["splits"]["train"]["documents"] == 40
     # A data.paths glob that also matches the validation file is refused, not trained on.
     glob_all = files_section([f"{tmp_path}/*/part-*"], validation_paths=val, store=str(tmp_path / "g"))
     with pytest.raises(

@@ -281,6 +281,13 @@ def _interrupts_raise():
             signal.signal(s, h)
 
 
+def _limit_of(piece: Piece, limit: int | None) -> int | None:
+    """The documents a piece may read: ``data.max_documents`` caps the pieces that read train
+    text; a validation file's pieces are read whole (the split does not depend on how many files
+    or pieces it comes in)."""
+    return None if piece.role == "validation" else limit
+
+
 def _reusable(record: dict | None, p: Plan, piece: Piece, limit: int | None, shards: pathlib.Path) -> bool:
     if record is None or record["piece"] != json.loads(json.dumps(dataclasses.asdict(piece))):
         return False
@@ -326,7 +333,7 @@ def _run(p: Plan, shards: pathlib.Path, workers: int, quiet: bool) -> list[dict]
     todo = []
     for piece in p.pieces:
         record = _load_record(shards, piece)
-        if _reusable(record, p, piece, limit, shards):
+        if _reusable(record, p, piece, _limit_of(piece, limit), shards):
             records[piece.index] = record
         else:
             todo.append(piece)
@@ -336,7 +343,7 @@ def _run(p: Plan, shards: pathlib.Path, workers: int, quiet: bool) -> list[dict]
     counters = _Counters(ctx)
     initargs = (p.tokenizer, p.made_with, counters)
     progress = _Progress(p, counters, records, quiet)
-    jobs = [(q, shards, limit) for q in todo]
+    jobs = [(q, shards, _limit_of(q, limit)) for q in todo]
     pool = None
     _setup(*initargs)  # the parent tokenizes too: with one worker, and the piece a limit cuts
     if max(1, min(workers, len(todo))) == 1:

@@ -118,11 +118,13 @@ def plan(cfg) -> Plan:
 
 def expand_paths(paths: list) -> list[str]:
     """``data.paths`` with globs (``*``, ``?``, ``[...]``) expanded in sorted order; a glob that
-    matches nothing is an error."""
+    matches nothing is an error, unless it names a file as written (``c4[1].jsonl``)."""
     out = []
     for p in paths:
         if any(c in str(p) for c in "*?["):
             matches = sorted(glob.glob(os.path.expanduser(str(p))))
+            if not matches and os.path.isfile(os.path.expanduser(str(p))):
+                matches = [os.path.expanduser(str(p))]  # a file whose name holds [ or ?, as written
             if not matches:
                 raise UserError(f"data file pattern matches no file: {p}")
             out += matches
