@@ -99,10 +99,11 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
     # built (model.json), so the directory may have moved or gone since.
     resumes = resume and run.has_checkpoints() and cfg.model.init_from is not None
     built = run.model_config() if resumes and run.model_file.is_file() else None
-    if resumes and built is None and run.setting("model", "init_from") != cfg.model.init_from:
+    had = run.setting("model", "init_from") if resumes and built is None else None
+    if resumes and built is None and had != cfg.model.init_from:
         raise UserError(  # a run dir of a version before model.json: the directory is the model
             f"--resume: {run} holds no {run.model_file.name} to take the model from; give "
-            f"model.init_from as the run had it ({run.setting('model', 'init_from')})"
+            f"model.init_from as the run had it ({had})"
         )
     with errors_shared():  # e.g. one process's data file missing
         setup = make_setup(cfg, quiet, clock, built)

@@ -311,17 +311,11 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
         ):
             m, b = row["mean_curve"][key], base[key]
             row[red] = 100 * (1 - m / b) if m is not None and b else None
-    summaries = [
-        {
-            "name": r["run"],
-            "status": "completed",
-            "summary": RunDir(out / r["run"]).summary() or {},
-        }
-        for point in points
-        for r in done[point]
-    ]
-    for s in summaries:
-        s["evaluation"] = evaluation(RunDir(out / s["name"]), s["summary"])
+    summaries = []
+    for run in (RunDir(out / r["run"]) for point in points for r in done[point]):
+        summary = run.summary() or {}
+        seen = evaluation(run, summary)
+        summaries.append({"name": run.name, "status": "completed", "summary": summary, "evaluation": seen})
     refusals, warnings = problems(summaries) if summaries else ([], [])
     result = {
         "baseline": baseline,

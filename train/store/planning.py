@@ -121,15 +121,16 @@ def expand_paths(paths: list) -> list[str]:
     matches nothing is an error, unless it names a file as written (``c4[1].jsonl``)."""
     out = []
     for p in paths:
+        path = os.path.expanduser(str(p))
         if any(c in str(p) for c in "*?["):
-            matches = sorted(glob.glob(os.path.expanduser(str(p))))
-            if not matches and os.path.isfile(os.path.expanduser(str(p))):
-                matches = [os.path.expanduser(str(p))]  # a file whose name holds [ or ?, as written
+            matches = sorted(glob.glob(path))
+            if not matches and os.path.isfile(path):
+                matches = [path]  # a file whose name holds [ or ?, as written
             if not matches:
                 raise UserError(f"data file pattern matches no file: {p}")
             out += matches
         else:
-            out.append(os.path.expanduser(str(p)))
+            out.append(path)
     return out
 
 
