@@ -18,7 +18,10 @@ prints the size of what a GPU command would take along (at most 64 MiB).
 carried wheels that are missing, builds the token store with all cores (``train.prepare``, given
 what is left of the budget), then runs the plan's next unfinished runs, ``--concurrent`` at a time
 sharing the GPU: ``auto`` (the default) runs one at a time, then two, three and four while each
-step up measurably paid, and keeps the fastest level measured (``choose_level``). A run is started
+step up measurably paid, and keeps the fastest level measured (``choose_level``); but the first
+training run of a grid point none of whose runs has had the device to itself runs alone, nothing
+beside it (``Runner.needs_alone``; ``--no-timing-runs``: never), because the report's wall-clock
+times come from such runs alone (``shared_device``). A run is started
 only when its estimated duration fits in what is left of ``--budget-s`` (estimated from finished
 runs' measured times, scaled by the gain from sharing measured so far, else from the plan's
 deliberately generous ``estimate_s``, both times ``--safety``); at the end of the budget the runs
@@ -361,6 +364,21 @@ def level_of(concurrency: float) -> int | None:
     return n if n >= 1 and abs(concurrency - n) <= 0.25 else None
 
 
+def ran_alone(run_dir: pathlib.Path, device: str | None = None) -> bool:
+    """Whether the runner's record of a completed run says it had the device to itself the whole
+    time (a concurrency of 1; on ``device`` when given), so that its wall-clock times count in the
+    report (``shared_device``)."""
+    try:
+        record = json.loads((run_dir / RUNNER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("status") != "completed":
+        return False
+    concurrency = record.get("concurrency", 1)
+    alone = isinstance(concurrency, (int, float)) and concurrency <= 1
+    return alone and (device is None or record.get("device") == device)
+
+
 def sharing_costs(measured: list[Measured]) -> dict[int, float]:
     """Device-seconds per training step at each number of runs sharing the device that finished
     training runs measured: a run's seconds per step over its concurrency, averaged over a level's
@@ -510,6 +528,7 @@ class Running:
     fraction: float  # of the device's memory it may take
     stopped: bool = False
     share_s: float = 0.0  # its share of the device: the integral over its life of 1 / runs alive
+    alone: bool = False  # a timing run: nothing else starts while it runs (``Runner.needs_alone``)
 
 
 class Runner:
@@ -647,7 +666,9 @@ class Runner:
             r.share_s += (now - self.shared_at) / len(running)
         self.shared_at = now
 
-    def start(self, planned: Planned, estimate_s: float, basis: str, level: int) -> Running:
+    def start(
+        self, planned: Planned, estimate_s: float, basis: str, level: int, alone: bool = False
+    ) -> Running:
         run_dir = self.where(planned, True)
         resumed = RunDir(run_dir).state() == "resumable"
         if not resumed and run_dir.exists():
@@ -669,9 +690,13 @@ class Runner:
         )
         verb = "resuming" if resumed else "starting"
         left = self.left() - RESERVE_S
-        self.say(f"{planned.name}: {verb} (estimate {estimate_s:.0f}s from {basis}; {left:.0f}s left)")
+        alone_why = ", alone: the first of its grid point's runs to be timed" if alone else ""
+        self.say(
+            f"{planned.name}: {verb} (estimate {estimate_s:.0f}s from {basis}; {left:.0f}s left){alone_why}"
+        )
         now, epoch = time.monotonic(), time.time()
-        return Running(planned, run_dir, proc, log, now, epoch, estimate_s, resumed, MEMORY / level)
+        fraction = MEMORY / level
+        return Running(planned, run_dir, proc, log, now, epoch, estimate_s, resumed, fraction, alone=alone)
 
     def finish(self, r: Running) -> dict:
         r.log.close()
@@ -723,9 +748,7 @@ class Runner:
     ) -> tuple[float, str]:
         """``estimate`` of ``planned`` at ``level`` (``costs``: ``sharing_costs(measured)``), from
         its newest checkpoint on where this machine stopped it short."""
-        if planned.name not in self.configs:
-            self.configs[planned.name] = run_config(self.plan, planned)
-        config = self.configs[planned.name]
+        config = self.config(planned)
         default = self.plan.estimate_s["profile" if config["mode"] == "profile" else "train"]
         if self.args.estimate_s is not None:
             default = self.args.estimate_s
@@ -733,6 +756,25 @@ class Runner:
         left = steps_of(config) - done
         est, basis = estimate(kind_of(config), left, level, measured, default, self.args.safety, costs)
         return est, basis + (f"; {left} steps left after checkpoint {done}" if done else "")
+
+    def config(self, planned: Planned) -> dict:
+        if planned.name not in self.configs:
+            self.configs[planned.name] = run_config(self.plan, planned)
+        return self.configs[planned.name]
+
+    def needs_alone(self, planned: Planned) -> bool:
+        """Whether ``planned`` runs alone, as a timing run: a training run of a grid point none of
+        whose finished runs had the device to itself (here, or committed from the same device),
+        so that the report has a wall-clock time for every point (a run that shared the device
+        counts in no time figure). ``--no-timing-runs``: never."""
+        if self.args.no_timing_runs or self.config(planned)["mode"] != "train":
+            return False
+        for other in self.plan.runs:
+            if (other.experiment, other.run.point) != (planned.experiment, planned.run.point):
+                continue
+            if ran_alone(self.where(other, True)) or ran_alone(self.where(other, False), self.device):
+                return False
+        return True
 
     def checkpointed(self, planned: Planned) -> int:
         """The step of the newest checkpoint of a run this machine stopped short (0: none), from
@@ -790,13 +832,15 @@ class Runner:
             self.say(f"sharing the device: {why}")
         return level
 
-    def next_start(self, planned: Planned, running: list[Running], measured: list[Measured]):
+    def next_start(
+        self, planned: Planned, running: list[Running], measured: list[Measured], alone: bool = False
+    ):
         """``(level, estimate, basis)`` for starting ``planned`` now, or ``None`` with the smallest
         estimate tried and its basis when it must wait or does not fit. The level's memory share
         must be free (runs started at a lower level hold a larger one); under ``auto``, a run that
         does not fit at the chosen level may start at a lower one (fewer runs sharing, a shorter
-        estimate), down to alone."""
-        chosen = self.level(measured)
+        estimate), down to alone. A timing run (``alone``) starts only at level 1."""
+        chosen = 1 if alone else self.level(measured)
         lower = [n for n in reversed(LEVELS) if n < chosen] if self.args.concurrent == "auto" else []
         held, costs = sum(r.fraction for r in running), sharing_costs(measured)
         least = None  # the smallest estimate that did not fit (what a refusal names)
@@ -824,7 +868,10 @@ class Runner:
                     todo = []
                     break
                 planned = todo[0]
-                level, est, basis = self.next_start(planned, running, measured)
+                alone = self.needs_alone(planned)
+                if any(r.alone for r in running) or (alone and running):
+                    break  # a timing run has, or waits for, the device to itself
+                level, est, basis = self.next_start(planned, running, measured, alone)
                 if level is None:
                     if est is not None:  # the device has room for it, the budget has not
                         left = self.left() - RESERVE_S
@@ -838,7 +885,7 @@ class Runner:
                             todo = []
                     break
                 self.share(running)
-                running.append(self.start(planned, est, basis, level))
+                running.append(self.start(planned, est, basis, level, alone))
                 todo.pop(0)
                 started += 1
             if not running:
@@ -1122,6 +1169,20 @@ def profile_report(run_dir: pathlib.Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shared_device(out: pathlib.Path, runs: list) -> frozenset[str]:
+    """The runs the runner ran beside others (``runner.json``: a concurrency over 1), whether or
+    not those were runs of the same report: their wall-clock times count in no time figure."""
+    names = set()
+    for run in runs:
+        try:
+            concurrency = json.loads((out / run.name / RUNNER_FILE).read_text()).get("concurrency")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(concurrency, (int, float)) and concurrency > 1:
+            names.add(run.name)
+    return frozenset(names)
+
+
 def write_reports(root: pathlib.Path, plan: Plan, say=print) -> list[pathlib.Path]:
     """The plan's sweep reports and each experiment's ``profile.md``; returns the files written."""
     written = []
@@ -1129,7 +1190,7 @@ def write_reports(root: pathlib.Path, plan: Plan, say=print) -> list[pathlib.Pat
         out = root / plan.results / rep["experiment"]
         out.mkdir(parents=True, exist_ok=True)
         runs = sweep.expand(plan.base, rep["axes"], rep["seeds"])
-        result = sweep.report(out, runs, rep.get("baseline"))
+        result = sweep.report(out, runs, rep.get("baseline"), shared_device(out, runs))
         done = sum(row["final_ppl"]["n"] for row in result["points"].values())
         say(f"{out / 'report.md'}: {done} of {len(runs)} run(s) completed")
         written.append(out / "report.md")
@@ -1174,6 +1235,13 @@ def cmd_status(args) -> int:
     # The estimates at the level --concurrent auto starts with, where the runs come from one device.
     costs = sharing_costs(measured) if len(devices) == 1 else {}
     level = choose_level(costs, LEVELS[-1])[0] if costs else 1
+    # The grid points a committed run timed (it had the device to itself); the run has no record
+    # of another device here, so the runner may still time one there again (``needs_alone``).
+    timed = {
+        (p.experiment, p.run.point)
+        for p in plan.runs
+        if ran_alone(root / plan.results / p.experiment / p.run.name)
+    }
     for planned in plan.runs:
         state = RunDir(root / plan.results / planned.experiment / planned.run.name).state()
         local = RunDir(root / SCRATCH / "runs" / planned.experiment / planned.run.name).state()
@@ -1188,6 +1256,10 @@ def cmd_status(args) -> int:
                 shared = estimate(kind, steps, level, measured, default, args.safety, costs)[0]
                 text += f", {shared:.0f}s {level} at a time"
             text += f" ({basis})"
+            point = (planned.experiment, planned.run.point)
+            if config["mode"] == "train" and point not in timed:
+                timed.add(point)
+                text += "; runs alone: no run of its grid point timed yet"
         print(f"{planned.name}: {text}")
     for device in devices:  # what --concurrent auto starts from there
         found = sharing_costs([m for m in measured if m.device == device])
@@ -1258,6 +1330,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--workers", type=int, default=None, help="train.prepare processes (default: all cores)")
     p.add_argument("--max-runs", type=int, default=None, help="start at most this many runs")
+    p.add_argument(
+        "--no-timing-runs",
+        action="store_true",
+        help="do not run alone the first run of a grid point none of whose runs has had the device "
+        "to itself (the report's wall-clock times come from such runs alone)",
+    )
     p.add_argument("--estimate-s", type=float, default=None, help="seconds a run takes before any finished")
     p = sub.add_parser("stage", parents=[common], help="here: copy the data into .data/, wheels into .whl/")
     p.add_argument("--shared", default=str(CODE.parent / "shared" / "data"), help="the shared data folder")

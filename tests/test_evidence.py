@@ -17,6 +17,7 @@ import pytest
 import yaml
 from helpers import alive
 
+from train import sweep
 from train.rundir import RunDir
 from train.sources import builtin_documents
 
@@ -336,7 +337,8 @@ def fake_runner(monkeypatch, plan_path, root, script, rate=lambda n: n, **option
     monkeypatch.setattr(evidence, "subprocess", fake)
     monkeypatch.setattr(evidence, "kill_group", lambda proc: proc.kill())
     args = {"budget_s": 1000, "out": str(root / "out"), "concurrent": 1, "max_concurrent": 4}
-    args = types.SimpleNamespace(**{**args, "max_runs": None, "estimate_s": None, "safety": 1.0, **options})
+    args |= {"max_runs": None, "estimate_s": None, "safety": 1.0, "no_timing_runs": True}
+    args = types.SimpleNamespace(**{**args, **options})
     (root / "out").mkdir(parents=True, exist_ok=True)
     runner = evidence.Runner(args, evidence.load_plan(plan_path), root, lines.append)
     runner.site, runner.xla_cache, runner.device, runner.versions = None, None, "cpu", {}
@@ -422,9 +424,9 @@ def test_auto_measures_whether_sharing_the_device_pays_and_keeps_the_fastest(tmp
     starts = []
     start = runner.start
 
-    def checked(planned, estimate_s, basis, level):
+    def checked(planned, estimate_s, basis, level, alone=False):
         alive = [p for p in procs.values() if p.alive()]
-        r = start(planned, estimate_s, basis, level)
+        r = start(planned, estimate_s, basis, level, alone)
         fraction = procs[planned.run.name].fraction
         if fraction is None:  # JAX's default share of the device: alone only
             assert not alive
@@ -445,6 +447,40 @@ def test_auto_measures_whether_sharing_the_device_pays_and_keeps_the_fastest(tmp
     (table,) = [line for line in lines if line.startswith("device-seconds per training step: ")]
     # (the 0.5 s polls)
     assert "2 at a time 1.562 s (1.60x), 3 at a time 1.417 s (1.76x), 4 at a time 1.375 s (1.82x)" in table
+
+
+def test_the_first_run_of_each_grid_point_runs_alone_so_that_the_report_can_time_it(tmp_path, monkeypatch):
+    """Runs that share the device count in no time figure of the report, so the first training run
+    of a grid point none of whose runs had the device to itself runs alone (nothing starts beside
+    it); the others share it. A point timed on another device is timed again here."""
+    plan_path = tiny_setting(tmp_path)
+    plan_path.write_text(SEEDS_PLAN)
+    root = tmp_path / "gpu"
+    names = [f"{c}-seed{s}" for c in ("galore", "rank", "decomp", "full") for s in range(3)]
+    runner, procs, lines = fake_runner(
+        monkeypatch, plan_path, root, {n: (10, True) for n in names}, concurrent=2, no_timing_runs=False
+    )
+    runner.loop()
+    assert list(procs) == names  # in the plan's order
+    met = {name: runner_record(root, name)["concurrency"] for name in names}
+    assert met == {name: 1.0 if name.endswith("seed0") else 2.0 for name in names}
+    timing = "alone: the first of its grid point's runs to be timed"
+    alone = [line.split(":")[0] for line in lines if line.endswith(timing)]
+    assert alone == [f"tiny/{c}-seed0" for c in ("galore", "rank", "decomp", "full")]
+    runs = sweep.expand(runner.plan.base, ["conditions/galore,rank,decomp,full"], [0, 1, 2])
+    scratch = root / evidence.SCRATCH / "runs" / "tiny"
+    assert evidence.shared_device(scratch, runs) == {n for n in names if not n.endswith("seed0")}
+    # A timed run committed from this device counts; one from another device does not.
+    planned = runner.plan.runs[1]
+    assert planned.run.name == "galore-seed1" and not runner.needs_alone(planned)
+    committed = runner.where(runner.plan.runs[0], False)
+    shutil.move(scratch / "galore-seed0", committed)
+    assert not runner.needs_alone(planned)
+    record = json.loads((committed / evidence.RUNNER_FILE).read_text())
+    (committed / evidence.RUNNER_FILE).write_text(json.dumps({**record, "device": "another"}))
+    assert runner.needs_alone(planned)
+    runner.args.no_timing_runs = True
+    assert not runner.needs_alone(planned)
 
 
 def test_a_run_stopped_short_on_this_machine_is_estimated_from_its_checkpoint_on(tmp_path, monkeypatch):

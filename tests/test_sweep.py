@@ -211,16 +211,78 @@ def test_report_statistics_on_hand_made_runs(tmp_path):
     assert result["excluded"] == [{"run": "galore-seed2", "status": "failed"}]
     text = (tmp_path / "report.md").read_text()
     # point | runs | final ppl | steps, reduction, per seed | time (s), reduction, per seed
-    assert "| galore | 2 (1 reached) | 21.000 ± 1.414 | 30 | +0.0% | 30 | 30.0 | +0.0% | 30.0 |" in text
     assert (
-        "| full | 3 (3 reached) | 18.000 ± 1.000 | 20 | +33.3% | 23 ± 6 | 26.7 | +11.1% | 33.3 ± 23.1 |"
-        in text
+        "| galore | 2 (1 reached, 2 timed) | 21.000 ± 1.414 | 30 | +0.0% | 30 | 30.0 | +0.0% | 30.0 |" in text
+    )
+    assert (
+        "| full | 3 (3 reached, 3 timed) | 18.000 ± 1.000 | 20 | +33.3% | 23 ± 6 | 26.7 | +11.1% "
+        "| 33.3 ± 23.1 |" in text
     )
     assert "- galore-seed2: failed" in text
     assert "- galore: seed 0: ppl 20.000, 30 steps, 30.0 s; seed 1: ppl 22.000, target not reached" in text
     assert (tmp_path / "report.png").stat().st_size > 0
     with pytest.raises(UserError, match="--baseline nope is not a grid point"):
         sweep.report(tmp_path, runs, baseline="nope")
+
+
+def test_report_times_only_the_runs_that_had_the_machine_to_themselves(tmp_path):
+    """A run that shared the machine (its session overlaps another's on the same host, or the
+    caller says so) counts in the steps but in no time: not in the mean curve's wall-clock, not
+    in the per-seed times, not in the reductions; a point with no such run has no time at all."""
+    runs = sweep.expand(PAPER, ["conditions/galore,rank,full"], [0, 1, 2])
+    make_run(tmp_path, "galore-seed0", "completed", [40, 30, 20])
+    make_run(tmp_path, "galore-seed1", "completed", [40, 30, 22])
+    make_run(tmp_path, "rank-seed0", "completed", [38, 25, 19])
+    make_run(tmp_path, "full-seed0", "completed", [35, 21, 18])
+    make_run(tmp_path, "full-seed1", "completed", [35, 21.5, 19], seconds_per_step=2.0)
+    make_run(tmp_path, "full-seed2", "completed", [30, 20, 17])
+    sessions = {
+        "galore-seed0": [0.0, 100.0, "gpu"],  # alone
+        "galore-seed1": [200.0, 300.0, "gpu"],  # beside full-seed0
+        "full-seed0": [250.0, 350.0, "gpu"],
+        "full-seed1": [200.0, 300.0, "other"],  # at the same time, on another machine: alone
+        "full-seed2": [400.0, 500.0, "gpu"],  # alone here, but the caller knows better
+        "rank-seed0": [600.0, 700.0, "gpu"],
+    }
+    for name, span in sessions.items():
+        (tmp_path / name / "summary.json").write_text(json.dumps({"status": "completed", "sessions": [span]}))
+    result = sweep.report(tmp_path, runs, shared=frozenset({"full-seed2", "rank-seed0"}))
+    galore, rank, full = (result["points"][p] for p in ("galore", "rank", "full"))
+    assert result["target_ppl"] == 21.0
+    # galore's mean curve reaches 21 at step 30, timed by seed 0 alone (30 s, not seed 1's too);
+    # full's at step 20, timed by seed 1 alone (2 s a step): 40 s, so its time is 33% longer.
+    assert galore["mean_curve"] == {"steps_to_target": 30, "time_to_target_s": 30.0}
+    assert full["mean_curve"] == {"steps_to_target": 20, "time_to_target_s": 40.0}
+    assert full["time_reduction_pct"] == pytest.approx(100 * (1 - 40 / 30))
+    assert full["step_reduction_pct"] == pytest.approx(100 / 3)
+    assert [(s["steps"], s["time_s"], s["timed"]) for s in full["seeds"]] == [
+        (20, None, False),
+        (30, 60.0, True),
+        (20, None, False),
+    ]
+    assert full["steps_to_target"]["n"] == 3 and full["time_to_target_s"] == {
+        "mean": 60.0,
+        "std": None,
+        "n": 1,
+    }
+    assert (galore["timed"], full["timed"], rank["timed"]) == (1, 1, 0)
+    assert rank["mean_curve"] == {"steps_to_target": 30, "time_to_target_s": None}
+    assert rank["time_reduction_pct"] is None and rank["step_reduction_pct"] == 0.0
+    assert result["warnings"] == [
+        "galore-seed1 and full-seed0 ran at the same time: their wall-clock times may be contended"
+    ]
+    text = (tmp_path / "report.md").read_text()
+    assert (
+        "| full | 3 (3 reached, 1 timed) | 18.000 ± 1.000 | 20 | +33.3% | 23 ± 6 | 40.0 | -33.3% | 60.0 |"
+        in text
+    )
+    assert "| rank | 1 (1 reached, 0 timed) | 19.000 | 30 | +0.0% | 30 | - | - | - |" in text
+    assert (
+        "- full: seed 0: ppl 18.000, 20 steps (shared the machine: no time); "
+        "seed 1: ppl 19.000, 30 steps, 60.0 s" in text
+    )
+    assert "4 completed run(s) shared the machine and count in no time." in text
+    assert (tmp_path / "report.png").stat().st_size > 0
 
 
 def test_report_baseline_seeds_that_end_at_other_steps_still_give_a_target(tmp_path):
@@ -257,7 +319,7 @@ def test_report_without_a_completed_baseline_gives_the_final_ppl_and_says_so(tmp
     ]
     text = (tmp_path / "report.md").read_text()
     assert text.startswith("No target: the baseline `galore` has no completed run yet")
-    assert "| full | 2 (0 reached) | 19.000 ± 1.414 | - | - | - | - | - | - |" in text
+    assert "| full | 2 (0 reached, 0 timed) | 19.000 ± 1.414 | - | - | - | - | - | - |" in text
     assert "- full: seed 0: ppl 18.000, no target; seed 1: ppl 20.000, no target" in text
     assert result["points"]["full"]["mean_curve"] == {"steps_to_target": None, "time_to_target_s": None}
     assert "- galore-seed0: resumable" in text and "- galore-seed1: new, no evaluation" in text

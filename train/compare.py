@@ -106,14 +106,25 @@ def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
         warnings.append(
             f"the runs ran on different devices ({', '.join(sorted(kinds))}): times differ by device"
         )
-    spans = [(s[0], s[1], run["name"]) for run in runs for s in run["summary"].get("sessions", [])]
-    for i, (a0, a1, an) in enumerate(spans):
-        for b0, b1, bn in spans[i + 1 :]:
-            if an != bn and a0 < b1 and b0 < a1:
-                warnings.append(
-                    f"{an} and {bn} ran at the same time: their wall-clock times may be contended"
-                )
+    for an, bn in overlaps(runs):
+        warnings.append(f"{an} and {bn} ran at the same time: their wall-clock times may be contended")
     return refusals, sorted(set(warnings))
+
+
+def overlaps(runs: list[dict]) -> list[tuple[str, str]]:
+    """The pairs of runs (by name, in the order given) of which a session of one overlapped a
+    session of the other on the same machine (``summary["sessions"]``: ``[start, end, host]``)."""
+    spans = [
+        (s[0], s[1], s[2] if len(s) > 2 else None, run["name"])
+        for run in runs
+        for s in run["summary"].get("sessions", [])
+    ]
+    pairs = []
+    for i, (a0, a1, ah, an) in enumerate(spans):
+        for b0, b1, bh, bn in spans[i + 1 :]:
+            if an != bn and a0 < b1 and b0 < a1 and (ah is None or bh is None or ah == bh):
+                pairs.append((an, bn))
+    return list(dict.fromkeys(pairs))
 
 
 def reach(evals: list[dict], target: float) -> tuple[int | None, float | None]:

@@ -20,8 +20,9 @@ standard deviation of the same figures over the seeds that reach the target on t
 whose final ppl lies above the target never does: about half the baseline's seeds), and each
 seed's; eval-ppl curves with a band of one standard deviation over seeds, against steps and
 against wall-clock. Until the baseline has a completed run the report gives the final ppl
-alone and says so; runs that ran at the same time or on different devices are flagged (their
-wall-clock times do not compare).
+alone and says so. The wall-clock figures come only from runs that had the machine to
+themselves: runs that ran at the same time on one host are flagged and count in no time (nor
+does a run the caller names as having shared it); runs on different devices are flagged.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from train.compare import eval_rows, evaluation, problems, reach
+from train.compare import eval_rows, evaluation, overlaps, problems, reach
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import pyplot
 from train.rundir import RunDir, check_directory_path
@@ -268,8 +269,15 @@ def grid_points(runs: list[Run], baseline: str | None = None) -> list[str]:
     return points
 
 
-def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> dict:
-    """The sweep's statistics from its run dirs (only completed runs count; the rest are listed)."""
+def report(
+    out: pathlib.Path, runs: list[Run], baseline: str | None = None, shared: frozenset[str] = frozenset()
+) -> dict:
+    """The sweep's statistics from its run dirs (only completed runs count; the rest are listed).
+
+    Wall-clock figures come only from the runs that had the machine to themselves: a run that
+    shared it (its sessions overlap another completed run's on the same host, or its name is in
+    ``shared``, what a caller knows of runs outside this grid) ran slower for it by an amount
+    nothing here measures, so its time counts in no mean and no reduction."""
     points = grid_points(runs, baseline)
     baseline = baseline or points[0]
     done, excluded = {p: [] for p in points}, []
@@ -281,6 +289,15 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
             excluded.append({"run": run.name, "status": status if evals else f"{status}, no evaluation"})
             continue
         done[run.point].append({"run": run.name, "seed": run.seed, "evals": evals})
+    summaries = []
+    for run in (RunDir(out / r["run"]) for point in points for r in done[point]):
+        summary = run.summary() or {}
+        seen = evaluation(run, summary)
+        summaries.append({"name": run.name, "status": "completed", "summary": summary, "evaluation": seen})
+    shared = set(shared).union(*overlaps(summaries))
+    for point in points:
+        for r in done[point]:
+            r["timed"] = r["run"] not in shared
     # Without a completed baseline run there is no target: the final ppl are still reported. The
     # target is the last point of the baseline's mean curve: its seeds' mean final ppl when they
     # end at the same step (else at the last step they all evaluated, which its curve reaches).
@@ -292,7 +309,13 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
         for r in done[point]:
             step, wall = reach(r["evals"], target) if target is not None else (None, None)
             seeds.append(
-                {"seed": r["seed"], "final_ppl": r["evals"][-1]["eval_ppl"], "steps": step, "time_s": wall}
+                {
+                    "seed": r["seed"],
+                    "final_ppl": r["evals"][-1]["eval_ppl"],
+                    "steps": step,
+                    "time_s": wall if r["timed"] else None,
+                    "timed": r["timed"],
+                }
             )
         step, wall = reach(curves[point], target) if target is not None else (None, None)
         rows[point] = {
@@ -301,6 +324,7 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
             "steps_to_target": _stats([s["steps"] for s in seeds if s["steps"] is not None]),
             "time_to_target_s": _stats([s["time_s"] for s in seeds if s["time_s"] is not None]),
             "reached": sum(s["steps"] is not None for s in seeds),
+            "timed": sum(s["timed"] for s in seeds),
             "seeds": seeds,
         }
     base = rows[baseline]["mean_curve"]
@@ -311,11 +335,6 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
         ):
             m, b = row["mean_curve"][key], base[key]
             row[red] = 100 * (1 - m / b) if m is not None and b else None
-    summaries = []
-    for run in (RunDir(out / r["run"]) for point in points for r in done[point]):
-        summary = run.summary() or {}
-        seen = evaluation(run, summary)
-        summaries.append({"name": run.name, "status": "completed", "summary": summary, "evaluation": seen})
     refusals, warnings = problems(summaries) if summaries else ([], [])
     result = {
         "baseline": baseline,
@@ -327,27 +346,31 @@ def report(out: pathlib.Path, runs: list[Run], baseline: str | None = None) -> d
     with io_operation("writing the sweep's report to", out):
         (out / "report.json").write_text(json.dumps(result, indent=2))
         (out / "report.md").write_text(markdown(result))
-        plot(out / "report.png", curves, {point: len(done[point]) for point in points})
+        seeds = {point: len(done[point]) for point in points}
+        plot(out / "report.png", curves, seeds, {point: rows[point]["timed"] for point in points})
     return result
 
 
 def mean_curve(seeds: list[dict]) -> list[dict]:
     """A grid point's eval curve averaged over its completed seeds, at the evaluation steps every
-    seed has: ``step``, ``eval_ppl`` (mean), ``ppl_std`` (over seeds; 0 for one), ``wall_s`` (mean).
+    seed has: ``step``, ``eval_ppl`` (mean), ``ppl_std`` (over seeds; 0 for one), ``wall_s`` (the
+    mean over the seeds that had the machine to themselves, ``timed`` not false; None without one).
     At the last step the mean is the point's mean final ppl, computed in the same order."""
     if not seeds:
         return []
     by_step = [{r["step"]: r for r in reversed(s["evals"])} for s in seeds]  # a step's first row
+    timed = [s.get("timed", True) for s in seeds]
     curve = []
     for step in sorted(set.intersection(*(set(rows) for rows in by_step))):
         rows = [seed[step] for seed in by_step]
         ppl = [r["eval_ppl"] for r in rows]
+        walls = [r["wall_s"] for r, t in zip(rows, timed, strict=True) if t]
         curve.append(
             {
                 "step": step,
                 "eval_ppl": statistics.fmean(ppl),
                 "ppl_std": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-                "wall_s": statistics.fmean(r["wall_s"] for r in rows),
+                "wall_s": statistics.fmean(walls) if walls else None,
             }
         )
     return curve
@@ -375,7 +398,9 @@ def markdown(result: dict) -> str:
         "Steps and time to the target are where a point's mean curve (its eval ppl averaged over "
         "its seeds at each evaluation) reaches it; the reductions come from them. The per-seed "
         "columns are the mean ± std over the seeds that reach the target on their own (`runs`: "
-        "how many did; a seed whose final ppl is above the target never does).",
+        "how many did; a seed whose final ppl is above the target never does). Times come from "
+        "the runs that had the machine to themselves alone (`timed`): a run that shared it with "
+        "another ran slower for it, by an amount nothing here measures.",
         "",
         "| point | runs | final ppl | steps to target | step reduction | per seed | time to target (s) "
         "| time reduction | per seed (s) |",
@@ -384,7 +409,7 @@ def markdown(result: dict) -> str:
     for point, row in result["points"].items():
         curve = row["mean_curve"]
         lines.append(
-            f"| {point} | {row['final_ppl']['n']} ({row['reached']} reached) | "
+            f"| {point} | {row['final_ppl']['n']} ({row['reached']} reached, {row['timed']} timed) | "
             f"{_pm(row['final_ppl'], '.3f')} | "
             f"{num(curve['steps_to_target'], 'd')} | {pct(row['step_reduction_pct'])} | "
             f"{_pm(row['steps_to_target'], '.0f')} | "
@@ -392,11 +417,14 @@ def markdown(result: dict) -> str:
             f"{_pm(row['time_to_target_s'], '.1f')} |"
         )
     lines += ["", "Per seed (final ppl, steps and seconds to the target):", ""]
+    untimed = [s for row in result["points"].values() for s in row["seeds"] if not s["timed"]]
     for point, row in result["points"].items():
         per = "; ".join(
             f"seed {s['seed']}: ppl {s['final_ppl']:.3f}, "
             + (
                 f"{s['steps']} steps, {s['time_s']:.1f} s"
+                if s["time_s"] is not None
+                else f"{s['steps']} steps (shared the machine: no time)"
                 if s["steps"] is not None
                 else "no target"
                 if result["target_ppl"] is None
@@ -405,6 +433,8 @@ def markdown(result: dict) -> str:
             for s in row["seeds"]
         )
         lines.append(f"- {point}: {per or 'none completed'}")
+    if untimed:
+        lines += ["", f"{len(untimed)} completed run(s) shared the machine and count in no time."]
     if result["excluded"]:
         lines += ["", "Not in the statistics:", ""]
         lines += [f"- {e['run']}: {e['status']}" for e in result["excluded"]]
@@ -413,27 +443,33 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path: pathlib.Path, curves: dict, seeds: dict) -> None:
-    """Each point's mean curve (``curves``) with its band, labelled with its number of ``seeds``."""
+def plot(path: pathlib.Path, curves: dict, seeds: dict, timed: dict) -> None:
+    """Each point's mean curve (``curves``) with its band, against steps labelled with its number
+    of ``seeds``, against wall-clock with its number of ``timed`` seeds (none: not drawn)."""
     plt = pyplot("report.png")
     if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for point, curve in curves.items():
+    for i, (point, curve) in enumerate(curves.items()):
         if not curve:
             continue
         steps, wall = [c["step"] for c in curve], [c["wall_s"] for c in curve]
         mean, std = [c["eval_ppl"] for c in curve], [c["ppl_std"] for c in curve]
-        for ax, x in zip(axes, (steps, wall), strict=True):
-            (line,) = ax.plot(x, mean, label=f"{point} (n={seeds[point]})")
+        # No wall-clock curve for a point whose runs all shared the machine.
+        panels = [(axes[0], steps, seeds[point])] + (
+            [(axes[1], wall, timed[point])] if None not in wall else []
+        )
+        for ax, x, n in panels:
+            color = f"C{i % 10}"  # a point's colour in both panels
+            ax.plot(x, mean, color=color, label=f"{point} (n={n})")
             ax.fill_between(
                 x,
                 [m - s for m, s in zip(mean, std, strict=True)],
                 [m + s for m, s in zip(mean, std, strict=True)],
-                color=line.get_color(),
+                color=color,
                 alpha=0.2,
             )
-    for ax, label in zip(axes, ("step", "wall-clock (s, mean over seeds)"), strict=True):
+    for ax, label in zip(axes, ("step", "wall-clock (s, mean over the timed seeds)"), strict=True):
         ax.set_xlabel(label)
         ax.set_ylabel("eval ppl (mean ± std over seeds)")
         ax.set_yscale("log")
