@@ -137,6 +137,7 @@ PAPER_S_TAU = {"v": 0.959, "o": 0.932, "up": 0.922, "gate": 0.921, "q": 0.899, "
 class Planned:
     experiment: str
     run: sweep.Run
+    timed: bool = True  # its grid point needs a run alone for the report's times (``needs_alone``)
 
     @property
     def name(self) -> str:
@@ -184,8 +185,11 @@ def load_plan(path: pathlib.Path) -> Plan:
     for entry in [*data["runs"], *data.get("reports", [])]:
         check_entry(path, entry)
     for entry in data["runs"]:
+        if not isinstance(entry.get("timed", True), bool):
+            raise UserError(f"plan {path}: timed must be true or false, got {entry['timed']!r} in {entry}")
+    for entry in data["runs"]:
         for run in sweep.expand(base, entry["axes"], entry["seeds"]):
-            planned = Planned(entry["experiment"], run)
+            planned = Planned(entry["experiment"], run, entry.get("timed", True))
             if planned.name not in seen:
                 seen.add(planned.name)
                 runs.append(planned)
@@ -766,8 +770,9 @@ class Runner:
         """Whether ``planned`` runs alone, as a timing run: a training run of a grid point none of
         whose finished runs had the device to itself (here, or committed from the same device),
         so that the report has a wall-clock time for every point (a run that shared the device
-        counts in no time figure). ``--no-timing-runs``: never."""
-        if self.args.no_timing_runs or self.config(planned)["mode"] != "train":
+        counts in no time figure). Never for the runs of a plan entry with ``timed: false``, nor
+        under ``--no-timing-runs``."""
+        if self.args.no_timing_runs or not planned.timed or self.config(planned)["mode"] != "train":
             return False
         for other in self.plan.runs:
             if (other.experiment, other.run.point) != (planned.experiment, planned.run.point):
@@ -1257,7 +1262,7 @@ def cmd_status(args) -> int:
                 text += f", {shared:.0f}s {level} at a time"
             text += f" ({basis})"
             point = (planned.experiment, planned.run.point)
-            if config["mode"] == "train" and point not in timed:
+            if planned.timed and config["mode"] == "train" and point not in timed:
                 timed.add(point)
                 text += "; runs alone: no run of its grid point timed yet"
         print(f"{planned.name}: {text}")
@@ -1349,8 +1354,18 @@ def main(argv=None) -> int:
     # configs) would take GPU memory from the runs. The runs get the environment as it was.
     ORIGINAL_ENV.update(os.environ)
     os.environ["JAX_PLATFORMS"] = "cpu"
+    # The paths given as the caller's working directory has them; then the root is the working
+    # directory, so that a config's relative paths (.data/..., an allocation file under results)
+    # name here what they name for the runs, which run there.
+    for name in ("plan", "root", "out", "archive", "wheels", "site", "shared", "xla_cache"):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and not (name == "xla_cache" and value == "none"):
+            setattr(args, name, os.path.abspath(value))
     try:
         check_args(args)
+        if not os.path.isdir(args.root):
+            raise UserError(f"--root {args.root}: no such directory (the checkout the plan's paths are in)")
+        os.chdir(args.root)
         return {
             "run": cmd_run,
             "stage": cmd_stage,

@@ -2,6 +2,7 @@
 to end on CPU (a tiny setting, a 60-second budget), its archive unpacked into a results folder,
 the next runs' state and estimates from there, and the reports written from it."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -37,6 +38,9 @@ def test_plan_orders_the_runs_as_the_issue_does_and_every_config_resolves():
         "wiki60m/profile-seed0",
         *[f"wiki60m/{c}-seed0" for c in four],
         *[f"wiki60m/{c}-seed{s}" for s in (1, 2) for c in four],
+        *[f"wiki60m-lr/{c}-{lr}-seed0" for c in ("galore", "full") for lr in ("lr0.005", "lr0.02")],
+        "wiki60m-alloc/rank-profiled-seed0",
+        "wiki60m-alloc/full-profiled-seed0",
         "wiki60m-fira/galore-fira-seed0",
         "wiki60m-fira/full-fira-seed0",
         "wiki60m-osd/galore-osd-seed0",
@@ -62,7 +66,26 @@ def test_plan_orders_the_runs_as_the_issue_does_and_every_config_resolves():
     assert (galore["name"], galore["rank_allocation"], galore["decompose"]) == ("galore", "uniform", False)
     assert (rank["name"], rank["rank_allocation"], rank["decompose"]) == ("moara", "default", False)
     assert configs["wiki60m-osd/full-osd-seed0"]["optimizer"]["host"] == "osd"
-    assert [r["experiment"] for r in plan.reports] == ["wiki60m", "wiki60m-fira", "wiki60m-osd"]
+    # The checks: the lr alone changed; the profiling run's committed allocation, a path from the
+    # root (where the runs run); their final ppl only, so they need no run alone.
+    for name, config in configs.items():
+        lr = {"lr0.005": 0.005, "lr0.02": 0.02}.get(name.split("-")[-2], 0.01)
+        assert config["train"]["lr"] == lr
+    profiled = configs["wiki60m-alloc/full-profiled-seed0"]["optimizer"]
+    assert (profiled["name"], profiled["decompose"]) == ("moara", True)
+    assert configs["wiki60m-alloc/rank-profiled-seed0"]["optimizer"]["decompose"] is False
+    allocation = json.loads((ROOT / profiled["rank_allocation"]).read_text())
+    assert (allocation["donors"], allocation["receivers"]) == (["q", "k"], ["gate"])
+    assert [p.run.point for p in plan.runs if not p.timed] == [
+        "galore-lr0.005",
+        "galore-lr0.02",
+        "full-lr0.005",
+        "full-lr0.02",
+        "rank-profiled",
+        "full-profiled",
+    ]
+    reports = ["wiki60m", "wiki60m-fira", "wiki60m-osd", "wiki60m-lr", "wiki60m-alloc"]
+    assert [r["experiment"] for r in plan.reports] == reports
 
 
 def test_estimates_scale_the_fixed_part_and_the_steps_of_finished_runs():
@@ -479,6 +502,7 @@ def test_the_first_run_of_each_grid_point_runs_alone_so_that_the_report_can_time
     record = json.loads((committed / evidence.RUNNER_FILE).read_text())
     (committed / evidence.RUNNER_FILE).write_text(json.dumps({**record, "device": "another"}))
     assert runner.needs_alone(planned)
+    assert not runner.needs_alone(dataclasses.replace(planned, timed=False))  # a plan entry's timed: false
     runner.args.no_timing_runs = True
     assert not runner.needs_alone(planned)
 
@@ -769,6 +793,10 @@ def evidence_cli(*args) -> tuple[int, list[str]]:
             ": report tiny: --baseline gallore is not a grid point (galore, rank, decomp, full)",
         ),
         (TINY_PLAN.replace("{train: 30,", "{trian: 30,"), ": estimate_s has train and profile, not 'trian'"),
+        (
+            TINY_PLAN.replace("[conditions/full], seeds: [0]}", "[conditions/full], seeds: [0], timed: 1}"),
+            ": timed must be true or false, got 1",
+        ),
     ],
     ids=[
         "invalid-yaml",
@@ -778,6 +806,7 @@ def evidence_cli(*args) -> tuple[int, list[str]]:
         "report-layer-missing",
         "report-baseline-off-grid",
         "estimate-key",
+        "timed-not-a-boolean",
     ],
 )
 def test_a_plan_that_cannot_be_read_is_one_line(tmp_path, text, message):
@@ -796,6 +825,10 @@ def test_a_plan_that_cannot_be_read_is_one_line(tmp_path, text, message):
         (["run", "--safety", "nan"], "--safety must be a factor >= 1 on every estimate (a margin), got nan"),
         (["run", "--budget-s", "nan"], "--budget-s must be a number of seconds > 0, got nan"),
         (["run", "--max-runs", "-1"], "--max-runs must be >= 1, got -1"),
+        (
+            ["status", "--root", "{file}.d"],
+            "--root {file}.d: no such directory (the checkout the plan's paths are in)",
+        ),
     ],
     ids=[
         "root-is-a-file",
@@ -804,6 +837,7 @@ def test_a_plan_that_cannot_be_read_is_one_line(tmp_path, text, message):
         "nan-safety",
         "nan-budget",
         "negative-max-runs",
+        "root-missing",
     ],
 )
 def test_arguments_that_cannot_be_are_one_line_before_any_work(tmp_path, args, message):
@@ -819,6 +853,27 @@ def test_arguments_that_cannot_be_are_one_line_before_any_work(tmp_path, args, m
     code, err = evidence_cli(*argv, *map(fill, args[1:]))
     assert code == 2 and err == [f"error: {fill(message)}"], err
     assert file.read_text() == "kept" and not (tmp_path / "out").exists() and not list(root.iterdir())
+
+
+def test_a_configs_relative_paths_name_files_under_the_root_from_any_working_directory(tmp_path):
+    """The runs run in the root, so a config's relative path (here an allocation file, which the
+    config's check opens) names a file there, also for a command started elsewhere."""
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    (plan_path.parent / "alloc").mkdir()
+    (plan_path.parent / "alloc" / "mine.yaml").write_text("optimizer: {rank_allocation: mine.json}\n")
+    plan_path.write_text(
+        "base: base.yaml\nresults: results\n"
+        'runs: [{experiment: tiny, axes: ["conditions/full", "alloc/mine"], seeds: [0]}]\n'
+    )
+    root.mkdir()
+    (root / "mine.json").write_text("{}")
+    argv = [sys.executable, str(ROOT / "benchmarks" / "evidence.py"), "status", "--plan", str(plan_path)]
+    proc = subprocess.run([*argv, "--root", "gpu"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("tiny/full-mine-seed0: new; estimate ")
+    (root / "mine.json").unlink()
+    proc = subprocess.run([*argv, "--root", "gpu"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "optimizer.rank_allocation: 'mine.json' is neither" in proc.stderr
 
 
 def test_stage_outside_a_git_checkout_is_one_line_before_any_copy(tmp_path):
