@@ -225,15 +225,26 @@ def pytest_counts(text: str) -> dict:
     return counts
 
 
+OUTCOME = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+COUNTED = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}
+COUNTED |= {"XFAIL": "xfailed", "XPASS": "xpassed"}  # as pytest's summary line names them
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)s (setup|call|teardown) +(tests/\S+::\S+)", re.M)
+
+
 def phase_gpu_tests(s: Session) -> dict:
+    """The GPU tests, each test's outcome as it ends (``-v``), so that a run stopped at the cap
+    still says which tests passed and which one it stopped in; each test's seconds (setup, call
+    and teardown) where pytest got to its closing report."""
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        "-q",
+        "-v",
         "-m",
         "gpu",
         "-rfEs",  # failures and errors named in the summary, skips with their reasons
+        "--durations=0",
+        "--durations-min=0",
         "-p",
         "no:cacheprovider",
         "tests/test_gpu.py",
@@ -241,7 +252,27 @@ def phase_gpu_tests(s: Session) -> dict:
     # No preallocation: a test that starts python -m train runs a second JAX process on the GPU.
     rc, text = s.capture(cmd, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, timeout=GPU_TESTS_S)
     failures = re.findall(r"^(FAILED|ERROR) (\S+)", text, re.M)
-    return {"rc": rc, "counts": pytest_counts(text), "failures": [f[1] for f in failures]}
+    outcomes = dict(OUTCOME.findall(text))
+    counts = pytest_counts(text.rsplit("\n=", 1)[-1]) if rc is not None else {}
+    if not counts:  # stopped before its summary: counted from the outcomes it printed
+        for outcome in outcomes.values():
+            key = COUNTED[outcome]
+            counts[key] = counts.get(key, 0) + 1
+    seconds: dict[str, float] = {}
+    for value, _, test in DURATION.findall(text):
+        seconds[test] = round(seconds.get(test, 0.0) + float(value), 2)
+    # -v prints a test's node id as it starts and its outcome when it ends: a last line with no
+    # outcome is the test the cap stopped.
+    last = text.rstrip("\n").rsplit("\n", 1)[-1].strip()
+    stopped_in = last if rc is None and re.fullmatch(r"tests/\S+::\S+", last) else None
+    return {
+        "rc": rc,
+        "counts": counts,
+        "failures": [f[1] for f in failures],
+        "tests": outcomes,
+        "seconds": seconds,
+        "stopped_in": stopped_in,
+    }
 
 
 def phase_full_tests(s: Session) -> dict:

@@ -461,6 +461,30 @@ def test_gpu_session_names_the_gpu_tests_that_fail(tmp_path, monkeypatch):
     assert (
         timeouts == [gpu_session.GPU_TESTS_S] and gpu_session.GPU_TESTS_S < 600
     )  # capped: the rest keep theirs
+    names = ["test_ok", "test_wrong", "test_elsewhere", "test_shares_the_gpu"]
+    assert result["tests"] == dict(
+        zip(
+            [f"tests/test_gpu.py::{n}" for n in names], ["PASSED", "FAILED", "SKIPPED", "PASSED"], strict=True
+        )
+    )
+    assert set(result["seconds"]) == set(result["tests"]) and result["stopped_in"] is None
+    # Stopped at the cap in the third test: the two it finished, and where it stopped.
+    (tests / "test_gpu.py").write_text(
+        "import pytest, time\n"
+        "pytestmark = pytest.mark.gpu\n"
+        "def test_ok():\n    pass\n"
+        "def test_wrong():\n    assert 1 == 2\n"
+        "def test_slow():\n    time.sleep(60)\n"
+        "def test_never():\n    pass\n"
+    )
+    monkeypatch.setattr(gpu_session, "GPU_TESTS_S", 8.0)
+    result = gpu_session.phase_gpu_tests(gpu_session.Session(tmp_path, budget_s=600, smoke=True))
+    assert result["rc"] is None and result["counts"] == {"passed": 1, "failed": 1}
+    assert result["tests"] == {
+        "tests/test_gpu.py::test_ok": "PASSED",
+        "tests/test_gpu.py::test_wrong": "FAILED",
+    }
+    assert result["stopped_in"] == "tests/test_gpu.py::test_slow" and result["seconds"] == {}
 
 
 def test_gpu_session_times_moara_against_galore_first_with_the_gpu_to_itself(tmp_path, monkeypatch):
