@@ -368,18 +368,20 @@ def level_of(concurrency: float) -> int | None:
     return n if n >= 1 and abs(concurrency - n) <= 0.25 else None
 
 
-def ran_alone(run_dir: pathlib.Path, device: str | None = None) -> bool:
-    """Whether the runner's record of a completed run says it had the device to itself the whole
-    time (a concurrency of 1; on ``device`` when given), so that its wall-clock times count in the
-    report (``shared_device``)."""
+def ran_alone(run_dir: pathlib.Path, device: str | None = None, finished: bool = True) -> bool:
+    """Whether the runner's record of a completed run (any attempt, ``finished=False``) says it
+    had the device to itself the whole time, in every attempt (``shared`` false; a concurrency of
+    1 in a record without it; on ``device`` when given), so that its wall-clock times count in
+    the report (``shared_device``)."""
     try:
         record = json.loads((run_dir / RUNNER_FILE).read_text())
     except (OSError, ValueError):
         return False
-    if not isinstance(record, dict) or record.get("status") != "completed":
+    if not isinstance(record, dict) or (finished and record.get("status") != "completed"):
         return False
     concurrency = record.get("concurrency", 1)
     alone = isinstance(concurrency, (int, float)) and concurrency <= 1
+    alone = not record["shared"] if isinstance(record.get("shared"), bool) else alone
     return alone and (device is None or record.get("device") == device)
 
 
@@ -710,6 +712,10 @@ class Runner:
         summary = {}
         if (r.run_dir / SUMMARY).is_file():
             summary = json.loads((r.run_dir / SUMMARY).read_text())
+        concurrency = round(wall / r.share_s, 3) if r.share_s > 0 else 1.0
+        # A resumed run's wall-clock times run on from its earlier attempts: it shared the device
+        # if any attempt did.
+        shared = concurrency > 1 or (r.resumed and not ran_alone(r.run_dir, finished=False))
         record = {
             "run": r.planned.name,
             "exit_code": r.proc.returncode,
@@ -719,7 +725,8 @@ class Runner:
             # The runs it shared the device with, as it experienced them: its wall time over its
             # share of the device (the time-weighted harmonic mean of the runs alive), so that
             # ``estimate``'s no-gain model gives back its time alone (wall / concurrency).
-            "concurrency": round(wall / r.share_s, 3) if r.share_s > 0 else 1.0,
+            "concurrency": concurrency,
+            "shared": shared,  # this attempt or an earlier one: its times count in no report figure
             "resumed": r.resumed,
             "stopped_at_deadline": r.stopped,
             "started_at": r.started_at,
@@ -1175,17 +1182,11 @@ def profile_report(run_dir: pathlib.Path) -> str:
 
 
 def shared_device(out: pathlib.Path, runs: list) -> frozenset[str]:
-    """The runs the runner ran beside others (``runner.json``: a concurrency over 1), whether or
-    not those were runs of the same report: their wall-clock times count in no time figure."""
-    names = set()
-    for run in runs:
-        try:
-            concurrency = json.loads((out / run.name / RUNNER_FILE).read_text()).get("concurrency")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(concurrency, (int, float)) and concurrency > 1:
-            names.add(run.name)
-    return frozenset(names)
+    """The runs the runner ran beside others in any attempt (``runner.json``, ``ran_alone``),
+    whether or not those were runs of the same report: their wall-clock times count in no time
+    figure. A run dir without the runner's record is left to the report's own overlap check."""
+    runner_made = [run.name for run in runs if (out / run.name / RUNNER_FILE).is_file()]
+    return frozenset(name for name in runner_made if not ran_alone(out / name, finished=False))
 
 
 def write_reports(root: pathlib.Path, plan: Plan, say=print) -> list[pathlib.Path]:
@@ -1361,6 +1362,7 @@ def main(argv=None) -> int:
         value = getattr(args, name, None)
         if isinstance(value, str) and not (name == "xla_cache" and value == "none"):
             setattr(args, name, os.path.abspath(value))
+    caller = os.getcwd()
     try:
         check_args(args)
         if not os.path.isdir(args.root):
@@ -1376,6 +1378,8 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    finally:
+        os.chdir(caller)  # for a caller in this process
 
 
 if __name__ == "__main__":

@@ -225,10 +225,12 @@ def pytest_counts(text: str) -> dict:
     return counts
 
 
-OUTCOME = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+# `pytest -v` lines: a test id (parametrized ids may hold spaces), then each outcome it ends in
+# (a test that passes and then errors in teardown gets a second line).
+OUTCOME = re.compile(r"^(tests/\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
 COUNTED = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}
 COUNTED |= {"XFAIL": "xfailed", "XPASS": "xpassed"}  # as pytest's summary line names them
-DURATION = re.compile(r"^(\d+(?:\.\d+)?)s (setup|call|teardown) +(tests/\S+::\S+)", re.M)
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)s (setup|call|teardown) +(tests/\S+::.+?) *$", re.M)
 
 
 def phase_gpu_tests(s: Session) -> dict:
@@ -252,10 +254,12 @@ def phase_gpu_tests(s: Session) -> dict:
     # No preallocation: a test that starts python -m train runs a second JAX process on the GPU.
     rc, text = s.capture(cmd, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, timeout=GPU_TESTS_S)
     failures = re.findall(r"^(FAILED|ERROR) (\S+)", text, re.M)
-    outcomes = dict(OUTCOME.findall(text))
+    outcomes: dict[str, list[str]] = {}
+    for test, outcome in OUTCOME.findall(text):
+        outcomes.setdefault(test, []).append(outcome)
     counts = pytest_counts(text.rsplit("\n=", 1)[-1]) if rc is not None else {}
     if not counts:  # stopped before its summary: counted from the outcomes it printed
-        for outcome in outcomes.values():
+        for outcome in (o for seen in outcomes.values() for o in seen):
             key = COUNTED[outcome]
             counts[key] = counts.get(key, 0) + 1
     seconds: dict[str, float] = {}
@@ -264,7 +268,9 @@ def phase_gpu_tests(s: Session) -> dict:
     # -v prints a test's node id as it starts and its outcome when it ends: a last line with no
     # outcome is the test the cap stopped.
     last = text.rstrip("\n").rsplit("\n", 1)[-1].strip()
-    stopped_in = last if rc is None and re.fullmatch(r"tests/\S+::\S+", last) else None
+    stopped_in = (
+        last if rc is None and re.fullmatch(r"tests/\S+::.+", last) and not OUTCOME.match(last) else None
+    )
     return {
         "rc": rc,
         "counts": counts,

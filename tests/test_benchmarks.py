@@ -444,6 +444,11 @@ def test_gpu_session_names_the_gpu_tests_that_fail(tmp_path, monkeypatch):
         # a test that starts python -m train runs a second JAX process: no preallocation
         "def test_shares_the_gpu():\n    import os\n"
         "    assert os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'\n"
+        "@pytest.mark.parametrize('x', ['a b'])\n"  # an id with a space
+        "def test_param(x):\n    pass\n"
+        "@pytest.fixture\n"
+        "def broken():\n    yield\n    raise RuntimeError('in teardown')\n"
+        "def test_teardown(broken):\n    pass\n"  # passes, then errors
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n")
     monkeypatch.setattr(gpu_session, "ROOT", tmp_path)
@@ -456,17 +461,22 @@ def test_gpu_session_names_the_gpu_tests_that_fail(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_session.Session, "_child", staticmethod(timed))
     result = gpu_session.phase_gpu_tests(gpu_session.Session(tmp_path, budget_s=600, smoke=True))
-    assert result["failures"] == ["tests/test_gpu.py::test_wrong"]
-    assert result["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
+    assert result["failures"] == ["tests/test_gpu.py::test_wrong", "tests/test_gpu.py::test_teardown"]
+    assert result["counts"] == {"passed": 4, "failed": 1, "skipped": 1, "error": 1}
     assert (
         timeouts == [gpu_session.GPU_TESTS_S] and gpu_session.GPU_TESTS_S < 600
     )  # capped: the rest keep theirs
-    names = ["test_ok", "test_wrong", "test_elsewhere", "test_shares_the_gpu"]
-    assert result["tests"] == dict(
-        zip(
-            [f"tests/test_gpu.py::{n}" for n in names], ["PASSED", "FAILED", "SKIPPED", "PASSED"], strict=True
+    assert result["tests"] == {
+        f"tests/test_gpu.py::{name}": outcomes
+        for name, outcomes in (
+            ("test_ok", ["PASSED"]),
+            ("test_wrong", ["FAILED"]),
+            ("test_elsewhere", ["SKIPPED"]),
+            ("test_shares_the_gpu", ["PASSED"]),
+            ("test_param[a b]", ["PASSED"]),
+            ("test_teardown", ["PASSED", "ERROR"]),
         )
-    )
+    }
     assert set(result["seconds"]) == set(result["tests"]) and result["stopped_in"] is None
     # Stopped at the cap in the third test: the two it finished, and where it stopped.
     (tests / "test_gpu.py").write_text(
@@ -477,12 +487,12 @@ def test_gpu_session_names_the_gpu_tests_that_fail(tmp_path, monkeypatch):
         "def test_slow():\n    time.sleep(60)\n"
         "def test_never():\n    pass\n"
     )
-    monkeypatch.setattr(gpu_session, "GPU_TESTS_S", 8.0)
+    monkeypatch.setattr(gpu_session, "GPU_TESTS_S", 15.0)
     result = gpu_session.phase_gpu_tests(gpu_session.Session(tmp_path, budget_s=600, smoke=True))
     assert result["rc"] is None and result["counts"] == {"passed": 1, "failed": 1}
     assert result["tests"] == {
-        "tests/test_gpu.py::test_ok": "PASSED",
-        "tests/test_gpu.py::test_wrong": "FAILED",
+        "tests/test_gpu.py::test_ok": ["PASSED"],
+        "tests/test_gpu.py::test_wrong": ["FAILED"],
     }
     assert result["stopped_in"] == "tests/test_gpu.py::test_slow" and result["seconds"] == {}
 

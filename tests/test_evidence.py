@@ -507,6 +507,32 @@ def test_the_first_run_of_each_grid_point_runs_alone_so_that_the_report_can_time
     assert not runner.needs_alone(planned)
 
 
+def test_a_run_that_shared_the_device_before_a_resume_alone_is_not_timed(tmp_path, monkeypatch):
+    """Its wall-clock times run on from the attempt that shared the device, so its record says it
+    shared it and the report counts it in no time; an older record without ``shared`` is read
+    from its concurrency."""
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    runner, procs, _ = fake_runner(monkeypatch, plan_path, root, {"profile-seed0": (2, True)}, max_runs=1)
+    run_dir = runner.where(runner.plan.runs[0], True)
+    (run_dir / "checkpoints" / "2").mkdir(parents=True)  # stopped short at the end of a budget
+    earlier = {"status": "unfinished (resumable)", "concurrency": 2.0, "shared": True, "device": "cpu"}
+    (run_dir / evidence.RUNNER_FILE).write_text(json.dumps(earlier))
+    runner.loop()
+    record = runner_record(root, "profile-seed0")
+    assert list(procs) == ["profile-seed0"] and record["resumed"] and record["status"] == "completed"
+    assert record["concurrency"] == 1.0 and record["shared"] is True  # alone now, shared before
+    assert not evidence.ran_alone(run_dir)
+    runs = sweep.expand(plan_path.parent / "base.yaml", ["modes/profile"], [0])
+    assert evidence.shared_device(run_dir.parent, runs) == {"profile-seed0"}
+    # An older record: its concurrency says it.
+    for concurrency, alone in ((1.0, True), (1.5, False)):
+        (run_dir / evidence.RUNNER_FILE).write_text(
+            json.dumps({"status": "completed", "concurrency": concurrency})
+        )
+        assert evidence.ran_alone(run_dir) is alone
+        assert evidence.shared_device(run_dir.parent, runs) == (set() if alone else {"profile-seed0"})
+
+
 def test_a_run_stopped_short_on_this_machine_is_estimated_from_its_checkpoint_on(tmp_path, monkeypatch):
     """A start resumes a run this machine stopped short (at the end of an earlier call's budget):
     only the steps after its newest checkpoint are estimated, so it fits where a whole run would not."""

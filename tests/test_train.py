@@ -380,7 +380,7 @@ def test_sweep_then_compare(tmp_path):
     args += ["--seeds", "0", "--out", str(sweep_dir)] + [x for s in FAST for x in ("--set", s)]
     first = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "galore-seed0: starting" in first.stdout and "| full | 1 (1 reached) |" in first.stdout
+    assert "galore-seed0: starting" in first.stdout and "| full | 1 (1 reached, 1 timed) |" in first.stdout
     saved = load_config(sweep_dir / "galore-seed0" / "config.yaml")
     assert saved.optimizer.name == "galore" and saved.model.name == "tiny"
     again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)

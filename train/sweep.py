@@ -400,7 +400,8 @@ def markdown(result: dict) -> str:
         "columns are the mean ± std over the seeds that reach the target on their own (`runs`: "
         "how many did; a seed whose final ppl is above the target never does). Times come from "
         "the runs that had the machine to themselves alone (`timed`): a run that shared it with "
-        "another ran slower for it, by an amount nothing here measures.",
+        "another ran slower for it, by an amount nothing here measures. The mean curve's time at "
+        "a step is the mean wall-clock of the point's timed seeds there.",
         "",
         "| point | runs | final ppl | steps to target | step reduction | per seed | time to target (s) "
         "| time reduction | per seed (s) |",
@@ -444,8 +445,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(path: pathlib.Path, curves: dict, seeds: dict, timed: dict) -> None:
-    """Each point's mean curve (``curves``) with its band, against steps labelled with its number
-    of ``seeds``, against wall-clock with its number of ``timed`` seeds (none: not drawn)."""
+    """Each point's mean curve (``curves``, over its ``seeds``) with its band, against steps and
+    against the wall-clock of its ``timed`` seeds (none: not drawn), labelled with both numbers."""
     plt = pyplot("report.png")
     if plt is None:
         return
@@ -456,12 +457,12 @@ def plot(path: pathlib.Path, curves: dict, seeds: dict, timed: dict) -> None:
         steps, wall = [c["step"] for c in curve], [c["wall_s"] for c in curve]
         mean, std = [c["eval_ppl"] for c in curve], [c["ppl_std"] for c in curve]
         # No wall-clock curve for a point whose runs all shared the machine.
-        panels = [(axes[0], steps, seeds[point])] + (
-            [(axes[1], wall, timed[point])] if None not in wall else []
-        )
-        for ax, x, n in panels:
+        panels = [(axes[0], steps, f"{point} (n={seeds[point]})")]
+        if None not in wall:
+            panels.append((axes[1], wall, f"{point} (n={seeds[point]}, timed {timed[point]})"))
+        for ax, x, text in panels:
             color = f"C{i % 10}"  # a point's colour in both panels
-            ax.plot(x, mean, color=color, label=f"{point} (n={n})")
+            ax.plot(x, mean, color=color, label=text)
             ax.fill_between(
                 x,
                 [m - s for m, s in zip(mean, std, strict=True)],
