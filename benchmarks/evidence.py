@@ -66,6 +66,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 
 CODE = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(CODE))
@@ -383,6 +384,12 @@ def ran_alone(run_dir: pathlib.Path, device: str | None = None, finished: bool =
     alone = isinstance(concurrency, (int, float)) and concurrency <= 1
     alone = not record["shared"] if isinstance(record.get("shared"), bool) else alone
     return alone and (device is None or record.get("device") == device)
+
+
+def timed_points(plan: Plan, alone: Callable[[Planned], bool]) -> set[tuple[str, str]]:
+    """The grid points ``(experiment, point)`` of which a planned run ran alone (``alone``: where
+    its records are looked for, ``ran_alone``): the points the report can time."""
+    return {(p.experiment, p.run.point) for p in plan.runs if alone(p)}
 
 
 def sharing_costs(measured: list[Measured]) -> dict[int, float]:
@@ -781,12 +788,11 @@ class Runner:
         under ``--no-timing-runs``."""
         if self.args.no_timing_runs or not planned.timed or self.config(planned)["mode"] != "train":
             return False
-        for other in self.plan.runs:
-            if (other.experiment, other.run.point) != (planned.experiment, planned.run.point):
-                continue
-            if ran_alone(self.where(other, True)) or ran_alone(self.where(other, False), self.device):
-                return False
-        return True
+        timed = timed_points(
+            self.plan,
+            lambda p: ran_alone(self.where(p, True)) or ran_alone(self.where(p, False), self.device),
+        )
+        return (planned.experiment, planned.run.point) not in timed
 
     def checkpointed(self, planned: Planned) -> int:
         """The step of the newest checkpoint of a run this machine stopped short (0: none), from
@@ -1243,11 +1249,7 @@ def cmd_status(args) -> int:
     level = choose_level(costs, LEVELS[-1])[0] if costs else 1
     # The grid points a committed run timed (it had the device to itself); the run has no record
     # of another device here, so the runner may still time one there again (``needs_alone``).
-    timed = {
-        (p.experiment, p.run.point)
-        for p in plan.runs
-        if ran_alone(root / plan.results / p.experiment / p.run.name)
-    }
+    timed = timed_points(plan, lambda p: ran_alone(root / plan.results / p.experiment / p.run.name))
     for planned in plan.runs:
         state = RunDir(root / plan.results / planned.experiment / planned.run.name).state()
         local = RunDir(root / SCRATCH / "runs" / planned.experiment / planned.run.name).state()
