@@ -322,9 +322,12 @@ def estimate(
     (start-up, compilation, the last checkpoint) plus ``steps`` x its seconds per step, times
     ``OTHER_KIND`` for another kind of run and times ``share_factor`` for ``concurrency`` runs
     sharing the device (from ``costs``, the device-seconds per step measured at each level,
-    ``sharing_costs``; without them no gain from sharing is assumed); the largest over the runs of
-    the same kind (else over all), of those measured at ``concurrency`` runs sharing the device
-    where there are any, times ``safety``. Without any: ``default_s x concurrency x safety``."""
+    ``sharing_costs``; without them no gain from sharing is assumed). The fixed part of a run that
+    shared the device with more runs than ``concurrency`` is scaled down as its steps are, and
+    otherwise kept as measured: on the H100 the fixed parts took 86-89 s three at a time and 13-45
+    s alone or two at a time. The estimate is the largest over the runs of the same kind (else over
+    all), of those measured at ``concurrency`` runs sharing the device where there are any, times
+    ``safety``. Without any: ``default_s x concurrency x safety``."""
     same = [m for m in measured if m.kind == kind]
     pool = same or measured
     if not pool:
@@ -334,10 +337,10 @@ def estimate(
     pool = level or pool
     guesses = []
     for m in pool:
-        factor = share_factor(m.concurrency, concurrency, costs or {})
-        factor *= 1.0 if m.kind == kind else OTHER_KIND
+        share = share_factor(m.concurrency, concurrency, costs or {})
+        other = 1.0 if m.kind == kind else OTHER_KIND
         fixed = max(0.0, m.wall_s - m.steps * m.per_step_s)
-        guesses.append((fixed + steps * m.per_step_s * factor) * safety)
+        guesses.append((fixed * min(1.0, share) + steps * m.per_step_s * other * share) * safety)
     what = "the same kind" if same else "other kinds"
     at = f", measured {concurrency} at a time" if level and concurrency > 1 else ""
     return max(guesses), f"{len(pool)} finished run(s) of {what}{at}"

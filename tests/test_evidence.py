@@ -101,7 +101,7 @@ def test_estimates_scale_the_fixed_part_and_the_steps_of_finished_runs():
     # Only another kind: its fixed part (10 s) plus 400 x 0.4 s x 1.3, times the safety factor.
     est, basis = evidence.estimate(kind, 400, 1, [p], 999, 1.5)
     assert est == pytest.approx((10 + 400 * 0.4 * evidence.OTHER_KIND) * 1.5) and "other kinds" in basis
-    # Two runs sharing the device: no gain from sharing is assumed.
+    # Two runs sharing the device: no gain from sharing is assumed (the fixed part is kept).
     assert evidence.estimate(kind, 400, 2, [m], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
     assert evidence.estimate(kind, 400, 2, [], 300, 1.0)[0] == 600
     # A run measured while it shared the device half its time with one other (concurrency 4/3).
@@ -117,8 +117,9 @@ def test_estimates_take_the_gain_from_sharing_the_device_measured_so_far():
     # From a run alone to two at a time: 2 x 0.24 / 0.3 = 1.6 times its step, not 2.
     assert evidence.share_factor(1, 2, costs) == pytest.approx(1.6)
     assert evidence.estimate(kind, 400, 2, [alone], 999, 1.0, costs)[0] == pytest.approx(40 + 400 * 0.3 * 1.6)
-    # From a run two at a time to one alone: 0.3 / (2 x 0.24) of its step (no longer as long).
-    assert evidence.estimate(kind, 400, 1, [paired], 999, 1.0, costs)[0] == pytest.approx(40 + 400 * 0.375)
+    # From a run two at a time to one alone: 0.3 / (2 x 0.24) of its step and of its fixed part,
+    # which shared the device as well.
+    assert evidence.estimate(kind, 400, 1, [paired], 999, 1.0, costs)[0] == pytest.approx(40 * 0.625 + 400 * 0.375)
     # Three at a time, not measured: two's cost 1.1 times over, 3 x 0.24 x 1.1 / 0.3 = 2.64.
     assert evidence.share_factor(1, 3, costs) == pytest.approx(3 * 0.24 * evidence.UNMEASURED / 0.3)
     # ... but never more than no gain at all (from a run two at a time: 3 / 2).
