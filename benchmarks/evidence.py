@@ -72,7 +72,7 @@ CODE = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(CODE))
 
 import yaml  # noqa: E402
-from _processes import kill_group  # noqa: E402  (this script's folder: sys.path[0])
+from _processes import Groups, kill_group  # noqa: E402  (this script's folder: sys.path[0])
 
 from train import sweep  # noqa: E402
 from train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
@@ -96,6 +96,7 @@ SCRATCH = ".evidence"  # run dirs on the GPU machine
 ARCHIVE = "evidence.tar.gz"
 LOG = "evidence.log"
 RUNNER_FILE = "runner.json"  # the runner's record of a run: process wall time, concurrency, versions
+GROUPS = "children.json"  # under SCRATCH: the process groups of the runs started (``Groups``)
 TRAIN_LOG = "train.log"  # the run's output (its tail)
 # What comes back of a finished run: its record (no checkpoints) and the runner's files.
 PACKED = (*RECORD_FILES, RUNNER_FILE, TRAIN_LOG)
@@ -254,9 +255,12 @@ def check_finished_runs(plan: Plan, root: pathlib.Path) -> None:
 
 
 def kind_of(config: dict) -> tuple:
-    """What a run's time per step depends on besides the model and batch: mode and optimizer."""
+    """What a run's time per step depends on besides the model and batch: mode and optimizer
+    (the allocation only as uniform ranks or moved ones: which modules give and take rank hardly
+    changes a step)."""
     o = config["optimizer"]
-    return (config["mode"], o["name"], o["host"], o["decompose"], o["rank_allocation"])
+    moved = "uniform" if o["rank_allocation"] == "uniform" else "allocated"
+    return (config["mode"], o["name"], o["host"], o["decompose"], moved)
 
 
 def steps_of(config: dict) -> int:
@@ -318,32 +322,39 @@ def estimate(
     safety: float,
     costs: dict[int, float] | None = None,
 ) -> tuple[float, str]:
-    """Seconds a run should take, and on what basis. From each finished run: its fixed part
-    (start-up, compilation, the last checkpoint) plus ``steps`` x its seconds per step, times
-    ``OTHER_KIND`` for another kind of run and times ``share_factor`` for ``concurrency`` runs
-    sharing the device (from ``costs``, the device-seconds per step measured at each level,
-    ``sharing_costs``; without them no gain from sharing is assumed). The fixed part of a run that
-    shared the device with more runs than ``concurrency`` is scaled down as its steps are, and
-    otherwise kept as measured: on the H100 the fixed parts took 86-89 s three at a time and 13-45
-    s alone or two at a time. The estimate is the largest over the runs of the same kind (else over
-    all), of those measured at ``concurrency`` runs sharing the device where there are any, times
-    ``safety``. Without any: ``default_s x concurrency x safety``."""
+    """Seconds a run should take, and on what basis: a fixed part (start-up, compilation, the last
+    checkpoint) plus ``steps`` x a finished run's seconds per step, times ``OTHER_KIND`` for
+    another kind of run and times ``share_factor`` for ``concurrency`` runs sharing the device
+    (from ``costs``, the device-seconds per step measured at each level, ``sharing_costs``; without
+    them no gain from sharing is assumed); the largest such sum over the finished runs of the same
+    kind (else of the same mode, else over all), of those measured at ``concurrency`` runs sharing
+    the device where there are any, times ``safety``. Without any: ``default_s x concurrency x
+    safety``.
+
+    The fixed part is the largest of those runs' at any level: a run whose program an earlier one
+    compiled starts sooner, from XLA's cache, and another learning rate is another program. A
+    fixed part measured among more runs sharing the device than ``concurrency`` is scaled down
+    as its steps are, and otherwise kept as measured: on the H100 the fixed parts took 86-89 s
+    three at a time and 13-45 s alone or two at a time."""
     same = [m for m in measured if m.kind == kind]
-    pool = same or measured
+    pool = same or [m for m in measured if m.kind[0] == kind[0]] or measured
     if not pool:
         basis = f"the plan's estimate x {concurrency} x {safety} (no run finished yet)"
         return default_s * concurrency * safety, basis
+    fixed = max(
+        max(0.0, m.wall_s - m.steps * m.per_step_s)
+        * min(1.0, share_factor(m.concurrency, concurrency, costs or {}))
+        for m in pool
+    )
     level = [m for m in pool if level_of(m.concurrency) == concurrency]
-    pool = level or pool
     guesses = []
-    for m in pool:
+    for m in level or pool:
         share = share_factor(m.concurrency, concurrency, costs or {})
         other = 1.0 if m.kind == kind else OTHER_KIND
-        fixed = max(0.0, m.wall_s - m.steps * m.per_step_s)
-        guesses.append((fixed * min(1.0, share) + steps * m.per_step_s * other * share) * safety)
+        guesses.append((fixed + steps * m.per_step_s * other * share) * safety)
     what = "the same kind" if same else "other kinds"
     at = f", measured {concurrency} at a time" if level and concurrency > 1 else ""
-    return max(guesses), f"{len(pool)} finished run(s) of {what}{at}"
+    return max(guesses), f"{len(level or pool)} finished run(s) of {what}{at}"
 
 
 def share_factor(met: float, concurrency: int, costs: dict[int, float]) -> float:
@@ -567,6 +578,7 @@ class Runner:
         }
         self.stop_requested = False
         self.shared_at = self.t0  # when Runner.share last counted
+        self.groups = Groups(root / SCRATCH / GROUPS)  # the children's process groups
         self.configs: dict = {}  # each planned run's config, as resolved once
 
     def left(self) -> float:
@@ -581,6 +593,8 @@ class Runner:
         """Wheels, the device and versions, the token store (which needs the training code's
         imports: grain among them)."""
         args = self.args
+        for what in self.groups.end_leftovers():
+            self.say(f"ended {what}, left running by an earlier call that did not end")
         site = pathlib.Path(args.site)
         if site.is_dir():  # a warm machine: installed by an earlier call
             sys.path.insert(0, str(site))
@@ -611,12 +625,15 @@ class Runner:
             text=True,
             start_new_session=True,
         )
+        self.groups.add(proc, "train.prepare")
         try:
             stdout, stderr = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
             kill_group(proc)
             proc.communicate()
             raise UserError(f"train.prepare did not finish in the {limit:.0f}s left of the budget") from None
+        finally:
+            self.groups.remove(proc)
         if proc.returncode:
             raise UserError(f"train.prepare failed: {(stderr or stdout).strip()[-800:]}")
         self.say(f"{stdout.strip()} (prepare {time.monotonic() - t:.1f}s)")
@@ -704,6 +721,7 @@ class Runner:
             stderr=log,
             start_new_session=True,
         )
+        self.groups.add(proc, planned.name)
         verb = "resuming" if resumed else "starting"
         left = self.left() - RESERVE_S
         alone_why = ", alone: the first of its grid point's runs to be timed" if alone else ""
@@ -716,6 +734,7 @@ class Runner:
 
     def finish(self, r: Running) -> dict:
         r.log.close()
+        self.groups.remove(r.proc)
         wall = time.monotonic() - r.started
         _trim(r.run_dir / TRAIN_LOG)
         state = RunDir(r.run_dir).state()
@@ -797,6 +816,17 @@ class Runner:
         )
         return (planned.experiment, planned.run.point) not in timed
 
+    def timed_elsewhere(self, planned: Planned) -> str | None:
+        """The device of the committed runs of ``planned``'s experiment that had one to themselves,
+        where that is not this machine's: a timing run here would time its grid point on another
+        device than the experiment's other points (``deferred``)."""
+        devices = set()
+        for p in self.plan.runs:
+            run_dir = self.where(p, False)
+            if p.experiment == planned.experiment and ran_alone(run_dir):
+                devices.add(json.loads((run_dir / RUNNER_FILE).read_text()).get("device"))
+        return None if not devices or self.device in devices else ", ".join(sorted(map(str, devices)))
+
     def checkpointed(self, planned: Planned) -> int:
         """The step of the newest checkpoint of a run this machine stopped short (0: none), from
         which a start resumes it: only its steps after it are estimated."""
@@ -874,11 +904,27 @@ class Runner:
             least = (est, basis) if least is None or est < least[0] else least
         return None, *(least or (None, None))
 
+    def deferred(self, todo: list[Planned]) -> list[Planned]:
+        """``todo`` with the timing runs of experiments timed on another device than this one
+        (``timed_elsewhere``) moved after the others, each said in the log: their times would
+        not compare with the experiment's others, so a machine of that device should run them,
+        and this one runs them only once nothing else is left to do."""
+        later = []
+        for planned in todo:
+            elsewhere = self.timed_elsewhere(planned) if self.needs_alone(planned) else None
+            if elsewhere:
+                later.append(planned)
+                self.say(
+                    f"{planned.name}: after the plan's other runs: a timing run, and "
+                    f"{planned.experiment}'s runs were timed on {elsewhere}, not on {self.device}"
+                )
+        return [p for p in todo if p not in later] + later
+
     def schedule(self, running: list[Running]) -> None:
-        """Starts the next runs in the plan's order while they fit in the budget, packs after each
-        run that ends, stops what still runs at the end of the budget. After two runs in a row
-        ended without a result it starts no more; those running go on."""
-        todo = self.pending()
+        """Starts the next runs in the plan's order (``deferred``'s) while they fit in the budget,
+        packs after each run that ends, stops what still runs at the end of the budget. After two
+        runs in a row ended without a result it starts no more; those running go on."""
+        todo = self.deferred(self.pending())
         crashes, started, refused = 0, 0, None
         names = ", ".join(p.name for p in todo[:6]) + (" ..." if len(todo) > 6 else "")
         self.say(f"{len(todo)} run(s) of the plan to do: {names}")

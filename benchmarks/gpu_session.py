@@ -40,12 +40,14 @@ Usage (see gpu_session.sh, which installs the carried wheels first):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,7 +60,7 @@ BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
-from _processes import kill_group  # noqa: E402
+from _processes import Groups, kill_group  # noqa: E402
 
 from train.rundir import RunDir  # noqa: E402  (neither starts a JAX backend)
 from train.xla_flags import GPU_FLAG_SETS  # noqa: E402
@@ -75,7 +77,16 @@ VS_TORCH_ORDER = ("moara_full", "galore_vanilla", "galore_torch", "adamw", "adam
 # H100's 79.1, under the 60.0 GiB the 1B step needs without remat); what is left holds cuDNN's
 # workspace and the CUDA context.
 JAX_ALONE_MEM_FRACTION = "0.9"
-GPU_TESTS_S = 180.0  # at most, so that a slow test cannot take the phases after it
+# At most, so that a slow test cannot take the phases after it. 2026-11-28, H100: 7 of the 9
+# tests had passed in 180 s (about 25 s each, most of it compiling).
+GPU_TESTS_S = 300.0
+# A child still running at its limit gets SIGINT this long before it (pytest then prints its
+# summary and durations; Python code unwinds), and SIGKILL with its process group at the limit.
+GRACE_S = 10.0
+# Off --smoke: the children's process groups, in the file the evidence runner keeps its runs' in
+# (evidence.py's SCRATCH, GROUPS), so that either driver ends what a call cut off at its limit
+# left running on a machine kept warm for the next call.
+GROUPS: Groups | None = None
 
 
 class Session:
@@ -134,9 +145,11 @@ class Session:
 
     @staticmethod
     def _child(cmd: list[str], env: dict | None, timeout: float, capture: bool) -> tuple[int | None, str]:
-        """A child in a process group of its own: at the deadline the whole group is killed, so
-        its helpers (torch.compile's workers, pytest-xdist's) cannot keep the log's pipe open and
-        the call running past its limit."""
+        """A child in a process group of its own, stopped at ``timeout`` (then the exit code is
+        None): SIGINT to the group ``GRACE_S`` before it, so that what the child says on an
+        interrupt (pytest's summary) still comes; then SIGKILL to the whole group, so its helpers
+        (torch.compile's workers, pytest-xdist's) cannot keep the log's pipe open and the call
+        running past its limit."""
         print(f"\n$ {shlex.join(cmd)}", flush=True)
         pipe = subprocess.PIPE if capture else None
         proc = subprocess.Popen(
@@ -148,12 +161,21 @@ class Session:
             text=True,
             start_new_session=True,
         )
+        if GROUPS is not None:
+            GROUPS.add(proc, shlex.join(cmd[:4]))
+        grace = min(GRACE_S, timeout / 2)
         try:
-            out, _ = proc.communicate(timeout=timeout)
+            out, _ = proc.communicate(timeout=timeout - grace)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace)
         kill_group(proc)  # at the deadline, or helpers it left behind
+        if GROUPS is not None:
+            GROUPS.remove(proc)
         if rc is None:
             out, _ = proc.communicate()
         return rc, out or ""
@@ -257,20 +279,20 @@ def phase_gpu_tests(s: Session) -> dict:
     outcomes: dict[str, list[str]] = {}
     for test, outcome in OUTCOME.findall(text):
         outcomes.setdefault(test, []).append(outcome)
-    counts = pytest_counts(text.rsplit("\n=", 1)[-1]) if rc is not None else {}
-    if not counts:  # stopped before its summary: counted from the outcomes it printed
+    # The summary line ("=== 7 passed in 171.2s ==="), also printed when the cap's SIGINT stops it.
+    summary = re.findall(r"^=+ (.+ in [\d.]+s(?: \([\d:]+\))?) =+$", text, re.M)
+    counts = pytest_counts(summary[-1]) if summary else {}
+    if not counts:  # killed before its summary: counted from the outcomes it printed
         for outcome in (o for seen in outcomes.values() for o in seen):
             key = COUNTED[outcome]
             counts[key] = counts.get(key, 0) + 1
     seconds: dict[str, float] = {}
     for value, _, test in DURATION.findall(text):
         seconds[test] = round(seconds.get(test, 0.0) + float(value), 2)
-    # -v prints a test's node id as it starts and its outcome when it ends: a last line with no
+    # -v prints a test's node id as it starts and its outcome when it ends: a node id with no
     # outcome is the test the cap stopped.
-    last = text.rstrip("\n").rsplit("\n", 1)[-1].strip()
-    stopped_in = (
-        last if rc is None and re.fullmatch(r"tests/\S+::.+", last) and not OUTCOME.match(last) else None
-    )
+    started = re.findall(r"^(tests/\S+::.+?) *$", text, re.M)
+    stopped_in = next((t for t in reversed(started) if t not in outcomes), None) if rc is None else None
     return {
         "rc": rc,
         "counts": counts,
@@ -585,8 +607,8 @@ def loop_step_times(rows: list[dict], skip: int) -> dict:
 
 PHASES = {
     "env": (lambda s: 20.0, phase_env),
-    # 2026-11-27, H100: 62 s had run the first of the tests and no more (the call's budget ended)
-    "gpu_tests": (lambda s: 120.0, phase_gpu_tests),
+    # 2026-11-28, H100: 7 of the 9 tests in 180 s (GPU_TESTS_S)
+    "gpu_tests": (lambda s: 240.0, phase_gpu_tests),
     "vs_torch_350m": (lambda s: 150.0, lambda s: phase_vs_torch(s, "llama2-350m")),
     "vs_torch_1b": (lambda s: 150.0, lambda s: phase_vs_torch(s, "llama2-1b")),
     "variants_model": (lambda s: 60.0, lambda s: phase_variants(s, "model")),
@@ -616,6 +638,11 @@ def main(argv=None) -> int:
         parser.error(f"unknown phase(s) {unknown}; known: {', '.join(PHASES)}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not args.smoke:
+        global GROUPS
+        GROUPS = Groups(ROOT / ".evidence" / "children.json")
+        for what in GROUPS.end_leftovers():
+            print(f"ended {what}, left running by an earlier call that did not end", flush=True)
     s = Session(out, args.budget_s, args.smoke, args.variant_steps, shlex.split(args.jax_args))
     s.results["jax_args"] = s.jax_args
     # Off --smoke the phases time a GPU: env first, which says whether JAX has one.

@@ -478,23 +478,30 @@ def test_gpu_session_names_the_gpu_tests_that_fail(tmp_path, monkeypatch):
         )
     }
     assert set(result["seconds"]) == set(result["tests"]) and result["stopped_in"] is None
-    # Stopped at the cap in the third test: the two it finished, and where it stopped.
-    (tests / "test_gpu.py").write_text(
-        "import pytest, time\n"
-        "pytestmark = pytest.mark.gpu\n"
-        "def test_ok():\n    pass\n"
-        "def test_wrong():\n    assert 1 == 2\n"
-        "def test_slow():\n    time.sleep(60)\n"
-        "def test_never():\n    pass\n"
-    )
-    monkeypatch.setattr(gpu_session, "GPU_TESTS_S", 15.0)
-    result = gpu_session.phase_gpu_tests(gpu_session.Session(tmp_path, budget_s=600, smoke=True))
-    assert result["rc"] is None and result["counts"] == {"passed": 1, "failed": 1}
-    assert result["tests"] == {
-        "tests/test_gpu.py::test_ok": ["PASSED"],
-        "tests/test_gpu.py::test_wrong": ["FAILED"],
-    }
-    assert result["stopped_in"] == "tests/test_gpu.py::test_slow" and result["seconds"] == {}
+    # Stopped at the cap in the third test: the two it finished, and where it stopped. The cap's
+    # SIGINT comes GRACE_S before it (here half the cap), so pytest still prints its durations;
+    # a test that ignores SIGINT is killed at the cap, before pytest's summary.
+    monkeypatch.setattr(gpu_session, "GPU_TESTS_S", 10.0)
+    for ignores in (False, True):
+        (tests / "test_gpu.py").write_text(
+            "import pytest, signal, time\n"
+            "pytestmark = pytest.mark.gpu\n"
+            "def test_ok():\n    pass\n"
+            "def test_wrong():\n    assert 1 == 2\n"
+            f"def test_slow():\n    {'signal.signal(signal.SIGINT, signal.SIG_IGN)' if ignores else 'pass'}\n"
+            "    time.sleep(60)\n"
+            "def test_never():\n    pass\n"
+        )
+        result = gpu_session.phase_gpu_tests(gpu_session.Session(tmp_path, budget_s=600, smoke=True))
+        assert result["rc"] is None and result["counts"] == {"passed": 1, "failed": 1}, result
+        assert result["tests"] == {
+            "tests/test_gpu.py::test_ok": ["PASSED"],
+            "tests/test_gpu.py::test_wrong": ["FAILED"],
+        }
+        assert result["stopped_in"] == "tests/test_gpu.py::test_slow"
+        finished = {"tests/test_gpu.py::test_ok", "tests/test_gpu.py::test_wrong"}
+        assert result["seconds"] == {} if ignores else finished <= set(result["seconds"]), result["seconds"]
+        assert "tests/test_gpu.py::test_never" not in result["seconds"]
 
 
 def test_gpu_session_times_moara_against_galore_first_with_the_gpu_to_itself(tmp_path, monkeypatch):
@@ -796,18 +803,30 @@ def test_vs_torch_names_a_missing_peer_package_and_runs_the_jax_side_without_tor
 def test_gpu_session_off_smoke_stops_in_one_line_where_jax_has_no_gpu(tmp_path, monkeypatch, capsys):
     """Without ``--smoke`` the phases time a GPU: on a machine whose JAX has none, ``env`` runs
     (first, whatever the order asked) and nothing else does (350M at batch 512 would run on the
-    CPU until the deadline)."""
+    CPU until the deadline). Before it, the session ends the process groups an earlier call cut
+    off at its limit left running (recorded where the evidence runner records its runs')."""
     import gpu_session
+    from _processes import Groups
 
     ran = []
     phases = dict(gpu_session.PHASES)
     phases["env"] = (lambda s: 0.0, lambda s: ran.append("env") or {"backend": "cpu"})
     phases["vs_torch_350m"] = (lambda s: 0.0, lambda s: ran.append("vs_torch_350m") or {})
     monkeypatch.setattr(gpu_session, "PHASES", phases)
-    assert gpu_session.main(["--out", str(tmp_path), "--phases", "vs_torch_350m"]) == 2
+    monkeypatch.setattr(gpu_session, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_session, "GROUPS", None)  # main() sets it: put back after the test
+    left = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        Groups(tmp_path / ".evidence" / "children.json").add(left, "tiny/full-seed0")
+        assert gpu_session.main(["--out", str(tmp_path / "out"), "--phases", "vs_torch_350m"]) == 2
+        assert left.wait(timeout=10) == -9
+    finally:
+        left.kill()
+        left.wait()
     assert ran == ["env"]
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (
+    out, err = capsys.readouterr()
+    assert f"ended tiny/full-seed0 (process group {left.pid}), left running by an earlier call" in out
+    assert err.strip().splitlines()[-1] == (
         "error: JAX's backend here is cpu, not a GPU: the phases time a GPU "
         "(--smoke checks this script on a CPU)"
     )

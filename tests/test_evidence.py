@@ -119,7 +119,9 @@ def test_estimates_take_the_gain_from_sharing_the_device_measured_so_far():
     assert evidence.estimate(kind, 400, 2, [alone], 999, 1.0, costs)[0] == pytest.approx(40 + 400 * 0.3 * 1.6)
     # From a run two at a time to one alone: 0.3 / (2 x 0.24) of its step and of its fixed part,
     # which shared the device as well.
-    assert evidence.estimate(kind, 400, 1, [paired], 999, 1.0, costs)[0] == pytest.approx(40 * 0.625 + 400 * 0.375)
+    assert evidence.estimate(kind, 400, 1, [paired], 999, 1.0, costs)[0] == pytest.approx(
+        40 * 0.625 + 400 * 0.375
+    )
     # Three at a time, not measured: two's cost 1.1 times over, 3 x 0.24 x 1.1 / 0.3 = 2.64.
     assert evidence.share_factor(1, 3, costs) == pytest.approx(3 * 0.24 * evidence.UNMEASURED / 0.3)
     # ... but never more than no gain at all (from a run two at a time: 3 / 2).
@@ -134,6 +136,38 @@ def test_estimates_take_the_gain_from_sharing_the_device_measured_so_far():
     assert evidence.share_factor(4 / 3, 2, costs) == pytest.approx(1.5)
     assert evidence.share_factor(2, 1, {2: 0.24}) == 1.0
     assert evidence.estimate(kind, 400, 2, [alone], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
+
+
+def test_estimates_take_the_largest_fixed_part_of_the_kind_and_leave_profiles_out_of_training_runs():
+    """A run whose program an earlier run compiled starts from XLA's cache: the fixed part is the
+    largest of the kind's runs at any level (one measured among more runs sharing the device
+    scaled down as its steps are), the steps from those of the level asked for. A training run
+    of a kind not measured yet is estimated from training runs, not from a profile's start-up.
+    The allocation counts only as uniform or moved."""
+    kind = ("train", "moara", "galore", True, "allocated")
+    cached = evidence.Measured("cached", kind, 200, 70.0, 0.3, 2, "gpu")  # 10 s fixed, two at a time
+    cold = evidence.Measured("cold", kind, 200, 130.0, 0.4, 3, "gpu")  # 50 s fixed, three at a time
+    costs = {1: 0.3, 2: 0.15, 3: 0.12}
+    to_two = evidence.share_factor(3, 2, costs)  # 2 x 0.15 / (3 x 0.12)
+    est, basis = evidence.estimate(kind, 400, 2, [cached, cold], 999, 1.0, costs)
+    assert est == pytest.approx(50 * to_two + 400 * 0.3) and basis.startswith("1 finished run(s)")
+    # Alone: the cold run's fixed part scaled down; its steps too, the larger of the two guesses.
+    alone = [evidence.share_factor(m.concurrency, 1, costs) for m in (cached, cold)]
+    assert evidence.estimate(kind, 400, 1, [cached, cold], 999, 1.0, costs)[0] == pytest.approx(
+        50 * alone[1] + max(400 * 0.3 * alone[0], 400 * 0.4 * alone[1])
+    )
+    profile = evidence.Measured("p", ("profile", *kind[1:]), 100, 90.0, 0.2, 1, "gpu")  # 70 s fixed
+    other = ("train", "moara", "fira", True, "uniform")
+    est, basis = evidence.estimate(other, 400, 2, [cached, profile], 999, 1.0, costs)
+    assert est == pytest.approx(10 + 400 * 0.3 * evidence.OTHER_KIND) and "other kinds" in basis
+    config = {"mode": "train", "optimizer": {"name": "moara", "host": "galore", "decompose": True}}
+    kinds = {
+        allocation: evidence.kind_of(
+            config | {"optimizer": config["optimizer"] | {"rank_allocation": allocation}}
+        )
+        for allocation in ("uniform", "default", "runs/profile/allocation.json")
+    }
+    assert kinds["default"] == kinds["runs/profile/allocation.json"] == kind != kinds["uniform"]
 
 
 def test_the_safety_factor_applies_to_the_plans_estimate_too():
@@ -302,6 +336,7 @@ class FakeRun:
         self.work, self.done, self.start = seconds, 0.0, clock.now
         self.returncode = None
         self.signals = []
+        self.pid = -1  # no process: the runner's Groups record nothing
         clock.runs.append(self)
 
     def alive(self) -> bool:
@@ -390,6 +425,33 @@ def test_each_run_records_the_concurrency_it_met_not_the_setting(tmp_path, monke
     runner, procs, _ = fake_runner(monkeypatch, plan_path, root, script, concurrent=2, max_runs=1)
     runner.loop()
     assert list(procs) == ["rank-seed0"] and runner_record(root, "rank-seed0")["concurrency"] == 1.0
+
+
+def test_a_call_ends_the_process_groups_a_call_cut_off_left_running(tmp_path):
+    """``Groups``: the runner (and gpu_session) record each child's process group; the next call on
+    the machine ends those whose leader still runs, and leaves a process that took a recorded
+    id since (another start time) alone."""
+    from _processes import Groups, start_time
+
+    path = tmp_path / "children.json"
+    left = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        Groups(path).add(left, "tiny/full-seed0")
+        Groups(path).add(other, "tiny/galore-seed0")
+        groups = json.loads(path.read_text())
+        groups[str(other.pid)]["start"] -= 1  # as if its id had been another process's
+        path.write_text(json.dumps(groups))
+        assert Groups(path).end_leftovers() == [f"tiny/full-seed0 (process group {left.pid})"]
+        assert left.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None and json.loads(path.read_text()) == {}
+        Groups(path).add(other, "done")
+        Groups(path).remove(other)  # a child that ended is taken off the record
+        assert json.loads(path.read_text()) == {} and start_time(-1) is None
+    finally:
+        for proc in (left, other):
+            proc.kill()
+            proc.wait()
 
 
 def test_auto_levels_go_up_while_sharing_pays_and_keep_the_fastest():
@@ -503,6 +565,14 @@ def test_the_first_run_of_each_grid_point_runs_alone_so_that_the_report_can_time
     record = json.loads((committed / evidence.RUNNER_FILE).read_text())
     (committed / evidence.RUNNER_FILE).write_text(json.dumps({**record, "device": "another"}))
     assert runner.needs_alone(planned)
+    # ... but after the plan's other runs: its time would not compare with the experiment's others.
+    todo = [planned, dataclasses.replace(planned, timed=False)]
+    lines.clear()
+    assert runner.deferred(todo) == todo[::-1]
+    assert lines == [
+        "tiny/galore-seed1: after the plan's other runs: a timing run, and tiny's runs were timed on "
+        "another, not on cpu"
+    ]
     assert not runner.needs_alone(dataclasses.replace(planned, timed=False))  # a plan entry's timed: false
     runner.args.no_timing_runs = True
     assert not runner.needs_alone(planned)
