@@ -335,7 +335,7 @@ def estimate(
     compiled starts sooner, from XLA's cache, and another learning rate is another program. A
     fixed part measured among more runs sharing the device than ``concurrency`` is scaled down
     as its steps are, and otherwise kept as measured: on the H100 the fixed parts took 86-89 s
-    three at a time and 13-45 s alone or two at a time."""
+    three at a time and 13-45 s in training runs alone or two at a time."""
     same = [m for m in measured if m.kind == kind]
     pool = same or [m for m in measured if m.kind[0] == kind[0]] or measured
     if not pool:
@@ -824,8 +824,9 @@ class Runner:
         for p in self.plan.runs:
             run_dir = self.where(p, False)
             if p.experiment == planned.experiment and ran_alone(run_dir):
-                devices.add(json.loads((run_dir / RUNNER_FILE).read_text()).get("device"))
-        return None if not devices or self.device in devices else ", ".join(sorted(map(str, devices)))
+                device = json.loads((run_dir / RUNNER_FILE).read_text()).get("device")
+                devices |= {device} if isinstance(device, str) else set()  # an older record: unknown
+        return None if not devices or self.device in devices else ", ".join(sorted(devices))
 
     def checkpointed(self, planned: Planned) -> int:
         """The step of the newest checkpoint of a run this machine stopped short (0: none), from

@@ -164,6 +164,7 @@ class Session:
         if GROUPS is not None:
             GROUPS.add(proc, shlex.join(cmd[:4]))
         grace = min(GRACE_S, timeout / 2)
+        out = None
         try:
             out, _ = proc.communicate(timeout=timeout - grace)
             rc = proc.returncode
@@ -171,12 +172,13 @@ class Session:
             rc = None
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT)
+            # Reading on (a child blocked on a full pipe would print no more), the output so far kept.
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=grace)
+                out, _ = proc.communicate(timeout=grace)
         kill_group(proc)  # at the deadline, or helpers it left behind
         if GROUPS is not None:
             GROUPS.remove(proc)
-        if rc is None:
+        if out is None:
             out, _ = proc.communicate()
         return rc, out or ""
 
@@ -255,6 +257,16 @@ COUNTED |= {"XFAIL": "xfailed", "XPASS": "xpassed"}  # as pytest's summary line 
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)s (setup|call|teardown) +(tests/\S+::.+?) *$", re.M)
 
 
+def stopped_test(text: str, outcomes: dict[str, list[str]]) -> str | None:
+    """The test a stop came in, from ``pytest -v`` output: ``-v`` prints a test's node id as it
+    starts and its outcome on the same line when it ends, so the last node id with no outcome
+    (None where every test that started ended: a stop in a fixture's teardown after them)."""
+    started = re.findall(
+        r"^(tests/\S+::.+?)(?: (?:PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b.*)? *$", text, re.M
+    )
+    return next((t for t in reversed(started) if t not in outcomes), None)
+
+
 def phase_gpu_tests(s: Session) -> dict:
     """The GPU tests, each test's outcome as it ends (``-v``), so that a run stopped at the cap
     still says which tests passed and which one it stopped in; each test's seconds (setup, call
@@ -289,10 +301,7 @@ def phase_gpu_tests(s: Session) -> dict:
     seconds: dict[str, float] = {}
     for value, _, test in DURATION.findall(text):
         seconds[test] = round(seconds.get(test, 0.0) + float(value), 2)
-    # -v prints a test's node id as it starts and its outcome when it ends: a node id with no
-    # outcome is the test the cap stopped.
-    started = re.findall(r"^(tests/\S+::.+?) *$", text, re.M)
-    stopped_in = next((t for t in reversed(started) if t not in outcomes), None) if rc is None else None
+    stopped_in = stopped_test(text, outcomes) if rc is None else None
     return {
         "rc": rc,
         "counts": counts,

@@ -479,9 +479,10 @@ def test_gpu_session_names_the_gpu_tests_that_fail(tmp_path, monkeypatch):
     }
     assert set(result["seconds"]) == set(result["tests"]) and result["stopped_in"] is None
     # Stopped at the cap in the third test: the two it finished, and where it stopped. The cap's
-    # SIGINT comes GRACE_S before it (here half the cap), so pytest still prints its durations;
-    # a test that ignores SIGINT is killed at the cap, before pytest's summary.
+    # SIGINT comes GRACE_S before it (here at 8 s), so pytest still prints its durations; a test
+    # that ignores SIGINT is killed at the cap, before pytest's summary.
     monkeypatch.setattr(gpu_session, "GPU_TESTS_S", 10.0)
+    monkeypatch.setattr(gpu_session, "GRACE_S", 2.0)
     for ignores in (False, True):
         (tests / "test_gpu.py").write_text(
             "import pytest, signal, time\n"
@@ -502,6 +503,34 @@ def test_gpu_session_names_the_gpu_tests_that_fail(tmp_path, monkeypatch):
         finished = {"tests/test_gpu.py::test_ok", "tests/test_gpu.py::test_wrong"}
         assert result["seconds"] == {} if ignores else finished <= set(result["seconds"]), result["seconds"]
         assert "tests/test_gpu.py::test_never" not in result["seconds"]
+
+
+def test_gpu_session_names_the_test_a_stop_came_in_and_none_after_the_tests_ended():
+    import gpu_session
+
+    outcomes = {"tests/test_gpu.py::test_a": ["PASSED"], "tests/test_gpu.py::test_p[a b]": ["PASSED"]}
+    head = "tests/test_gpu.py::test_a PASSED      [ 33%]\ntests/test_gpu.py::test_p[a b] PASSED  [ 66%]\n"
+    assert gpu_session.stopped_test(head + "tests/test_gpu.py::test_c \n\n=== 2 passed ===", outcomes) == (
+        "tests/test_gpu.py::test_c"
+    )
+    assert gpu_session.stopped_test(head, outcomes) is None  # stopped in a fixture's teardown
+
+
+def test_a_stopped_child_is_read_to_its_end_in_the_grace_before_the_kill(tmp_path):
+    """What a child prints on the SIGINT before its limit comes back whole, more than a pipe holds
+    (64 KiB) included: read on in the grace, it is not left blocked on a full pipe until the kill."""
+    import gpu_session
+
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import signal, sys, time\n"
+        "def stop(*_):\n    sys.stdout.write('x' * 200_000 + '\\n=== 1 passed in 1.0s ===\\n')\n"
+        "    sys.stdout.flush()\n    sys.exit(2)\n"
+        "signal.signal(signal.SIGINT, stop)\nprint('started', flush=True)\ntime.sleep(60)\n"
+    )
+    rc, out = gpu_session.Session._child([sys.executable, str(child)], None, 4.0, capture=True)
+    assert rc is None and out.startswith("started") and out.endswith("=== 1 passed in 1.0s ===\n")
+    assert out.count("x") == 200_000
 
 
 def test_gpu_session_times_moara_against_galore_first_with_the_gpu_to_itself(tmp_path, monkeypatch):
@@ -817,7 +846,11 @@ def test_gpu_session_off_smoke_stops_in_one_line_where_jax_has_no_gpu(tmp_path, 
     monkeypatch.setattr(gpu_session, "GROUPS", None)  # main() sets it: put back after the test
     left = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        Groups(tmp_path / ".evidence" / "children.json").add(left, "tiny/full-seed0")
+        children = tmp_path / ".evidence" / "children.json"
+        Groups(children).add(left, "tiny/full-seed0")
+        groups = json.loads(children.read_text())
+        groups[str(left.pid)]["driver_start"] -= 1  # as a driver that has ended left it
+        children.write_text(json.dumps(groups))
         assert gpu_session.main(["--out", str(tmp_path / "out"), "--phases", "vs_torch_350m"]) == 2
         assert left.wait(timeout=10) == -9
     finally:

@@ -427,29 +427,40 @@ def test_each_run_records_the_concurrency_it_met_not_the_setting(tmp_path, monke
     assert list(procs) == ["rank-seed0"] and runner_record(root, "rank-seed0")["concurrency"] == 1.0
 
 
-def test_a_call_ends_the_process_groups_a_call_cut_off_left_running(tmp_path):
-    """``Groups``: the runner (and gpu_session) record each child's process group; the next call on
-    the machine ends those whose leader still runs, and leaves a process that took a recorded
-    id since (another start time) alone."""
+def left_by_a_driver_gone(path: pathlib.Path, proc: subprocess.Popen, what: str) -> None:
+    """Records ``proc``'s group in ``path`` as a driver that has ended would have left it."""
+    from _processes import Groups
+
+    Groups(path).add(proc, what)
+    groups = json.loads(path.read_text())
+    groups[str(proc.pid)]["driver_start"] -= 1  # its driver's id is another process's, or none's
+    path.write_text(json.dumps(groups))
+
+
+def test_groups_end_what_a_driver_that_ended_left_running_and_nothing_else(tmp_path):
+    """``Groups`` (the runner's and gpu_session's record of their children's process groups): the
+    next call on the machine ends the groups whose leader still runs and whose driver does not;
+    it leaves a process that took a recorded id since (another start time) and the children of a
+    driver still running beside it."""
     from _processes import Groups, start_time
 
     path = tmp_path / "children.json"
-    left = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    left, other, mine = (subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(3))
     try:
-        Groups(path).add(left, "tiny/full-seed0")
-        Groups(path).add(other, "tiny/galore-seed0")
+        left_by_a_driver_gone(path, left, "tiny/full-seed0")
+        left_by_a_driver_gone(path, other, "tiny/galore-seed0")
+        Groups(path).add(mine, "tiny/rank-seed0")  # this process's: its driver runs
         groups = json.loads(path.read_text())
         groups[str(other.pid)]["start"] -= 1  # as if its id had been another process's
         path.write_text(json.dumps(groups))
         assert Groups(path).end_leftovers() == [f"tiny/full-seed0 (process group {left.pid})"]
-        assert left.wait(timeout=10) == -signal.SIGKILL
-        assert other.poll() is None and json.loads(path.read_text()) == {}
-        Groups(path).add(other, "done")
-        Groups(path).remove(other)  # a child that ended is taken off the record
+        assert left.poll() == -signal.SIGKILL  # ended before end_leftovers returned
+        assert other.poll() is None and mine.poll() is None
+        assert list(json.loads(path.read_text())) == [str(mine.pid)]
+        Groups(path).remove(mine)  # a child that ended is taken off the record
         assert json.loads(path.read_text()) == {} and start_time(-1) is None
     finally:
-        for proc in (left, other):
+        for proc in (left, other, mine):
             proc.kill()
             proc.wait()
 
@@ -756,10 +767,25 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
     plan_path = tiny_setting(tmp_path)
     plan = evidence.load_plan(plan_path)
     budget = 60
-    proc, wall = run_runner(plan_path, machine(tmp_path, "gpu"), tmp_path / "out", budget)
+    gpu = machine(tmp_path, "gpu")
+    # A run an earlier call cut off at its limit left running: the call ends it first.
+    children = gpu / evidence.SCRATCH / evidence.GROUPS
+    left = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    try:
+        left_by_a_driver_gone(children, left, "tiny/full-seed0")
+        proc, wall = run_runner(plan_path, gpu, tmp_path / "out", budget)
+        assert left.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        left.kill()
+        left.wait()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert wall < budget + 10  # the budget, plus the interpreter's start around it
     lines = logged(proc.stdout)
+    ended = (
+        f"ended tiny/full-seed0 (process group {left.pid}), left running by an earlier call that did not end"
+    )
+    assert lines[1] == ended, lines[:3]
+    assert json.loads(children.read_text()) == {}  # each child recorded was taken off as it ended
     started = [line for line in lines if ": starting (estimate" in line]
     for line in started:  # each run started with its estimate inside what was left
         est = float(line.split("(estimate ")[1].split("s")[0])
