@@ -632,7 +632,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-session-out")
     parser.add_argument("--budget-s", type=float, default=560.0, help="stop starting work after this")
-    parser.add_argument("--phases", nargs="+", default=["env", "gpu_tests", "vs_torch_350m"])
+    parser.add_argument("--phases", nargs="+", default=["env", "vs_torch_350m", "gpu_tests"])
     parser.add_argument("--variant-steps", type=int, default=5)
     parser.add_argument(
         "--jax-args",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (no package index there): installs the wheels gpu_wheels.sh put in
 # .whl/ (carried), then runs gpu_session.py with the given arguments, its log teed to $OUT.
-#   bash benchmarks/gpu_session.sh --phases env gpu_tests vs_torch_350m train_loop
+#   bash benchmarks/gpu_session.sh --phases env vs_torch_350m gpu_tests train_loop
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-session-out}"
