@@ -78,10 +78,11 @@ VS_TORCH_ORDER = ("moara_full", "galore_vanilla", "galore_torch", "adamw", "adam
 # workspace and the CUDA context.
 JAX_ALONE_MEM_FRACTION = "0.9"
 # At most, so that a slow test cannot take the phases after it. 2026-11-28, H100: 7 of the 9
-# tests had passed in 180 s (about 25 s each, most of it compiling).
+# tests had passed in 180 s (about 25 s each, JAX's start and the collection included).
 GPU_TESTS_S = 300.0
 # A child still running at its limit gets SIGINT this long before it (pytest then prints its
-# summary and durations; Python code unwinds), and SIGKILL with its process group at the limit.
+# summary and durations, if the test returns to Python in time), and SIGKILL with its process
+# group at the limit.
 GRACE_S = 10.0
 # Off --smoke: the children's process groups, in the file the evidence runner keeps its runs' in
 # (evidence.py's SCRATCH, GROUPS), so that either driver ends what a call cut off at its limit
