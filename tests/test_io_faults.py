@@ -307,6 +307,10 @@ def test_a_lock_file_that_cannot_be_written_is_one_error_and_no_lock(tmp_path, m
         def flush(self):
             raise fault(errno.ENOSPC)
 
+        def close(self):  # as a real file's: its buffer's text flushed first, in vain
+            self.file.close()
+            raise fault(errno.ENOSPC)
+
     monkeypatch.setattr(rundir, "open", Full, raising=False)
     lock = rundir.RunLock(tmp_path / "run")
     with pytest.raises(IOFault, match=r"^writing the run dir's lock file .*/run/\.lock failed: no space"):

@@ -367,6 +367,24 @@ def test_only_a_failed_reads_leftovers_are_dropped(monkeypatch):
     assert sys.unraisablehook is hook  # the second call added no second layer
 
 
+def test_a_checkpointer_drops_a_failed_saves_leftovers_from_its_start(monkeypatch, tmp_path):
+    """A disk that fills during an asynchronous save leaves orbax's coroutines and tensorstore's
+    callbacks into a closed event loop as a failed read does (about 100 lines of tracebacks after
+    the run's one error line): the hook is in place from the checkpointer's start, not only
+    from a restore's."""
+    from types import SimpleNamespace
+
+    from train import checkpoint
+    from train.rundir import RunDir
+
+    got = []
+    monkeypatch.setattr(sys, "unraisablehook", got.append)
+    checkpoint.Checkpointer(RunDir(tmp_path / "run"), keep=1, every=1)
+    sys.unraisablehook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object=None))
+    sys.unraisablehook(SimpleNamespace(exc_value=ValueError("other"), object=None))
+    assert [u.exc_value.args[0] for u in got] == ["other"]
+
+
 def test_in_a_multi_process_run_an_unreadable_checkpoint_without_checksums_is_reported(
     finished_run, tmp_path, monkeypatch
 ):

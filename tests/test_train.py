@@ -532,8 +532,10 @@ def test_a_later_config_file_changes_the_model_overrides_it_names_and_keeps_the_
 
 
 def test_config_files_that_cannot_be_read_are_one_clear_line(tmp_path, capsys):
-    """A config that is a directory, not UTF-8, or whose ``base`` is no file name; a data path that
-    is a directory. An empty section (``optimizer:`` with its keys commented out) is its defaults."""
+    """A config that is a directory, not UTF-8, whose ``base`` is no file name, or that holds a key
+    twice (a second ``train:`` section would replace the first whole); a ``--set`` value that does;
+    a data path that is a directory. An empty section (``optimizer:`` with its keys commented out)
+    is its defaults."""
     from train.__main__ import main
     from train.config import load_config
 
@@ -541,6 +543,10 @@ def test_config_files_that_cannot_be_read_are_one_clear_line(tmp_path, capsys):
     binary.write_bytes(b"\xff\xfe\x00bad")
     listed.write_text("base: [a.yaml, b.yaml]\n")
     sections.write_text(f"base: {TINY}\noptimizer:\n  # r_base: 8\n")
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(
+        f"base: {TINY}\ntrain:\n  lr: 0.01\n  steps: 4\nmodel: {{name: tiny}}\ntrain:\n  steps: 5\n"
+    )
     (tmp_path / "corpus").mkdir()
     cases = [
         (["--config", str(tmp_path)], f"config file {tmp_path} is a directory"),
@@ -548,6 +554,16 @@ def test_config_files_that_cannot_be_read_are_one_clear_line(tmp_path, capsys):
         (
             ["--config", str(listed)],
             f"config file {listed}: base must be a file name, got ['a.yaml', 'b.yaml']",
+        ),
+        (
+            ["--config", str(twice)],
+            f"config file {twice} is not valid YAML: key 'train' repeated (lines 2 and 6): the second "
+            "would replace the first",
+        ),
+        (
+            ["--config", TINY, "--set", "model.overrides={remat: none, remat: full}"],
+            "--set model.overrides: value '{remat: none, remat: full}' is not valid YAML (key 'remat' "
+            "repeated (lines 1 and 1): the second would replace the first)",
         ),
         (
             ["--config", TINY, "--set", "data.source=files", "--set", f"data.paths=[{tmp_path / 'corpus'}]"],

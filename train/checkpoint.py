@@ -40,12 +40,13 @@ _ORBAX_DIR = str(pathlib.Path(ocp.__file__).parent.parent) + "/"  # the orbax pa
 
 
 def _drop_failed_read_leftovers() -> None:
-    """Drops, from now on in this process, Python's reports of what a checkpoint read that failed
-    part-way (a truncated file in a checkpoint without checksums) leaves behind: orbax's read
-    coroutines that raise as they are discarded, and tensorstore's callbacks into the event loop
-    orbax has closed, each reported as unraisable, and asyncio's records of orbax's gatherings
-    whose exception nobody retrieved (``_OrbaxLeftovers``): tens to hundreds of tracebacks after
-    the line that says what happened. Every other report goes to the hook before."""
+    """Drops, from now on in this process, Python's reports of what a checkpoint read or write
+    that failed part-way (a truncated file in a checkpoint without checksums, a disk that fills
+    during an asynchronous save) leaves behind: orbax's coroutines that raise as they are
+    discarded, and tensorstore's callbacks into the event loop orbax has closed, each reported as
+    unraisable, and asyncio's records of orbax's gatherings whose exception nobody retrieved
+    (``_OrbaxLeftovers``): tens to hundreds of tracebacks after the line that says what happened.
+    Every other report goes to the hook before."""
     logging.getLogger("asyncio").addFilter(_ORBAX_LEFTOVERS)  # (once: logging keeps no duplicate)
     previous = sys.unraisablehook
     if getattr(previous, "drops_failed_read_leftovers", False):
@@ -139,6 +140,7 @@ class Checkpointer:
         self.sums_dir = run.checksums.resolve()
         self.rejected_dir = run.rejected.resolve()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+        _drop_failed_read_leftovers()  # and of a save the disk fills during
         with io_operation("creating the checkpoint directory", self.directory):
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._unrecorded: list[int] = []

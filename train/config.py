@@ -240,6 +240,33 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key a mapping holds twice: the plain loader keeps the last
+    one, so a second ``train:`` section would replace the first whole, without a word."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {key!r} repeated (lines {seen[key] + 1} and {key_node.start_mark.line + 1}): "
+                        "the second would replace the first",
+                        key_node.start_mark,
+                    )
+                if isinstance(key, typing.Hashable):
+                    seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml(text: str):
+    """``text`` as YAML (safe), a key repeated in a mapping refused (``_UniqueKeys``)."""
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader
+
+
 def _read_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
     if path.is_dir():
         raise UserError(f"config file {path} is a directory")
@@ -248,7 +275,7 @@ def _read_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
     if path.resolve() in seen:
         raise UserError(f"config base cycle through {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = _yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as e:
         raise UserError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
@@ -272,9 +299,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise UserError(f"--set expects key=value, got {text!r}")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError:
-        raise UserError(f"--set {key}: value {raw!r} is not valid YAML") from None
+        value = _yaml(raw) if raw else ""
+    except yaml.YAMLError as e:
+        why = str(e).splitlines()[0] if isinstance(e, yaml.constructor.ConstructorError) else ""
+        raise UserError(
+            f"--set {key}: value {raw!r} is not valid YAML" + (f" ({why})" if why else "")
+        ) from None
     return key.strip().split("."), value
 
 

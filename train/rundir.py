@@ -21,6 +21,7 @@ Layout of ``RUN_DIR`` (``python -m train --run-dir RUN_DIR``)::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -384,7 +385,10 @@ class RunLock:
 
     def release(self) -> None:
         if self.file is not None:
-            self.file.close()  # closing the descriptor releases the flock
+            # Closing the descriptor releases the flock. Closing flushes what a write left in the
+            # buffer, which fails again on a full disk: the fault was said by the write.
+            with contextlib.suppress(OSError):
+                self.file.close()
             self.file = None
 
     def __enter__(self):
