@@ -456,7 +456,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finish
 
 
 @pytest.mark.slow
-def test_no_usable_checkpoint_is_one_error_naming_each_tried(finished_run, tmp_path):
+def test_no_usable_checkpoint_is_one_error_naming_each_tried(finished_run, tmp_path, capsys):
     from train.checkpoint import Checkpointer
     from train.rundir import RunDir
 
@@ -478,6 +478,22 @@ def test_no_usable_checkpoint_is_one_error_naming_each_tried(finished_run, tmp_p
         "8",
     ]
     ckpt.close()
+    # A second --resume of the run (stopped short: interrupted) does not start it over quietly,
+    # replacing its records: one line says what is left to do.
+    from train.__main__ import main
+
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "status": "interrupted"}))
+    metrics = (run / "metrics.jsonl").read_text()
+    code = main(["--config", TINY, "--run-dir", str(run), "--quiet", "--resume"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == (
+        f"error: --resume: {run} holds no checkpoint to continue from: the run's were set aside as "
+        f"not usable ({run / 'rejected_checkpoints'}); run without --resume to start it over (its "
+        f"metrics and summary are replaced), or move a checkpoint back into {run / 'checkpoints'}"
+    )
+    assert (run / "metrics.jsonl").read_text() == metrics
 
 
 @pytest.mark.slow

@@ -95,6 +95,12 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             f"{run} holds a run that stopped with status {run.status()} ({run.summary_file.name}) and "
             "no checkpoint to continue it from; choose another run dir"
         )
+    elif resume and run.rejected.is_dir() and any(run.rejected.iterdir()):  # by an earlier --resume
+        raise UserError(
+            f"--resume: {run} holds no checkpoint to continue from: the run's were set aside as not "
+            f"usable ({run.rejected}); run without --resume to start it over (its metrics and "
+            f"summary are replaced), or move a checkpoint back into {run.checkpoints}"
+        )
     # A resume continues from the checkpoint, not from init_from: the model is the one the run
     # built (model.json), so the directory may have moved or gone since.
     resumes = resume and run.has_checkpoints() and cfg.model.init_from is not None
