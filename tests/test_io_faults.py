@@ -280,7 +280,7 @@ def test_a_completed_run_resumed_on_a_full_disk_keeps_its_record(tmp_path, capsy
     )
     monkeypatch.setattr(pathlib.Path, "write_text", full)
     code, err = train(run, capsys, "train.steps=8", resume=True)
-    expected = f"keeping the completed run's summary in {run} failed: no space left on device"
+    expected = f"keeping the completed run's record in {run} failed: no space left on device"
     assert_one_io_error(code, err, expected)
     assert {name: (run / name).read_text() for name in before} == before
     assert not list(run.glob("summary.completed-*"))

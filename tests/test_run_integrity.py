@@ -538,13 +538,22 @@ def test_a_completed_run_resumed_to_go_on_is_not_completed_until_it_ends(tmp_pat
     and summary.json records a resumable run until the attempt ends, so a SIGKILL on the way
     leaves no "completed" run whose metrics and config go on past it."""
     run = tmp_path / "run"
-    run_cli(run, *FAST, "train.steps=4", "checkpoint.every=2")
+    run_cli(run, *FAST, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=2")
     completed = (run / "summary.json").read_text()
-    longer = start_cli(run, *FAST, "train.steps=400", "checkpoint.every=2", extra=["--resume"])
+    config = (run / "config.yaml").read_text()
+    files = sorted(p.relative_to(run / "checkpoints" / "4") for p in (run / "checkpoints" / "4").rglob("*"))
+    longer = start_cli(
+        run, *FAST, "train.steps=400", "checkpoint.every=2", "checkpoint.keep=2", extra=["--resume"]
+    )
     wait_for_steps(longer, run, 8)
     longer.kill()
     longer.wait(timeout=60)
     assert (run / "summary.completed-4.json").read_text() == completed
+    # Its config, and its last checkpoint, out of orbax's rotation (checked below).
+    assert (run / "config.completed-4.yaml").read_text() == config
+    assert "steps: 400" in (run / "config.yaml").read_text()
+    kept = run / "checkpoints.completed-4"
+    assert sorted(p.relative_to(kept) for p in kept.rglob("*")) == files
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["status"], summary["steps"], summary["last_checkpoint"]) == ("interrupted", 4, 4)
     assert (
@@ -554,6 +563,8 @@ def test_a_completed_run_resumed_to_go_on_is_not_completed_until_it_ends(tmp_pat
     assert RunDir(run).state() == "resumable"  # a sweep resumes it, train.compare does not count it
     resumed = run_cli(run, *FAST, "train.steps=10", "checkpoint.every=2", extra=["--resume"])
     assert "resuming from step" in resumed.stdout
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["10", "8"]  # keep 2
+    assert sorted(p.relative_to(kept) for p in kept.rglob("*")) == files  # the completed run's, kept
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["status"], summary["steps"]) == ("completed", 10)
     assert len(summary["sessions"]) == 2  # the first session's, kept through the kill, and this one

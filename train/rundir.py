@@ -9,6 +9,8 @@ Layout of ``RUN_DIR`` (``python -m train --run-dir RUN_DIR``)::
     metrics.jsonl          one object per logged step and per evaluation
     summary.json           written when the run ends, and when a completed run is resumed to go on
     summary.completed-N.json   the record of the completed run of N steps that a resume went on from
+    checkpoints.completed-N/   its last checkpoint (hard links), out of orbax's rotation
+    config.completed-N.yaml    its config
     curves.png             training loss and eval ppl against step
     checkpoints/STEP/      orbax checkpoints
     checksums/STEP.json    sha256 of every file of a finished checkpoint
@@ -26,6 +28,7 @@ import fcntl
 import json
 import os
 import pathlib
+import shutil
 import socket
 from dataclasses import dataclass
 
@@ -289,9 +292,21 @@ class RunDir:
         its summary is kept as ``summary.completed-N.json`` (N: the steps it completed), and
         ``summary.json`` records the run as interrupted at ``step`` until this attempt ends, so a
         kill on the way leaves a resumable run, not a completed one whose metrics go on past it.
+        Its last checkpoint is kept as ``checkpoints.completed-N/``, hard links to its files (no
+        copy; a copy where the filesystem has no links), which orbax's rotation (``checkpoint.keep``)
+        does not reach: the completed run's weights stay; its config as ``config.completed-N.yaml``.
         Returns the kept record's path."""
         completed = self.summary()
-        kept = self.path / f"summary.completed-{completed['steps']}.json"
+        n = completed["steps"]
+        last, kept_checkpoint = self.checkpoints / str(n), self.path / f"checkpoints.completed-{n}"
+        if last.is_dir() and not kept_checkpoint.exists():
+            tmp = self.path / f".{kept_checkpoint.name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(last, tmp, copy_function=_link_or_copy)
+            os.replace(tmp, kept_checkpoint)
+        if self.config_file.is_file():
+            write_atomically(self.path / f"config.completed-{n}.yaml", self.config_file.read_text())
+        kept = self.path / f"summary.completed-{n}.json"
         write_atomically(kept, self.summary_file.read_text())
         interrupted = completed | {
             "status": "interrupted",
@@ -304,6 +319,14 @@ class RunDir:
             interrupted |= {"final_eval_loss": None, "final_eval_ppl": None, "profile": None}
         self.write_summary(interrupted)
         return kept
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link of ``src`` at ``dst``, or a copy where the filesystem makes none."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def check_directory_path(path: pathlib.Path, flag: str) -> None:
