@@ -1206,6 +1206,40 @@ def test_sigint_in_the_start_up_ends_it_at_once_as_sigterm_does(tmp_path):
     assert "went on" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
+TWO_SIGNALS = textwrap.dedent("""
+    import os, signal, sys, time
+    from train.distributed import StopSignals
+
+    sig = getattr(signal, sys.argv[1])
+    with StopSignals() as stop:
+        os.kill(os.getpid(), sig)
+        time.sleep(0.2)
+        print("asked to stop:", stop.requested, flush=True)
+        os.kill(os.getpid(), sig)
+        time.sleep(0.5)
+        print("went on", flush=True)
+""")
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_second_ctrl_c_ends_the_steps_at_once_and_a_second_sigterm_waits(name, tmp_path):
+    """The first signal asks the step loop to stop after saving a checkpoint; a second SIGINT (Ctrl-C
+    again, while a long compilation or a save keeps the first waiting) ends the process at once,
+    by the signal, saying so in one line; a second SIGTERM (a scheduler's) changes nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-c", TWO_SIGNALS, name], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.startswith("asked to stop: True\n"), proc.stdout + proc.stderr[-2000:]
+    if name == "SIGTERM":
+        assert proc.returncode == 0 and "went on" in proc.stdout and not proc.stderr, proc.stderr
+        return
+    assert proc.returncode == -signal.SIGINT and "went on" not in proc.stdout, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: interrupted twice: stopped at once, without the checkpoint the first interrupt asked "
+        "for (the last complete one is kept; --resume goes on from it)"
+    ]
+
+
 def write_jsonl(path, n, seed):
     rng = np.random.default_rng(seed)
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]

@@ -204,7 +204,9 @@ def before_traceback(error: BaseException) -> None:
 
 class StopSignals:
     """SIGTERM/SIGINT ask the step loop to stop after saving a checkpoint; ``at_step`` is called
-    once per step and says whether to stop after it, and why.
+    once per step and says whether to stop after it, and why. A second SIGINT (Ctrl-C again, while
+    a long compilation or a save keeps the first waiting) ends the process at once, by the signal,
+    with a line saying so: the last complete checkpoint stays.
 
     One process: the loop stops after the step during which the request came. Several: every
     process must stop at the same step (the checkpoint is saved collectively), so each step's
@@ -218,6 +220,7 @@ class StopSignals:
         import jax
 
         self.requested = False
+        self._interrupted = False  # a SIGINT came
         self._old: dict = {}
         self._vote = _Vote() if jax.process_count() > 1 else None
         self._pending = None
@@ -228,6 +231,16 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self._interrupted:
+            sys.stderr.write(
+                "error: interrupted twice: stopped at once, without the checkpoint the first "
+                "interrupt asked for (the last complete one is kept; --resume goes on from it)\n"
+            )
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        self._interrupted |= signum == signal.SIGINT
         self.requested = True
 
     def __exit__(self, *exc):
