@@ -1206,6 +1206,15 @@ def test_sigint_in_the_start_up_ends_it_at_once_as_sigterm_does(tmp_path):
     assert "went on" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_the_runs_own_warnings_are_one_line_each(tmp_path):
+    """A warning about the run's settings (here a projection rank clipped to the matrices' size)
+    reads ``warning: MESSAGE``, without the source line Python adds (the trainer's start-up)."""
+    proc = run_cli(tmp_path / "run", *FAST, "train.steps=2", "optimizer.r_base=100000", in_process=False)
+    lines = proc.stderr.strip().splitlines()
+    assert lines and all(line.startswith("warning: projection rank ") for line in lines), lines
+    assert any("for module 'down' at ['layers_0']['mlp']['down_proj']['kernel']" in line for line in lines)
+
+
 TWO_SIGNALS = textwrap.dedent("""
     import os, signal, sys, time
     from train.distributed import StopSignals

@@ -81,7 +81,7 @@ def train(argv=None) -> int:
         return _report(summary, run_dir)
 
     try:
-        with _interrupt_ends_startup():
+        with _interrupt_ends_startup(), _one_line_warnings():
             return cli(body)
     except Exception as e:
         distributed.before_traceback(e)  # an unexpected runtime error may be a lost peer's doing
@@ -104,6 +104,33 @@ def _interrupt_ends_startup():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# This project's packages: a warning whose location is in them is about the run's settings.
+_OWN = tuple(
+    str(pathlib.Path(__file__).resolve().parents[1] / name) + "/" for name in ("train", "moara_jax", "models")
+)
+
+
+@contextlib.contextmanager
+def _one_line_warnings():
+    """The run's own warnings (a clipped projection rank, ...; issued in this project's packages)
+    as one line each, ``warning: MESSAGE``, without the source line Python adds, which points into
+    the trainer's start-up, not at the config; other packages' warnings as Python writes them."""
+    import warnings
+
+    previous = warnings.formatwarning
+
+    def one_line(message, category, filename, lineno, line=None):
+        if str(filename).startswith(_OWN):
+            return f"warning: {message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 def _set_xla_flags(cfg, quiet: bool) -> None:
