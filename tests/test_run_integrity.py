@@ -563,6 +563,7 @@ def test_a_completed_run_resumed_to_go_on_is_not_completed_until_it_ends(tmp_pat
     assert RunDir(run).state() == "resumable"  # a sweep resumes it, train.compare does not count it
     resumed = run_cli(run, *FAST, "train.steps=10", "checkpoint.every=2", extra=["--resume"])
     assert "resuming from step" in resumed.stdout
+    assert "--resume: settings changed since the run's config.yaml: train.steps: 400 -> 10" in resumed.stdout
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["10", "8"]  # keep 2
     assert sorted(p.relative_to(kept) for p in kept.rglob("*")) == files  # the completed run's, kept
     summary = json.loads((run / "summary.json").read_text())
