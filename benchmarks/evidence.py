@@ -383,21 +383,28 @@ def level_of(concurrency: float) -> int | None:
     return n if n >= 1 and abs(concurrency - n) <= 0.25 else None
 
 
-def ran_alone(run_dir: pathlib.Path, device: str | None = None, finished: bool = True) -> bool:
-    """Whether the runner's record of a completed run (any attempt, ``finished=False``) says it
-    had the device to itself the whole time, in every attempt (``shared`` false; a concurrency of
-    1 in a record without it; on ``device`` when given), so that its wall-clock times count in
-    the report (``shared_device``)."""
+def alone_record(run_dir: pathlib.Path, finished: bool = True) -> dict | None:
+    """The runner's record of a completed run (any attempt, ``finished=False``) where it says the
+    run had the device to itself the whole time, in every attempt (``shared`` false; a
+    concurrency of 1 in a record without it), so that its wall-clock times count in the report
+    (``shared_device``); else None."""
     try:
         record = json.loads((run_dir / RUNNER_FILE).read_text())
     except (OSError, ValueError):
-        return False
+        return None
     if not isinstance(record, dict) or (finished and record.get("status") != "completed"):
-        return False
+        return None
     concurrency = record.get("concurrency", 1)
     alone = isinstance(concurrency, (int, float)) and concurrency <= 1
     alone = not record["shared"] if isinstance(record.get("shared"), bool) else alone
-    return alone and (device is None or record.get("device") == device)
+    return record if alone else None
+
+
+def ran_alone(run_dir: pathlib.Path, device: str | None = None, finished: bool = True) -> bool:
+    """Whether ``run_dir``'s run had the device to itself (``alone_record``), on ``device`` when
+    given."""
+    record = alone_record(run_dir, finished)
+    return record is not None and (device is None or record.get("device") == device)
 
 
 def timed_points(plan: Plan, alone: Callable[[Planned], bool]) -> set[tuple[str, str]]:
@@ -820,12 +827,11 @@ class Runner:
         """The device of the committed runs of ``planned``'s experiment that had one to themselves,
         where that is not this machine's: a timing run here would time its grid point on another
         device than the experiment's other points (``deferred``)."""
-        devices = set()
-        for p in self.plan.runs:
-            run_dir = self.where(p, False)
-            if p.experiment == planned.experiment and ran_alone(run_dir):
-                device = json.loads((run_dir / RUNNER_FILE).read_text()).get("device")
-                devices |= {device} if isinstance(device, str) else set()  # an older record: unknown
+        records = [
+            alone_record(self.where(p, False)) for p in self.plan.runs if p.experiment == planned.experiment
+        ]
+        # (a record without a device, an older one's: unknown)
+        devices = {r.get("device") for r in records if r is not None and isinstance(r.get("device"), str)}
         return None if not devices or self.device in devices else ", ".join(sorted(devices))
 
     def checkpointed(self, planned: Planned) -> int:

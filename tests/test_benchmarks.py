@@ -835,7 +835,7 @@ def test_gpu_session_off_smoke_stops_in_one_line_where_jax_has_no_gpu(tmp_path, 
     CPU until the deadline). Before it, the session ends the process groups an earlier call cut
     off at its limit left running (recorded where the evidence runner records its runs')."""
     import gpu_session
-    from _processes import Groups
+    from test_evidence import left_by_a_driver_gone
 
     ran = []
     phases = dict(gpu_session.PHASES)
@@ -846,11 +846,7 @@ def test_gpu_session_off_smoke_stops_in_one_line_where_jax_has_no_gpu(tmp_path, 
     monkeypatch.setattr(gpu_session, "GROUPS", None)  # main() sets it: put back after the test
     left = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        children = tmp_path / ".evidence" / "children.json"
-        Groups(children).add(left, "tiny/full-seed0")
-        groups = json.loads(children.read_text())
-        groups[str(left.pid)]["driver_start"] -= 1  # as a driver that has ended left it
-        children.write_text(json.dumps(groups))
+        left_by_a_driver_gone(tmp_path / ".evidence" / "children.json", left, "tiny/full-seed0")
         assert gpu_session.main(["--out", str(tmp_path / "out"), "--phases", "vs_torch_350m"]) == 2
         assert left.wait(timeout=10) == -9
     finally:

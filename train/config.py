@@ -249,7 +249,9 @@ class _UniqueKeys(yaml.SafeLoader):
             seen: dict = {}
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=True)
-                if isinstance(key, typing.Hashable) and key in seen:
+                if not isinstance(key, typing.Hashable):
+                    continue  # (refused by the loader itself)
+                if key in seen:
                     raise yaml.constructor.ConstructorError(
                         None,
                         None,
@@ -257,8 +259,7 @@ class _UniqueKeys(yaml.SafeLoader):
                         "the second would replace the first",
                         key_node.start_mark,
                     )
-                if isinstance(key, typing.Hashable):
-                    seen[key] = key_node.start_mark.line
+                seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
 
@@ -599,10 +600,10 @@ def _fill_defaults(flat: dict) -> None:
                 flat.setdefault(f"model.overrides.{f.name}", getattr(preset, f.name))
 
 
-def check_resumable(saved: dict, new: dict) -> None:
+def check_resumable(saved: dict, new: dict) -> list[str]:
     """Refuses a resume whose config (``new``, a mapping) changes, against the run's ``saved``
     one, what the checkpoint or the data order depend on (a profiling run's: also how it
-    records)."""
+    records); returns the changes it may make (``changed_settings``: ``key: old -> new``)."""
     fixed = _FIXED_ON_RESUME + (_FIXED_ON_PROFILE_RESUME if new.get("mode") == "profile" else ())
     was, now = ((config.get("model") or {}).get("init_from") for config in (saved or {}, new))
     if (was is None) != (now is None):  # a run from a directory or a preset: not the same run
@@ -615,3 +616,4 @@ def check_resumable(saved: dict, new: dict) -> None:
         raise UserError(
             f"--resume: the run's {CONFIG} differs in settings a resume cannot change ({', '.join(changed)})"
         )
+    return changed_settings(saved, new)

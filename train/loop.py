@@ -27,7 +27,7 @@ import moara_jax as mj
 import models
 from train import profile as profiling
 from train.checkpoint import Checkpointer, abstract_with_shardings
-from train.config import RunConfig, changed_settings, to_dict
+from train.config import RunConfig, to_dict
 from train.data import Data, build_data
 from train.data import describe as describe_data
 from train.distributed import StopSignals, any_process, differs_from_first, errors_shared, first_error
@@ -84,8 +84,7 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
                 f"{run} already holds checkpoints of a run; pass --resume to continue it, or "
                 "choose another run dir"
             )
-        run.check_resumable(to_dict(cfg))
-        changes = changed_settings(run.config(), to_dict(cfg))  # those a resume may change
+        changes = run.check_resumable(to_dict(cfg))  # those a resume may make
         if changes and main:
             print(f"--resume: settings changed since the run's {run.config_file.name}: {', '.join(changes)}")
     elif run.status() == "completed":  # its checkpoints removed, e.g. a run kept as a result

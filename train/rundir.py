@@ -263,9 +263,9 @@ class RunDir:
             recorded = {"vocab_size": make_tokenizer(cfg.data.tokenizer).vocab_size}
         return model_config(cfg, int(recorded["vocab_size"]))
 
-    def check_resumable(self, config: dict) -> None:
+    def check_resumable(self, config: dict) -> list[str]:
         """Refuses a resume whose config changes what the checkpoint or the data order depend on
-        (``config``: the new run's, as a mapping)."""
+        (``config``: the new run's, as a mapping); returns the changes it may make."""
         from train.config import check_resumable
 
         if not self.config_file.is_file():  # written before the first step: removed since
@@ -274,7 +274,7 @@ class RunDir:
                 "against (batch, seed, model and optimizer must be the checkpoints'); put it back, "
                 "or choose another run dir"
             )
-        check_resumable(self.config(), config)
+        return check_resumable(self.config(), config)
 
     # ----------------------------------------------------------------------------- writers
 
