@@ -61,7 +61,7 @@ from train_step import (
 )
 
 import models
-from train.plots import pyplot
+from train.plots import figure
 
 GALORE_MODULES = ("self_attn", "mlp")  # the paper's low-rank group: every attention and MLP matrix
 
@@ -246,11 +246,11 @@ def ratios(runs: dict) -> dict:
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
-    plt = pyplot("chart")
-    if plt is None:
+    fig = figure("chart", figsize=(8, 4))
+    if fig is None:
         return
     names = list(result["runs"])
-    fig, ax = plt.subplots(figsize=(8, 4))
+    ax = fig.subplots()
     x = range(len(names))
     ax.bar([i - 0.2 for i in x], [result["runs"][n]["tokens_per_s"] for n in names], 0.4, label="plain step")
     ax.bar(
@@ -263,9 +263,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax.set_ylabel("tokens/s")
     ax.set_title(f"{result['model']}, batch {result['batch']} x {result['seq_len']}, {result['device']}")
     ax.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 PEERS = ("galore_torch", "adamw_torch")

@@ -419,3 +419,36 @@ def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypa
     )
     assert started == [] and "- tiny: " in text and not any("differs" in line for line in err), err
     assert ("- tiny: seed 0: ppl 20.000" in text) == (state == "completed"), text
+
+
+PLOTS_IN_A_NOTEBOOK = textwrap.dedent("""
+    import json, pathlib, sys
+    import matplotlib
+    matplotlib.use("svg")  # the backend a notebook or an application chose
+    from train import sweep
+    from train.rundir import RunDir, plot_curves
+    run = pathlib.Path(sys.argv[1])
+    run.mkdir()
+    rows = [{"step": s, "loss": 5.0 - s / 10} for s in range(1, 11)] + [{"step": 10, "eval_ppl": 40.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+    curve = [{"step": 10, "wall_s": 1.0, "eval_ppl": 40.0, "ppl_std": 0.0}]
+    written = [plot_curves(RunDir(run)), run / "report.png"]
+    sweep.plot(written[1], {"full": curve}, {"full": 1}, {"full": 1})
+    for path in written:
+        assert path.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n", path
+    print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
+""")
+
+
+def test_plots_leave_the_processes_matplotlib_as_it_was(tmp_path):
+    """A run's curves and a sweep's report are PNGs drawn on figures of their own: the backend the
+    process chose stays (a notebook's inline plots go on) and pyplot is never imported."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PLOTS_IN_A_NOTEBOOK, str(tmp_path / "run")],
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["svg", "False"], proc.stdout

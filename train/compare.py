@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 from train.errors import UserError, cli, io_operation
-from train.plots import pyplot
+from train.plots import figure
 from train.rundir import METRICS, SUMMARY, RunDir, check_directory_path
 from train.store.reading import tokenizer_key
 
@@ -185,10 +185,10 @@ def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None, f
 
 
 def _plot(runs, target, path) -> None:
-    plt = pyplot("compare.png")
-    if plt is None:
+    fig = figure("compare.png", figsize=(11, 4))
+    if fig is None:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes = fig.subplots(1, 2)
     for run in runs:
         steps = [r["step"] for r in run["evals"]]
         walls = [r["wall_s"] for r in run["evals"]]
@@ -201,9 +201,7 @@ def _plot(runs, target, path) -> None:
         ax.set_ylabel("eval ppl")
         ax.set_yscale("log")
         ax.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import moara_jax as mj
 from train.config import RunConfig
 from train.errors import io_operation
-from train.plots import pyplot
+from train.plots import figure
 from train.rundir import ALIGNMENT, ALIGNMENT_PLOT, ALLOCATION
 from train.step import donor_delta, on_model, paper_order
 
@@ -104,16 +104,14 @@ def write_outputs(rec: AlignmentRecorder, run_dir: pathlib.Path, cfg: RunConfig)
 
 
 def _plot(rec: AlignmentRecorder, path: pathlib.Path) -> None:
-    plt = pyplot(ALIGNMENT_PLOT)
-    if plt is None:
+    fig = figure(ALIGNMENT_PLOT, figsize=(7, 4))
+    if fig is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    ax = fig.subplots()
     for label in paper_order(rec.values):
         ax.plot(rec.steps, rec.smoothed[label], label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("S (EMA)")
     ax.set_title("cos(G, G_recon) per module type")
     ax.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import yaml
 
 from train.errors import IOFault, UserError, io_operation
-from train.plots import pyplot
+from train.plots import figure
 
 CONFIG = "config.yaml"
 MODEL = "model.json"
@@ -423,18 +423,18 @@ class RunLock:
 
 def plot_curves(run: RunDir) -> pathlib.Path | None:
     """``curves.png``: training loss and eval ppl against step (when matplotlib is installed)."""
-    plt = pyplot(CURVES, quiet=True)
-    if plt is None:
-        return None
-    with io_operation("writing the plot", run / CURVES):
-        return _plot_curves(plt, run)
-
-
-def _plot_curves(plt, run: RunDir) -> pathlib.Path | None:
     train, evals = run.rows("loss"), run.evals()
     if not train:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig = figure(CURVES, quiet=True, figsize=(11, 4))
+    if fig is None:
+        return None
+    with io_operation("writing the plot", run / CURVES):
+        return _plot_curves(fig, run, train, evals)
+
+
+def _plot_curves(fig, run: RunDir, train: list, evals: list) -> pathlib.Path:
+    axes = fig.subplots(1, 2)
     axes[0].plot([r["step"] for r in train], [r["loss"] for r in train])
     axes[0].set_ylabel("training loss")
     if evals:
@@ -444,10 +444,8 @@ def _plot_curves(plt, run: RunDir) -> pathlib.Path | None:
     for ax in axes:
         ax.set_xlabel("step")
     fig.suptitle(run.name)
-    fig.tight_layout()
     path = run / CURVES
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 

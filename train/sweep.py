@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from train.compare import eval_rows, evaluation, overlaps, problems, reach
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
-from train.plots import pyplot
+from train.plots import figure
 from train.rundir import RunDir, check_directory_path
 
 
@@ -447,10 +447,10 @@ def markdown(result: dict) -> str:
 def plot(path: pathlib.Path, curves: dict, seeds: dict, timed: dict) -> None:
     """Each point's mean curve (``curves``, over its ``seeds``) with its band, against steps and
     against the wall-clock of its ``timed`` seeds (none: not drawn), labelled with both numbers."""
-    plt = pyplot("report.png")
-    if plt is None:
+    fig = figure("report.png", figsize=(12, 4.5))
+    if fig is None:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    axes = fig.subplots(1, 2)
     for i, (point, curve) in enumerate(curves.items()):
         if not curve:
             continue
@@ -476,9 +476,7 @@ def plot(path: pathlib.Path, curves: dict, seeds: dict, timed: dict) -> None:
         ax.set_yscale("log")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv=None) -> int:
