@@ -8,8 +8,8 @@ def figure(what: str, quiet: bool = False, **kwargs):
     layout), or None (with a line saying ``what`` is not written) when matplotlib is not installed.
 
     Not pyplot's: a figure of its own leaves the process's backend and pyplot's list of figures as
-    they were (a notebook that runs the trainer or a sweep keeps its inline plots), needs no
-    closing, and imports less. ``savefig`` renders it with the Agg canvas.
+    they were (a notebook that runs the trainer or a sweep keeps its inline plots) and needs no
+    closing. ``savefig`` renders it with the Agg canvas.
     """
     try:
         from matplotlib.figure import Figure

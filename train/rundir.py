@@ -423,17 +423,17 @@ class RunLock:
 
 def plot_curves(run: RunDir) -> pathlib.Path | None:
     """``curves.png``: training loss and eval ppl against step (when matplotlib is installed)."""
-    train, evals = run.rows("loss"), run.evals()
-    if not train:
-        return None
     fig = figure(CURVES, quiet=True, figsize=(11, 4))
     if fig is None:
         return None
     with io_operation("writing the plot", run / CURVES):
-        return _plot_curves(fig, run, train, evals)
+        return _plot_curves(fig, run)
 
 
-def _plot_curves(fig, run: RunDir, train: list, evals: list) -> pathlib.Path:
+def _plot_curves(fig, run: RunDir) -> pathlib.Path | None:
+    train, evals = run.rows("loss"), run.evals()
+    if not train:
+        return None
     axes = fig.subplots(1, 2)
     axes[0].plot([r["step"] for r in train], [r["loss"] for r in train])
     axes[0].set_ylabel("training loss")
