@@ -347,22 +347,20 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
 def open_run_dir(run: RunDir, setup: Setup, step: int) -> None:
     """The run dir for a session that runs steps from ``step``: a completed run resumed short of
     its end (to more steps) first keeps its summary, config and last checkpoint
-    (``RunDir.reopen``); then ``config.yaml`` and
-    ``model.json``, the model as built (for ``train.export`` and ``train.evaluate``; with
-    ``init_from``, its directory may not stay where it is)."""
+    (``RunDir.reopen``); then ``config.yaml`` and ``model.json``, the model as built (for
+    ``train.export`` and ``train.evaluate``; with ``init_from``, its directory may not stay where
+    it is)."""
     if run.status() == "completed":
         done = run.summary()["steps"]
         with io_operation("keeping the completed run's record in", run.path):
             kept = run.reopen(step)
-        kept_too = [f"its config config.completed-{done}.yaml"]
-        if (run.path / f"checkpoints.completed-{done}").is_dir():
-            kept_too.append(f"its last checkpoint checkpoints.completed-{done}/")
+        _, config, checkpoint = run.completed_record(done)
+        said = [f"its summary is {kept.name}"]
+        said += [f"its config {config.name}"] if config.is_file() else []
+        said += [f"its last checkpoint {checkpoint.name}/"] if checkpoint.is_dir() else []
         if setup.total_steps != done:
-            kept_too.append(f"the learning-rate schedule now runs to step {setup.total_steps}, not {done}")
-        print(
-            f"{run} held a completed run: going on from step {step}; its summary is {kept.name}, "
-            + ", ".join(kept_too)
-        )
+            said.append(f"the learning-rate schedule now runs to step {setup.total_steps}, not {done}")
+        print(f"{run} held a completed run: going on from step {step}; " + ", ".join(said))
     with io_operation("writing the run's config to", run.path):
         run.write_config(to_dict(setup.cfg))
         run.write_model(dataclasses.asdict(setup.model_cfg))

@@ -287,6 +287,15 @@ class RunDir:
     def write_summary(self, summary: dict) -> None:
         write_atomically(self.summary_file, json.dumps(summary, indent=2, default=str))
 
+    def completed_record(self, steps: int) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+        """Where ``reopen`` keeps the completed run of ``steps`` steps: its summary, its config and
+        its last checkpoint."""
+        return (
+            self.path / f"summary.completed-{steps}.json",
+            self.path / f"config.completed-{steps}.yaml",
+            self.path / f"checkpoints.completed-{steps}",
+        )
+
     def reopen(self, step: int) -> pathlib.Path:
         """A completed run resumed short of its end (to more steps, or from an earlier checkpoint):
         its summary is kept as ``summary.completed-N.json`` (N: the steps it completed), and
@@ -297,16 +306,15 @@ class RunDir:
         does not reach: the completed run's weights stay; its config as ``config.completed-N.yaml``.
         Returns the kept record's path."""
         completed = self.summary()
-        n = completed["steps"]
-        last, kept_checkpoint = self.checkpoints / str(n), self.path / f"checkpoints.completed-{n}"
+        kept, kept_config, kept_checkpoint = self.completed_record(completed["steps"])
+        last = self.checkpoints / str(completed["steps"])
         if last.is_dir() and not kept_checkpoint.exists():
             tmp = self.path / f".{kept_checkpoint.name}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(last, tmp, copy_function=_link_or_copy)
             os.replace(tmp, kept_checkpoint)
         if self.config_file.is_file():
-            write_atomically(self.path / f"config.completed-{n}.yaml", self.config_file.read_text())
-        kept = self.path / f"summary.completed-{n}.json"
+            write_atomically(kept_config, self.config_file.read_text())
         write_atomically(kept, self.summary_file.read_text())
         interrupted = completed | {
             "status": "interrupted",
