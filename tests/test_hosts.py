@@ -323,6 +323,9 @@ def test_weight_decay_mask_decays_only_the_marked_parameters_on_every_host(name)
     as with no mask: targets and others, the mask a prefix tree or a function."""
     host = mj.QGaLore(basis_group_size=8, weight_group_size=8) if name == "q_galore" else name
     no_decay, decay = _decay_run(host, weight_decay=0.0), _decay_run(host, weight_decay=0.5)
+    # Masked and unmasked are different programs, so float32 rounding differs; SubTrack++'s
+    # tracking at the refresh amplifies it (4e-6 at step 2 with XLA's legacy CPU emitters).
+    rtol = 1e-5 if name == "subtrack_pp" else 1e-6
 
     def not_down_nor_norm(tree):
         return jax.tree_util.tree_map_with_path(
@@ -346,7 +349,7 @@ def test_weight_decay_mask_decays_only_the_marked_parameters_on_every_host(name)
                 assert not np.allclose(want[key], plain[key]), key  # the decay shows
                 expected = want[key] if on else plain[key]
                 np.testing.assert_allclose(
-                    got[key], expected, rtol=1e-6, atol=1e-8, err_msg=f"{key} step {t}"
+                    got[key], expected, rtol=rtol, atol=1e-8, err_msg=f"{key} step {t}"
                 )
 
 

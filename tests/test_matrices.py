@@ -104,8 +104,9 @@ def test_multi_axis_kernels_train_exactly_as_their_matrices(decompose, host):
     kwargs = dict(r_base=8, block_size=D, decompose=decompose, update_proj_gap=2, weight_decay=0.1, host=host)
     # Updates are about 1e-3. The two sides are different XLA programs (the views' reshapes fuse
     # into them), so float32 rounding differs; LDAdam's basis, made anew from the last one every
-    # step, carries it forward, to 3e-7 here.
-    atol = 1e-6 if host == "ldadam" else 1e-7
+    # step, carries it forward, to 3e-7 here, and Q-GaLore's 8-bit moments and INT8 weights round
+    # it on, to 2.4e-7 with XLA's legacy CPU emitters (the suite's, tests/conftest.py).
+    atol = 1e-6 if host == "ldadam" or isinstance(host, mj.QGaLore) else 1e-7
     tx = mj.moara_adamw(0.01, matrix_axes=axes, **kwargs)
     ref = mj.moara_adamw(0.01, **kwargs)
     state, ref_state = jax.jit(tx.init)(params), ref.init(_as_2d(params))
