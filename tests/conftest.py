@@ -4,6 +4,7 @@ user's caches."""
 
 import importlib.util
 import os
+import shlex
 import signal
 
 import jax
@@ -20,14 +21,19 @@ LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 def _quick_cpu_flags() -> list[str]:
     """The CPU flags that compile the tests quickly, less the legacy emitters' where this jaxlib
-    lacks them (XLA would abort every process on an unknown flag). Asked in a child process once:
-    the xdist workers and the tests' processes inherit the answer in ``XLA_FLAGS``."""
+    lacks them (XLA would abort every process on an unknown flag). Asked in a child process once,
+    by the session's first process: the xdist workers and the tests' processes inherit the answer
+    in ``XLA_FLAGS``."""
     flags = ["--xla_backend_optimization_level=0"]
-    if flag_name(LEGACY_EMITTERS) not in os.environ.get("XLA_FLAGS", ""):
-        try:
-            check_known([LEGACY_EMITTERS])
-        except UserError:
-            return flags
+    named = {flag_name(f) for f in shlex.split(os.environ.get("XLA_FLAGS", ""))}
+    if flag_name(LEGACY_EMITTERS) in named:  # the user's (theirs wins) or the controller's answer
+        return [*flags, LEGACY_EMITTERS]
+    if "PYTEST_XDIST_WORKER" in os.environ:  # the controller found this jaxlib lacks them
+        return flags
+    try:
+        check_known([LEGACY_EMITTERS])
+    except UserError:
+        return flags
     return [*flags, LEGACY_EMITTERS]
 
 

@@ -170,6 +170,9 @@ def assert_stacked_equals_loop(tx, grads, update=None, rtol=1e-5, atol=1e-7, res
     def piece(tree, i, like):  # matrix i's part of a stacked state
         return jax.tree.map(lambda a, b: a[i] if np.ndim(a) == np.ndim(b) + 1 else a, tree, like)
 
+    if resync:  # the stacked init is the matrices' inits
+        for i in range(shape[0]):
+            jax.tree.map(np.testing.assert_array_equal, piece(s_stacked, i, s_single[i]), s_single[i])
     for g in grads:
         before = s_stacked
         u_stacked, s_stacked = update({"w": jnp.asarray(g)}, s_stacked, stacked)

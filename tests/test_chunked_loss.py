@@ -153,8 +153,8 @@ def test_train_step_in_chunks_equals_the_whole_sequence_step():
     (losses, p), (losses_c, p_c) = run(cfg), run(cfg.replace(loss_chunk=8))
     np.testing.assert_allclose(losses_c, losses, rtol=1e-5)
     # The parameters to 1e-3 of a step (lr 1e-2): Adam's first steps act almost like sign(g) on
-    # the low-rank values, so the few near 0 carry the two programs' float32 rounding up to a
-    # step's size (1.2e-6 on 1 of 11,264 entries with XLA's legacy CPU emitters).
+    # the low-rank values, so for the few near 0 the two programs' float32 rounding is amplified
+    # by 1/eps (1.2e-6 on 1 of 11,264 entries with XLA's legacy CPU emitters).
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), p_c, p)
 
 
