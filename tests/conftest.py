@@ -4,14 +4,13 @@ user's caches."""
 
 import importlib.util
 import os
-import shlex
 import signal
 
 import jax
 import pytest
 
 from train.errors import UserError
-from train.xla_flags import check_known, flag_name, merged
+from train.xla_flags import check_known, merged
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -25,8 +24,8 @@ def _quick_cpu_flags() -> list[str]:
     by the session's first process: the xdist workers and the tests' processes inherit the answer
     in ``XLA_FLAGS``."""
     flags = ["--xla_backend_optimization_level=0"]
-    named = {flag_name(f) for f in shlex.split(os.environ.get("XLA_FLAGS", ""))}
-    if flag_name(LEGACY_EMITTERS) in named:  # the user's (theirs wins) or the controller's answer
+    if not merged(os.environ.get("XLA_FLAGS", ""), [LEGACY_EMITTERS])[1]:
+        # XLA_FLAGS names it already: the user's value (theirs wins) or the controller's answer
         return [*flags, LEGACY_EMITTERS]
     if "PYTEST_XDIST_WORKER" in os.environ:  # the controller found this jaxlib lacks them
         return flags
