@@ -21,7 +21,8 @@ sharing the GPU: ``auto`` (the default) runs one at a time, then two, three and 
 step up measurably paid, and keeps the fastest level measured (``choose_level``); but the first
 training run of a grid point none of whose runs has had the device to itself runs alone, nothing
 beside it (``Runner.needs_alone``; ``--no-timing-runs``: never), because the report's wall-clock
-times come from such runs alone (``shared_device``). A run is started
+times come from such runs alone (``shared_device``), and from one device: an experiment whose
+runs were timed on another device than this machine's has no timing run here. A run is started
 only when its estimated duration fits in what is left of ``--budget-s`` (estimated from finished
 runs' measured times, scaled by the gain from sharing measured so far, else from the plan's
 deliberately generous ``estimate_s``, both times ``--safety``); at the end of the budget the runs
@@ -814,8 +815,12 @@ class Runner:
         whose finished runs had the device to itself (here, or committed from the same device),
         so that the report has a wall-clock time for every point (a run that shared the device
         counts in no time figure). Never for the runs of a plan entry with ``timed: false``, nor
-        under ``--no-timing-runs``."""
+        under ``--no-timing-runs``, nor in an experiment timed on another device than this one
+        (``timed_elsewhere``): the report times it on that device only, so here the run gives its
+        final ppl and may share the device."""
         if self.args.no_timing_runs or not planned.timed or self.config(planned)["mode"] != "train":
+            return False
+        if self.timed_elsewhere(planned):
             return False
         timed = timed_points(
             self.plan,
@@ -826,13 +831,21 @@ class Runner:
     def timed_elsewhere(self, planned: Planned) -> str | None:
         """The device of the committed runs of ``planned``'s experiment that had one to themselves,
         where that is not this machine's: a timing run here would time its grid point on another
-        device than the experiment's other points (``deferred``)."""
+        device than the experiment's other points, which the report leaves out of its times."""
         records = [
             alone_record(self.where(p, False)) for p in self.plan.runs if p.experiment == planned.experiment
         ]
         # (a record without a device, an older one's: unknown)
         devices = {r.get("device") for r in records if r is not None and isinstance(r.get("device"), str)}
         return None if not devices or self.device in devices else ", ".join(sorted(devices))
+
+    def untimed_here(self, todo: list[Planned]) -> dict[str, str]:
+        """The experiments of ``todo`` timed on another device than this one, with that device."""
+        found = {}
+        for planned in todo:
+            if planned.experiment not in found and (elsewhere := self.timed_elsewhere(planned)):
+                found[planned.experiment] = elsewhere
+        return found
 
     def checkpointed(self, planned: Planned) -> int:
         """The step of the newest checkpoint of a run this machine stopped short (0: none), from
@@ -911,27 +924,16 @@ class Runner:
             least = (est, basis) if least is None or est < least[0] else least
         return None, *(least or (None, None))
 
-    def deferred(self, todo: list[Planned]) -> list[Planned]:
-        """``todo`` with the timing runs of experiments timed on another device than this one
-        (``timed_elsewhere``) moved after the others, each said in the log: their times would
-        not compare with the experiment's others, so a machine of that device should run them,
-        and this one runs them only once nothing else is left to do."""
-        later = []
-        for planned in todo:
-            elsewhere = self.timed_elsewhere(planned) if self.needs_alone(planned) else None
-            if elsewhere:
-                later.append(planned)
-                self.say(
-                    f"{planned.name}: after the plan's other runs: a timing run, and "
-                    f"{planned.experiment}'s runs were timed on {elsewhere}, not on {self.device}"
-                )
-        return [p for p in todo if p not in later] + later
-
     def schedule(self, running: list[Running]) -> None:
-        """Starts the next runs in the plan's order (``deferred``'s) while they fit in the budget,
-        packs after each run that ends, stops what still runs at the end of the budget. After two
-        runs in a row ended without a result it starts no more; those running go on."""
-        todo = self.deferred(self.pending())
+        """Starts the next runs in the plan's order while they fit in the budget, packs after each
+        run that ends, stops what still runs at the end of the budget. After two runs in a row
+        ended without a result it starts no more; those running go on."""
+        todo = self.pending()
+        for experiment, device in self.untimed_here(todo).items():
+            self.say(
+                f"{experiment}: its runs were timed on {device}, not on {self.device}: its runs here "
+                "give final ppl, not times, and may share the device"
+            )
         crashes, started, refused = 0, 0, None
         names = ", ".join(p.name for p in todo[:6]) + (" ..." if len(todo) > 6 else "")
         self.say(f"{len(todo)} run(s) of the plan to do: {names}")

@@ -549,7 +549,7 @@ def test_auto_measures_whether_sharing_the_device_pays_and_keeps_the_fastest(tmp
 def test_the_first_run_of_each_grid_point_runs_alone_so_that_the_report_can_time_it(tmp_path, monkeypatch):
     """Runs that share the device count in no time figure of the report, so the first training run
     of a grid point none of whose runs had the device to itself runs alone (nothing starts beside
-    it); the others share it. A point timed on another device is timed again here."""
+    it); the others share it."""
     plan_path = tiny_setting(tmp_path)
     plan_path.write_text(SEEDS_PLAN)
     root = tmp_path / "gpu"
@@ -567,26 +567,51 @@ def test_the_first_run_of_each_grid_point_runs_alone_so_that_the_report_can_time
     runs = sweep.expand(runner.plan.base, ["conditions/galore,rank,decomp,full"], [0, 1, 2])
     scratch = root / evidence.SCRATCH / "runs" / "tiny"
     assert evidence.shared_device(scratch, runs) == {n for n in names if not n.endswith("seed0")}
-    # A timed run committed from this device counts; one from another device does not.
+    # A timed run committed from this device counts.
     planned = runner.plan.runs[1]
     assert planned.run.name == "galore-seed1" and not runner.needs_alone(planned)
-    committed = runner.where(runner.plan.runs[0], False)
-    shutil.move(scratch / "galore-seed0", committed)
+    shutil.move(scratch / "galore-seed0", runner.where(runner.plan.runs[0], False))
     assert not runner.needs_alone(planned)
-    record = json.loads((committed / evidence.RUNNER_FILE).read_text())
-    (committed / evidence.RUNNER_FILE).write_text(json.dumps({**record, "device": "another"}))
-    assert runner.needs_alone(planned)
-    # ... but after the plan's other runs: its time would not compare with the experiment's others.
-    todo = [planned, dataclasses.replace(planned, timed=False)]
-    lines.clear()
-    assert runner.deferred(todo) == todo[::-1]
-    assert lines == [
-        "tiny/galore-seed1: after the plan's other runs: a timing run, and tiny's runs were timed on "
-        "another, not on cpu"
-    ]
     assert not runner.needs_alone(dataclasses.replace(planned, timed=False))  # a plan entry's timed: false
     runner.args.no_timing_runs = True
     assert not runner.needs_alone(planned)
+
+
+def test_in_an_experiment_timed_on_another_device_no_run_waits_for_the_device_to_itself(
+    tmp_path, monkeypatch
+):
+    """The report times an experiment on the device its timed runs had, so on a machine of
+    another device the experiment's runs are no timing runs: they run in the plan's order and
+    share the device, for their final ppl; the log says why, once."""
+    plan_path = tiny_setting(tmp_path)
+    plan_path.write_text(SEEDS_PLAN)
+    root = tmp_path / "gpu"
+    first = {"galore-seed0": (10, True)}
+    runner, _, _ = fake_runner(
+        monkeypatch, plan_path, root, first, concurrent=2, no_timing_runs=False, max_runs=1
+    )
+    runner.device = "another"
+    runner.loop()
+    record = runner_record(root, "galore-seed0")  # timed there: it had that device to itself
+    assert (record["device"], record["shared"]) == ("another", False)
+    shutil.move(
+        root / evidence.SCRATCH / "runs" / "tiny" / "galore-seed0", runner.where(runner.plan.runs[0], False)
+    )
+    names = [f"{c}-seed{s}" for c in ("galore", "rank", "decomp", "full") for s in range(3)][1:]
+    runner, procs, lines = fake_runner(
+        monkeypatch, plan_path, root, {n: (10, True) for n in names}, concurrent=2, no_timing_runs=False
+    )
+    assert runner.untimed_here(runner.pending()) == {"tiny": "another"}
+    runner.loop()
+    assert sorted(procs) == sorted(names)
+    assert not any("alone: the first of its grid point's runs to be timed" in line for line in lines)
+    said = [line for line in lines if "timed on" in line]
+    assert said == [
+        "tiny: its runs were timed on another, not on cpu: its runs here give final ppl, not times, "
+        "and may share the device"
+    ]
+    met = [runner_record(root, name)["concurrency"] for name in procs]
+    assert met == [2.0] * 10 + [1.0]  # two at a time; the last one is left alone
 
 
 def test_a_run_that_shared_the_device_before_a_resume_alone_is_not_timed(tmp_path, monkeypatch):

@@ -285,6 +285,56 @@ def test_report_times_only_the_runs_that_had_the_machine_to_themselves(tmp_path)
     assert (tmp_path / "report.png").stat().st_size > 0
 
 
+def test_report_times_only_the_runs_on_the_device_the_baselines_timed_runs_had(tmp_path):
+    """Wall-clock times compare on one device only: the one most of the baseline's timed runs
+    had. A run alone on another device counts in the steps but in no time, as a shared one; the
+    report names the device and why each such seed has no time."""
+    runs = sweep.expand(PAPER, ["conditions/galore,rank,full"], [0, 1, 2])
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    made = {
+        "galore-seed0": ([40, 30, 20], 1.0, h100),
+        "galore-seed1": ([40, 30, 22], 1.0, h200),
+        "galore-seed2": ([40, 30, 21], 3.0, h100),
+        "rank-seed0": ([38, 25, 19], 0.5, h200),
+        "full-seed0": ([35, 21, 18], 2.0, h100),
+        "full-seed1": ([35, 20, 19], 0.5, h200),
+    }
+    for i, (name, (ppl, per_step, device)) in enumerate(made.items()):
+        make_run(tmp_path, name, ppl=ppl, seconds_per_step=per_step)
+        span = [100.0 * i, 100.0 * i + 50, "gpu"]  # one after another: each alone
+        summary = {"status": "completed", "sessions": [span], "device_kind": device}
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    result = sweep.report(tmp_path, runs)
+    galore, rank, full = (result["points"][p] for p in ("galore", "rank", "full"))
+    assert result["timing_device"] == h100 and result["target_ppl"] == 21.0
+    # galore reaches 21 at step 30 on its mean curve, timed by its H100 seeds: (30 + 90) / 2 s.
+    assert galore["mean_curve"] == {"steps_to_target": 30, "time_to_target_s": 60.0}
+    assert [(s["time_s"], s["timed"], s["device"]) for s in galore["seeds"]] == [
+        (30.0, True, h100),
+        (None, False, h200),
+        (90.0, True, h100),
+    ]
+    # full's mean curve reaches 20.5 at step 20: 40 s from seed 0 alone, not seed 1's 10 s.
+    assert full["mean_curve"] == {"steps_to_target": 20, "time_to_target_s": 40.0}
+    assert full["time_reduction_pct"] == pytest.approx(100 * (1 - 40 / 60))
+    assert (galore["timed"], rank["timed"], full["timed"]) == (2, 0, 1)
+    assert rank["mean_curve"] == {"steps_to_target": 30, "time_to_target_s": None}
+    assert rank["time_reduction_pct"] is None and rank["steps_to_target"]["n"] == 1
+    assert result["warnings"] == [
+        f"the runs ran on different devices ({h100}, {h200}): times differ by device"
+    ]
+    text = (tmp_path / "report.md").read_text()
+    assert f"All times are {h100}'s, the device the baseline's timed runs had" in text
+    assert f"- rank: seed 0: ppl 19.000, 30 steps (ran on {h200}: no time)" in text
+    assert f"3 completed run(s) ran on another device than {h100} and count in no time." in text
+    assert "shared the machine and count in no time" not in text
+    # Without a timed baseline run, the device most timed runs had.
+    result = sweep.report(tmp_path, runs, shared=frozenset(f"galore-seed{s}" for s in range(3)))
+    assert result["timing_device"] == h200
+    timed = {p: [s["timed"] for s in result["points"][p]["seeds"]] for p in ("galore", "rank", "full")}
+    assert timed == {"galore": [False] * 3, "rank": [True], "full": [False, True]}
+
+
 def test_report_baseline_seeds_that_end_at_other_steps_still_give_a_target(tmp_path):
     """A baseline seed resumed for more steps: the target is the baseline's mean at the last step
     its seeds all evaluated, which its mean curve reaches, so the reductions are computed."""

@@ -295,9 +295,17 @@ def report(
         seen = evaluation(run, summary)
         summaries.append({"name": run.name, "status": "completed", "summary": summary, "evaluation": seen})
     shared = set(shared).union(*overlaps(summaries))
+    devices = {s["name"]: s["summary"].get("device_kind") for s in summaries}
     for point in points:
         for r in done[point]:
-            r["timed"] = r["run"] not in shared
+            r["timed"], r["device"] = r["run"] not in shared, devices[r["run"]]
+    # Times compare on one device only: the one most of the baseline's timed runs had (without
+    # any, most of all timed runs); a run timed on another counts in no time either.
+    timing = most_common([r["device"] for r in done[baseline] if r["timed"]]) or most_common(
+        [r["device"] for point in points for r in done[point] if r["timed"]]
+    )
+    for r in (r for point in points for r in done[point]):
+        r["timed"] = r["timed"] and r["device"] == timing
     # Without a completed baseline run there is no target: the final ppl are still reported. The
     # target is the last point of the baseline's mean curve: its seeds' mean final ppl when they
     # end at the same step (else at the last step they all evaluated, which its curve reaches).
@@ -315,6 +323,7 @@ def report(
                     "steps": step,
                     "time_s": wall if r["timed"] else None,
                     "timed": r["timed"],
+                    "device": r["device"],
                 }
             )
         step, wall = reach(curves[point], target) if target is not None else (None, None)
@@ -339,6 +348,7 @@ def report(
     result = {
         "baseline": baseline,
         "target_ppl": target,
+        "timing_device": timing,
         "points": rows,
         "excluded": excluded,
         "warnings": refusals + warnings,
@@ -349,6 +359,11 @@ def report(
         seeds = {point: len(done[point]) for point in points}
         plot(out / "report.png", curves, seeds, {point: rows[point]["timed"] for point in points})
     return result
+
+
+def most_common(devices: list) -> str | None:
+    """The device that most of ``devices`` name (the first named of those tied); None for none."""
+    return max(devices, key=devices.count) if devices else None
 
 
 def mean_curve(seeds: list[dict]) -> list[dict]:
@@ -401,7 +416,13 @@ def markdown(result: dict) -> str:
         "how many did; a seed whose final ppl is above the target never does). Times come from "
         "the runs that had the machine to themselves alone (`timed`): a run that shared it with "
         "another ran slower for it, by an amount nothing here measures. The mean curve's time at "
-        "a step is the mean wall-clock of the point's timed seeds there.",
+        "a step is the mean wall-clock of the point's timed seeds there."
+        + (
+            f" All times are {result['timing_device']}'s, the device the baseline's timed runs had "
+            "(else most timed runs): a run on another device counts in no time."
+            if result.get("timing_device")
+            else ""
+        ),
         "",
         "| point | runs | final ppl | steps to target | step reduction | per seed | time to target (s) "
         "| time reduction | per seed (s) |",
@@ -418,13 +439,19 @@ def markdown(result: dict) -> str:
             f"{_pm(row['time_to_target_s'], '.1f')} |"
         )
     lines += ["", "Per seed (final ppl, steps and seconds to the target):", ""]
-    untimed = [s for row in result["points"].values() for s in row["seeds"] if not s["timed"]]
+    seeds = [s for row in result["points"].values() for s in row["seeds"]]
+    untimed = [s for s in seeds if not s["timed"]]
+    # (a run on another device than the timed ones': without any timed run, none is)
+    off = lambda s: any(t["timed"] for t in seeds) and s.get("device") != result["timing_device"]  # noqa: E731
+    elsewhere = [s for s in untimed if off(s)]
     for point, row in result["points"].items():
         per = "; ".join(
             f"seed {s['seed']}: ppl {s['final_ppl']:.3f}, "
             + (
                 f"{s['steps']} steps, {s['time_s']:.1f} s"
                 if s["time_s"] is not None
+                else f"{s['steps']} steps (ran on {s['device']}: no time)"
+                if s["steps"] is not None and off(s)
                 else f"{s['steps']} steps (shared the machine: no time)"
                 if s["steps"] is not None
                 else "no target"
@@ -434,8 +461,15 @@ def markdown(result: dict) -> str:
             for s in row["seeds"]
         )
         lines.append(f"- {point}: {per or 'none completed'}")
-    if untimed:
-        lines += ["", f"{len(untimed)} completed run(s) shared the machine and count in no time."]
+    if len(untimed) > len(elsewhere):
+        shared = len(untimed) - len(elsewhere)
+        lines += ["", f"{shared} completed run(s) shared the machine and count in no time."]
+    if elsewhere:
+        lines += [
+            "",
+            f"{len(elsewhere)} completed run(s) ran on another device than {result['timing_device']} "
+            "and count in no time.",
+        ]
     if result["excluded"]:
         lines += ["", "Not in the statistics:", ""]
         lines += [f"- {e['run']}: {e['status']}" for e in result["excluded"]]
