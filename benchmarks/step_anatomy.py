@@ -10,14 +10,14 @@ the optimised HLO of the entry computation (the refresh branch excluded):
 - scratch: XLA's ``temp_size_in_bytes`` (buffers besides arguments and outputs, refresh branch
   included).
 
-Nothing is run, so the figures do not vary from run to run. ``--target h100`` compiles for an
-NVIDIA H100 without one (XLA's deviceless GPU compilation; needs the JAX CUDA plugin,
+Nothing is run, so the figures do not vary from run to run. ``--target h100`` (``h200``) compiles
+for an NVIDIA H100 (H200) without one (XLA's deviceless GPU compilation; needs the JAX CUDA plugin,
 ``pip install "jax[cuda12]"``, and no GPU); ``--target local`` compiles for the default backend.
 Without a device there is no autotuning, so GEMM tilings differ from a real run; fusion decisions
 and buffer sizes do not depend on it.
 
 Usage:
-  python benchmarks/step_anatomy.py [--size 350m] [--target local|h100] [--only NAME ...] [--out FILE]
+  python benchmarks/step_anatomy.py [--size 350m] [--target local|h100|h200] [--only NAME ...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import re
 import sys
 
 # A deviceless CUDA compilation must not try to open a GPU (set before JAX is imported).
-if "h100" in sys.argv or "--target=h100" in sys.argv:
+if any(t in sys.argv or f"--target={t}" in sys.argv for t in ("h100", "h200")):  # TARGETS' names
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
@@ -38,11 +38,31 @@ import optax
 from _args import check_names, check_out
 from optimizer_step import SIZES, llama2_params, optimizers
 
-# Facts of an NVIDIA H100 80GB HBM3 (SXM) for XLA's deviceless GPU compiler (GpuTargetConfig).
-# The cuDNN version is stated twice: jaxlib 0.11 dropped ``dnn_version_info`` (its parser passes
-# over it) and reads ``gpu_device_info.dnn_version``, which 0.10 has too. The CUDA runtime is the
-# installed plugin's (``{cuda}``): 12.8 for jax-cuda12-plugin, 13.0 for jax-cuda13-plugin.
-H100_TARGET_CONFIG = """
+# Facts of the GPUs XLA's deviceless compiler can target without one (GpuTargetConfig): the
+# Hopper chip's, and each card's memory, bandwidth and L2. H100: the 80GB HBM3 SXM card
+# (nvidia-smi: 81559 MiB; XLA's device memory is 565 MiB less). H200: the SXM card the device
+# tool lends (nvidia-smi: 143771 MiB, taken here as 565 MiB less too; 60 MiB of L2 as PyTorch
+# reported it there; the datasheet's 4.8 TB/s).
+TARGETS = {
+    "h100": {
+        "description": "NVIDIA H100 80GB HBM3",
+        "memory_bytes": 84929347584,
+        "memory_bandwidth": 3352320000000,
+        "l2_cache_size": 52428800,
+    },
+    "h200": {
+        "description": "NVIDIA H200",
+        "memory_bytes": (143771 - 565) * 2**20,
+        "memory_bandwidth": 4800000000000,
+        "l2_cache_size": 62914560,
+    },
+}
+
+# The GpuTargetConfig of a target of ``TARGETS``. The cuDNN version is stated twice: jaxlib 0.11
+# dropped ``dnn_version_info`` (its parser passes over it) and reads
+# ``gpu_device_info.dnn_version``, which 0.10 has too. The CUDA runtime is the installed plugin's
+# (``{cuda}``): 12.8 for jax-cuda12-plugin, 13.0 for jax-cuda13-plugin.
+TARGET_CONFIG = """
 gpu_device_info {{
   threads_per_block_limit: 1024
   threads_per_warp: 32
@@ -54,10 +74,10 @@ gpu_device_info {{
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: 3352320000000
-  l2_cache_size: 52428800
+  memory_bandwidth: {memory_bandwidth}
+  l2_cache_size: {l2_cache_size}
   clock_rate_ghz: 1.98
-  device_memory_size: 84929347584
+  device_memory_size: {memory_bytes}
   shared_memory_per_block_optin: 232448
   cuda_compute_capability {{ major: 9 }}
   registers_per_core_limit: 65536
@@ -67,12 +87,12 @@ gpu_device_info {{
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 7 }}
 runtime_version {{ {cuda} }}
-device_description_str: "NVIDIA H100 80GB HBM3"
+device_description_str: "{description}"
 """
 
 
-def h100_target_config() -> str:
-    """``H100_TARGET_CONFIG`` for the CUDA plugin JAX has (its runtime's major version)."""
+def target_config(target: str = "h100") -> str:
+    """``TARGET_CONFIG`` for ``target`` and the CUDA plugin JAX has (its runtime's major version)."""
     import importlib.metadata
 
     try:
@@ -80,7 +100,7 @@ def h100_target_config() -> str:
         cuda = "major: 13 minor: 0"
     except importlib.metadata.PackageNotFoundError:
         cuda = "major: 12 minor: 8"
-    return H100_TARGET_CONFIG.format(cuda=cuda)
+    return TARGET_CONFIG.format(cuda=cuda, **TARGETS[target])
 
 
 _DTYPE_BYTES = {
@@ -147,17 +167,16 @@ def _placement(target: str):
 
     try:
         topology = topologies.get_topology_desc(
-            platform="cuda", target_config=h100_target_config(), topology="1x1x1"
+            platform="cuda", target_config=target_config(target), topology="1x1x1"
         )
     except (NotImplementedError, RuntimeError) as e:  # no CUDA plugin: "topology not implemented"
         sys.exit(
-            f"error: --target h100 compiles with JAX's CUDA plugin ({e}): pip install "
+            f"error: --target {target} compiles with JAX's CUDA plugin ({e}): pip install "
             f"jax-cuda12-plugin=={jax.__version__} (no GPU is needed)"
         )
     mesh = topologies.make_mesh(topology, (1,), ("d",))
-    return jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec()
-    ), "NVIDIA H100 80GB HBM3 (deviceless)"
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return sharding, f"{TARGETS[target]['description']} (deviceless)"
 
 
 def anatomy(tx: optax.GradientTransformation, params, sharding) -> dict:
@@ -186,7 +205,7 @@ def anatomy(tx: optax.GradientTransformation, params, sharding) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="350m", choices=sorted(SIZES))
-    parser.add_argument("--target", default="local", choices=("local", "h100"))
+    parser.add_argument("--target", default="local", choices=("local", *TARGETS))
     parser.add_argument("--only", nargs="*", help="subset of optimizer names")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

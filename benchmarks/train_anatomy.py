@@ -10,8 +10,9 @@ micro-batches with gradients accumulated in a ``lax.scan``, the optimizer update
 - memory: XLA's memory analysis of the compiled step: arguments (parameters, optimizer state,
   tokens), outputs, the bytes outputs share with donated arguments, and temporaries (activations
   kept for the backward pass, gradients, the accumulator, the refresh branch's scratch). The peak is
-  arguments + outputs - aliased + temporaries: what the step holds at once, against the H100's
-  80 GB (79.1 GiB) and against the 75% of it JAX's allocator takes by default;
+  arguments + outputs - aliased + temporaries: what the step holds at once, against the target
+  card's memory (the H100's 80 GB: 79.1 GiB; the H200's: 139.9 GiB) and against the 75% of it
+  JAX's allocator takes by default;
 - kernels: launching instructions of the program (fusions, library and custom calls, copies) in
   the entry computation and the loops and branches it runs, each counted once; launches: those
   weighted by the loops' trip counts (the micro-batch scan, the layer scan), taking at each
@@ -19,13 +20,14 @@ micro-batches with gradients accumulated in a ``lax.scan``, the optimizer update
 - cudnn: the cuDNN custom calls in the program (``__cudnn$fmhaSoftmax`` forward and
   ``...Backward``): flash attention lowered.
 
-These are compile-time figures, not measurements of a run. ``--target h100`` compiles for an
-NVIDIA H100 without one (XLA's deviceless GPU compilation, as ``step_anatomy.py``; needs the JAX
+These are compile-time figures, not measurements of a run. ``--target h100`` (``h200``) compiles
+for an NVIDIA H100 (H200) without one (XLA's deviceless GPU compilation, as ``step_anatomy.py``;
+its memory also sets XLA's own rematerialisation target; needs the JAX
 CUDA plugin, no GPU). Without a device there is no autotuning and cuDNN builds no graph (its
 workspace is not in the figures); buffer sizes and fusion do not depend on either.
 
 Usage:
-  python benchmarks/train_anatomy.py --target h100 [--models llama2-350m llama2-1b]
+  python benchmarks/train_anatomy.py --target h100|h200 [--models llama2-350m llama2-1b]
       [--remat none dots full] [--layers scanned unrolled] [--attention xla cudnn]
       [--micro-batch 128] [--loss-chunk 0 32] [--optimizer moara_full] [--xla-flag-sets SET ...]
       [--out FILE.json]
@@ -43,19 +45,19 @@ import sys
 import time
 
 # A deviceless CUDA compilation must not try to open a GPU (set before JAX is imported).
-if "h100" in sys.argv or "--target=h100" in sys.argv:
+if any(t in sys.argv or f"--target={t}" in sys.argv for t in ("h100", "h200")):  # step_anatomy.TARGETS
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
 from _args import check_micro_batches, check_names, check_out, non_negative, positive
+from step_anatomy import TARGETS
 from train_step import apply_flag_sets, compiled_peak_bytes, optimizers
 
 import models
 from train.step import TrainState, make_train_step
 from train.xla_flags import GPU_FLAG_SETS
 
-H100_BYTES = 84929347584  # device_memory_size of step_anatomy's H100 target (79.1 GiB)
 JAX_DEFAULT_MEM_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION's default
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([\w\-]+)\((.*)$")
@@ -170,7 +172,7 @@ def _placement(target: str):
     """The sharding (None: the default device) and device label of the compilation target."""
     if target == "local":
         return None, jax.devices()[0].device_kind
-    from step_anatomy import _placement as step_placement
+    from step_anatomy import _placement as step_placement  # noqa: PLC0415
 
     return step_placement(target)
 
@@ -182,8 +184,17 @@ def abstract_state(cfg: models.ModelConfig, tx, sharding) -> TrainState:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
 
 
-def anatomy(cfg: models.ModelConfig, tx, batch: int, micro_batch: int, seq_len: int, sharding) -> dict:
-    """Memory, kernels and cuDNN calls of the compiled, donated training step of ``cfg``."""
+def anatomy(
+    cfg: models.ModelConfig,
+    tx,
+    batch: int,
+    micro_batch: int,
+    seq_len: int,
+    sharding,
+    memory_bytes: int | None,
+) -> dict:
+    """Memory, kernels and cuDNN calls of the compiled, donated training step of ``cfg``, its
+    peak against a device of ``memory_bytes`` (None: unknown)."""
     state = abstract_state(cfg, tx, sharding)
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=sharding)
     step = jax.jit(make_train_step(cfg, tx, batch // micro_batch), donate_argnums=0)
@@ -198,18 +209,34 @@ def anatomy(cfg: models.ModelConfig, tx, batch: int, micro_batch: int, seq_len: 
         "alias_bytes": m.alias_size_in_bytes,
         "temp_bytes": m.temp_size_in_bytes,
         "peak_bytes": peak,
-        "fits_h100": peak <= H100_BYTES,
-        "fits_jax_default_pool": peak <= JAX_DEFAULT_MEM_FRACTION * H100_BYTES,
+        "device_memory_bytes": memory_bytes,
+        "fits_device": None if memory_bytes is None else peak <= memory_bytes,
+        "fits_jax_default_pool": None
+        if memory_bytes is None
+        else peak <= JAX_DEFAULT_MEM_FRACTION * memory_bytes,
         "compile_s": compile_s,
         **program_kernels(compiled.as_text()),
     }
+
+
+def device_memory(target: str) -> int | None:
+    """The memory of ``target``'s card in bytes: a deviceless target's, or what the local device
+    says it may use (None where it does not say, as a CPU)."""
+    if target in TARGETS:
+        return TARGETS[target]["memory_bytes"]
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
 
 
 def table(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
     lines = [
         "| model | remat | layers | attention | micro-batch | loss chunk | peak (GiB) | temp (GiB) | "
-        "fits 80 GB | fits 75% | kernels | launches/step | cuDNN calls |",
+        "fits the card | fits 75% | kernels | launches/step | cuDNN calls |",
         "|---|---|---|---|---:|---:|---:|---:|---|---|---:|---:|---|",
     ]
     for r in rows:
@@ -218,7 +245,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['model']} | {r['remat']} | {r['layers']} | {r['attention']} | {r['micro_batch']} | "
             f"{r.get('loss_chunk', 0) or 'none'} | "
             f"{r['peak_bytes'] / 2**30:.1f} | {r['temp_bytes'] / 2**30:.1f} | "
-            f"{'yes' if r['fits_h100'] else 'no'} | {'yes' if r['fits_jax_default_pool'] else 'no'} | "
+            f"{yes_no(r['fits_device'])} | {yes_no(r['fits_jax_default_pool'])} | "
             f"{r['kernels']} | {r['launches_plain_step']} | {cudnn} |"
         )
     return "\n".join(lines)
@@ -226,7 +253,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="local", choices=("local", "h100"))
+    parser.add_argument("--target", default="local", choices=("local", *TARGETS))
     parser.add_argument("--models", nargs="+", default=["llama2-350m", "llama2-1b"])
     parser.add_argument("--remat", nargs="+", default=["none", "dots", "full"])
     parser.add_argument(
@@ -256,9 +283,11 @@ def main() -> None:
     apply_flag_sets(args.xla_flag_sets)  # before the backend starts
 
     sharding, device = _placement(args.target)
+    memory = device_memory(args.target)
     tx = optimizers(256, 32)[args.optimizer]
     result = {
         "device": device,
+        "device_memory_bytes": memory,
         "jax": jax.__version__,
         "optimizer": args.optimizer,
         "batch": args.batch,
@@ -281,7 +310,7 @@ def main() -> None:
             model=name, remat=remat, layers=layers, attention=attention, micro_batch=micro, loss_chunk=chunk
         )
         try:
-            row |= anatomy(cfg, tx, args.batch, micro, args.seq_len, sharding)
+            row |= anatomy(cfg, tx, args.batch, micro, args.seq_len, sharding, memory)
         except Exception as e:  # a configuration XLA cannot compile is a result too
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(json.dumps(row), flush=True)

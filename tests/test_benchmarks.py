@@ -30,10 +30,12 @@ def test_entry_kernels_counts_one_fusion_and_its_bytes():
     assert traffic == 2 * 4 * 1000  # one f32[1000] read, one written
 
 
+@pytest.mark.parametrize("target", sorted(step_anatomy.TARGETS))
 @pytest.mark.parametrize("plugin, runtime", [("jax-cuda12-plugin", 12), ("jax-cuda13-plugin", 13)])
-def test_h100_target_config_suits_the_installed_cuda_plugin(monkeypatch, plugin, runtime):
-    """The deviceless H100 target: the CUDA runtime of the plugin JAX has, and the cuDNN version
-    where jaxlib 0.10 reads it and where 0.11 does (it dropped ``dnn_version_info``)."""
+def test_deviceless_target_configs_suit_the_installed_cuda_plugin(monkeypatch, plugin, runtime, target):
+    """The deviceless H100 and H200 targets: the CUDA runtime of the plugin JAX has, the cuDNN
+    version where jaxlib 0.10 reads it and where 0.11 does (it dropped ``dnn_version_info``), and
+    the card's own memory and name."""
     import importlib.metadata
 
     def version(name):
@@ -42,7 +44,10 @@ def test_h100_target_config_suits_the_installed_cuda_plugin(monkeypatch, plugin,
         return "0.11.2"
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    config = step_anatomy.h100_target_config()
+    config = step_anatomy.target_config(target)
+    facts = step_anatomy.TARGETS[target]
+    assert f"device_memory_size: {facts['memory_bytes']}\n" in config
+    assert config.rstrip().endswith(f'device_description_str: "{facts["description"]}"')
     assert f"runtime_version {{ major: {runtime} " in config
     assert 'dnn_version: "9.7.0"' in config and "dnn_version_info { major: 9 minor: 7 }" in config
     assert config.count("{") == config.count("}") and "{cuda}" not in config
@@ -238,7 +243,7 @@ def test_program_kernels_weights_loops_by_trip_count_and_takes_the_smaller_branc
 @pytest.mark.slow
 def test_train_anatomy_counts_the_micro_batch_loop_and_the_memory():
     """Smaller micro-batches of the same batch: more trips of the accumulation loop (more launches)
-    and less activation memory."""
+    and less activation memory; the peak against the card's memory and JAX's default 75% of it."""
     import train_anatomy
     import train_step
 
@@ -246,7 +251,7 @@ def test_train_anatomy_counts_the_micro_batch_loop_and_the_memory():
 
     cfg = models.get_config("llama2-tiny", param_dtype="bfloat16", dtype="bfloat16")
     tx = train_step.optimizers(r_base=8, block=16)["adamw"]
-    runs = [train_anatomy.anatomy(cfg, tx, 8, micro, 16, None) for micro in (4, 2, 1)]  # 2, 4, 8 trips
+    runs = [train_anatomy.anatomy(cfg, tx, 8, micro, 16, None, None) for micro in (4, 2, 1)]  # 2, 4, 8 trips
     launches = [r["launches_plain_step"] for r in runs]
     assert launches[0] < launches[1] < launches[2] and launches[1] > runs[1]["kernels"]
     assert runs[0]["peak_bytes"] > runs[1]["peak_bytes"] > runs[2]["peak_bytes"]
@@ -270,6 +275,13 @@ def test_train_anatomy_counts_the_micro_batch_loop_and_the_memory():
 
     assert last_line(row).startswith("| m | dots | scanned | xla | 4 | none |")
     assert last_line(row | {"loss_chunk": 32}).startswith("| m | dots | scanned | xla | 4 | 32 |")
+    assert (runs[0]["fits_device"], runs[0]["fits_jax_default_pool"]) == (None, None)  # memory unknown
+    assert " | - | - | " in last_line(row)
+    # A card just big enough for the middle one's peak: it fits, not in JAX's default 75%.
+    card = runs[1]["peak_bytes"]
+    sized = [train_anatomy.anatomy(cfg, tx, 8, micro, 16, None, card) for micro in (4, 2)]
+    assert [(r["fits_device"], r["fits_jax_default_pool"]) for r in sized] == [(False, False), (True, False)]
+    assert " | no | no | " in last_line(row | sized[0]) and " | yes | no | " in last_line(row | sized[1])
 
 
 def test_train_step_benchmark_builds_the_asked_model():
@@ -688,6 +700,10 @@ def test_gpu_session_variants_run_over_the_paper_settings():
     flag_sets = [args[1] for _, args in gpu_session.variant_list(session, "flags")[1:-1]]
     assert flag_sets == list(GPU_FLAG_SETS)
     assert ("loss in chunks of 32", ["--loss-chunk", "32"]) in gpu_session.variant_list(session, "model")
+    combined = ["--remat", "none", "--layers", "unrolled", "--micro-batch", "256"]
+    assert ("remat none, unrolled layers, micro-batch 256", combined) in gpu_session.variant_list(
+        session, "model"
+    )
     # The baseline: configs/paper/llama2-350m.yaml's model settings (remat dots; the preset's
     # scanned layers; 60M: none, unrolled), then --jax-args; no paper config, train_step's defaults.
     assert gpu_session.paper_args("llama2-350m") == ["--remat", "dots", "--layers", "scanned"]
@@ -783,6 +799,11 @@ def test_sharded_step_counts_fewer_collective_bytes_with_activation_rules(tmp_pa
             ["--target=h100", "--size", "tiny"],
             "--target h100 compiles with JAX's CUDA plugin",
         ),
+        (
+            "train_anatomy",
+            ["--target", "h200", "--models", "tiny"],
+            "--target h200 compiles with JAX's CUDA plugin",
+        ),
     ],
 )
 def test_a_benchmarks_bad_arguments_are_one_line_before_any_work(script, argv, message, monkeypatch, capsys):
@@ -790,8 +811,8 @@ def test_a_benchmarks_bad_arguments_are_one_line_before_any_work(script, argv, m
     the batch (run as another one), a mesh of the wrong size, a GPU-only script on a CPU and a
     deviceless H100 compile without JAX's CUDA plugin each ended in a traceback, some after
     minutes of timing."""
-    if script == "step_anatomy" and any("cuda" in p for p in _plugins()):
-        pytest.skip("JAX's CUDA plugin is installed: the H100 target compiles")
+    if script in ("step_anatomy", "train_anatomy") and any("cuda" in p for p in _plugins()):
+        pytest.skip("JAX's CUDA plugin is installed: the deviceless targets compile")
     if script == "fused_kernel" and jax.default_backend() == "gpu":
         pytest.skip("a GPU: the kernels would be timed")
     module = __import__(script)
