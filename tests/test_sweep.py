@@ -210,12 +210,15 @@ def test_report_statistics_on_hand_made_runs(tmp_path):
     assert [s["steps"] for s in full["seeds"]] == [20, 30, 20]
     assert result["excluded"] == [{"run": "galore-seed2", "status": "failed"}]
     text = (tmp_path / "report.md").read_text()
-    # point | runs | final ppl | steps, reduction, per seed | time (s), reduction, per seed
+    # point | runs | final ppl, p | steps, reduction, per seed | time (s), reduction, per seed
+    # (p: of the 10 splits of the five final ppl into 3 and 2, only the observed one has means 3 apart)
+    assert galore["final_ppl_p"] is None and full["final_ppl_p"] == pytest.approx(0.1)
     assert (
-        "| galore | 2 (1 reached, 2 timed) | 21.000 ± 1.414 | 30 | +0.0% | 30 | 30.0 | +0.0% | 30.0 |" in text
+        "| galore | 2 (1 reached, 2 timed) | 21.000 ± 1.414 | - | 30 | +0.0% | 30 | 30.0 | +0.0% | 30.0 |"
+        in text
     )
     assert (
-        "| full | 3 (3 reached, 3 timed) | 18.000 ± 1.000 | 20 | +33.3% | 23 ± 6 | 26.7 | +11.1% "
+        "| full | 3 (3 reached, 3 timed) | 18.000 ± 1.000 | 0.10 | 20 | +33.3% | 23 ± 6 | 26.7 | +11.1% "
         "| 33.3 ± 23.1 |" in text
     )
     assert "- galore-seed2: failed" in text
@@ -223,6 +226,21 @@ def test_report_statistics_on_hand_made_runs(tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 0
     with pytest.raises(UserError, match="--baseline nope is not a grid point"):
         sweep.report(tmp_path, runs, baseline="nope")
+
+
+def test_permutation_p_is_the_share_of_splits_whose_means_differ_as_much():
+    # Every seed of one side above every seed of the other: only the observed split and its
+    # mirror (equal sizes) are that far apart, 2 of C(6, 3) = 20.
+    assert sweep.permutation_p([50.8, 50.7, 50.3], [49.8, 47.7, 49.7]) == pytest.approx(0.1)
+    # Sides of 2 and 3: the observed split alone is that far, 1 of C(5, 2) = 10.
+    assert sweep.permutation_p([52.3, 51.9], [49.8, 47.7, 49.7]) == pytest.approx(0.1)
+    # The same values on both sides: every split differs at least as much (by 0).
+    assert sweep.permutation_p([1.0, 1.0], [1.0, 1.0]) == 1.0
+    # Interleaved: 1, 3 against 2, 4 differ by 1; the splits (1,2|3,4) and (3,4|1,2) by 2, (1,4|2,3)
+    # and (2,3|1,4) by 0: 4 of 6 as far or farther.
+    assert sweep.permutation_p([1.0, 3.0], [2.0, 4.0]) == pytest.approx(4 / 6)
+    assert sweep.permutation_p([], [1.0]) is None and sweep.permutation_p([1.0], []) is None
+    assert sweep.permutation_p([1.0] * 11, [2.0] * 11) is None  # C(22, 11) = 705,432 splits: too many
 
 
 def test_report_times_only_the_runs_that_had_the_machine_to_themselves(tmp_path):
@@ -273,10 +291,10 @@ def test_report_times_only_the_runs_that_had_the_machine_to_themselves(tmp_path)
     ]
     text = (tmp_path / "report.md").read_text()
     assert (
-        "| full | 3 (3 reached, 1 timed) | 18.000 ± 1.000 | 20 | +33.3% | 23 ± 6 | 40.0 | -33.3% | 60.0 |"
-        in text
+        "| full | 3 (3 reached, 1 timed) | 18.000 ± 1.000 | 0.10 | 20 | +33.3% | 23 ± 6 | 40.0 "
+        "| -33.3% | 60.0 |" in text
     )
-    assert "| rank | 1 (1 reached, 0 timed) | 19.000 | 30 | +0.0% | 30 | - | - | - |" in text
+    assert "| rank | 1 (1 reached, 0 timed) | 19.000 | 0.67 | 30 | +0.0% | 30 | - | - | - |" in text
     assert (
         "- full: seed 0: ppl 18.000, 20 steps (shared the machine: no time); "
         "seed 1: ppl 19.000, 30 steps, 60.0 s" in text
@@ -369,7 +387,7 @@ def test_report_without_a_completed_baseline_gives_the_final_ppl_and_says_so(tmp
     ]
     text = (tmp_path / "report.md").read_text()
     assert text.startswith("No target: the baseline `galore` has no completed run yet")
-    assert "| full | 2 (0 reached, 0 timed) | 19.000 ± 1.414 | - | - | - | - | - | - |" in text
+    assert "| full | 2 (0 reached, 0 timed) | 19.000 ± 1.414 | - | - | - | - | - | - | - |" in text
     assert "- full: seed 0: ppl 18.000, no target; seed 1: ppl 20.000, no target" in text
     assert result["points"]["full"]["mean_curve"] == {"steps_to_target": None, "time_to_target_s": None}
     assert "- galore-seed0: resumable" in text and "- galore-seed1: new, no evaluation" in text

@@ -13,7 +13,8 @@ run's config is loaded and checked before the first run starts.
 A run that fails or diverges is reported and left out of the statistics, never averaged.
 
 The report (``report.md``, ``report.json``, ``report.png``): per grid point, the mean and
-standard deviation over seeds of the final eval ppl; the steps and wall-clock time at which the
+standard deviation over seeds of the final eval ppl, and the p-value of an exact permutation test
+of its mean against the baseline's (``permutation_p``); the steps and wall-clock time at which the
 point's mean curve (eval ppl averaged over its seeds at each evaluation) reaches the baseline
 point's mean final ppl, and the reductions against the baseline in % from them; the mean and
 standard deviation of the same figures over the seeds that reach the target on their own (a seed
@@ -22,7 +23,8 @@ seed's; eval-ppl curves with a band of one standard deviation over seeds, agains
 against wall-clock. Until the baseline has a completed run the report gives the final ppl
 alone and says so. The wall-clock figures come only from runs that had the machine to
 themselves: runs that ran at the same time on one host are flagged and count in no time (nor
-does a run the caller names as having shared it); runs on different devices are flagged.
+does a run the caller names as having shared it), and from one device, the one the baseline's
+timed runs had: a run on another counts in no time either.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import pathlib
 import signal
@@ -261,6 +264,30 @@ def _stats(values: list[float]) -> dict:
     }
 
 
+# An exact permutation test counts every split of the pooled seeds: at most this many (10 + 10
+# seeds make 184,756), beyond which no p-value is given.
+MAX_SPLITS = 200_000
+
+
+def permutation_p(a: list[float], b: list[float]) -> float | None:
+    """The two-sided p-value of an exact permutation test of the mean of ``a`` against that of
+    ``b``: the share of the splits of the pooled values into groups of their sizes whose means
+    differ at least as much as the observed split's (itself included), so it is never 0: at
+    least 1 / C(n, len(a)), twice that for groups of equal size (0.1 for 3 and 3, and for 2 and
+    3). None without a value on each side or with more splits than ``MAX_SPLITS``."""
+    if not a or not b or math.comb(len(a) + len(b), len(a)) > MAX_SPLITS:
+        return None
+    pool, total = a + b, math.fsum(a + b)
+    observed = abs(statistics.fmean(a) - statistics.fmean(b))
+    tolerance = 1e-9 * max(1.0, observed)  # the observed split, summed in another order
+    as_far = splits = 0
+    for chosen in itertools.combinations(pool, len(a)):
+        part = math.fsum(chosen)
+        splits += 1
+        as_far += abs(part / len(a) - (total - part) / len(b)) >= observed - tolerance
+    return as_far / splits
+
+
 def grid_points(runs: list[Run], baseline: str | None = None) -> list[str]:
     """The grid's points in order, once ``baseline`` (when given) is found among them."""
     points = list(dict.fromkeys(r.point for r in runs))
@@ -336,6 +363,9 @@ def report(
             "timed": sum(s["timed"] for s in seeds),
             "seeds": seeds,
         }
+    finals = {point: [s["final_ppl"] for s in row["seeds"]] for point, row in rows.items()}
+    for point, row in rows.items():
+        row["final_ppl_p"] = None if point == baseline else permutation_p(finals[point], finals[baseline])
     base = rows[baseline]["mean_curve"]
     for row in rows.values():
         for key, red in (
@@ -416,7 +446,11 @@ def markdown(result: dict) -> str:
         "how many did; a seed whose final ppl is above the target never does). Times come from "
         "the runs that had the machine to themselves alone (`timed`): a run that shared it with "
         "another ran slower for it, by an amount nothing here measures. The mean curve's time at "
-        "a step is the mean wall-clock of the point's timed seeds there."
+        "a step is the mean wall-clock of the point's timed seeds there. `p`: whether the final ppl "
+        "differs from the baseline's more than its seeds do, the two-sided p-value of an exact "
+        "permutation test of the two means over the seeds; with few seeds it cannot be small: at "
+        "least 1 / C(n, k) for k seeds against n - k, twice that where k = n - k (0.1 for 3 against "
+        "3, and for 2 against 3)."
         + (
             f" All times are {result['timing_device']}'s, the device the baseline's timed runs had "
             "(else most timed runs): a run on another device counts in no time."
@@ -424,15 +458,15 @@ def markdown(result: dict) -> str:
             else ""
         ),
         "",
-        "| point | runs | final ppl | steps to target | step reduction | per seed | time to target (s) "
+        "| point | runs | final ppl | p | steps to target | step reduction | per seed | time to target (s) "
         "| time reduction | per seed (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for point, row in result["points"].items():
         curve = row["mean_curve"]
         lines.append(
             f"| {point} | {row['final_ppl']['n']} ({row['reached']} reached, {row['timed']} timed) | "
-            f"{_pm(row['final_ppl'], '.3f')} | "
+            f"{_pm(row['final_ppl'], '.3f')} | {num(row.get('final_ppl_p'), '.2f')} | "
             f"{num(curve['steps_to_target'], 'd')} | {pct(row['step_reduction_pct'])} | "
             f"{_pm(row['steps_to_target'], '.0f')} | "
             f"{num(curve['time_to_target_s'], '.1f')} | {pct(row['time_reduction_pct'])} | "
