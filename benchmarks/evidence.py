@@ -414,6 +414,31 @@ def timed_points(plan: Plan, alone: Callable[[Planned], bool]) -> set[tuple[str,
     return {(p.experiment, p.run.point) for p in plan.runs if alone(p)}
 
 
+def report_points(plan: Plan, experiment: str) -> tuple[list[str], str]:
+    """The grid points of ``experiment``'s report and its baseline point (the report's
+    ``baseline``, else its first point, as ``train.sweep.report`` takes it); without a report,
+    the points of the experiment's runs in the plan, the first of them the baseline."""
+    for rep in plan.reports:
+        if rep["experiment"] == experiment:
+            points = sweep.grid_points(sweep.expand(plan.base, rep["axes"], rep["seeds"]))
+            return points, rep.get("baseline") or points[0]
+    points = list(dict.fromkeys(p.run.point for p in plan.runs if p.experiment == experiment))
+    return points, points[0]
+
+
+def timing_device(plan: Plan, experiment: str, alone: Callable[[Planned], dict | None]) -> str | None:
+    """The device ``experiment``'s report times it on, by the report's rule
+    (``train.sweep.report``): the one most of its baseline point's runs that had a device to
+    themselves had (``alone``: a run's ``alone_record``, where it is looked for), else most of its
+    report's runs that did; None before any did."""
+    points, baseline = report_points(plan, experiment)
+    runs = [p for p in plan.runs if p.experiment == experiment and p.run.point in points]
+    devices = {p: record.get("device") for p in runs if (record := alone(p)) is not None}
+    return sweep.most_common([d for p, d in devices.items() if p.run.point == baseline]) or sweep.most_common(
+        list(devices.values())
+    )
+
+
 def sharing_costs(measured: list[Measured]) -> dict[int, float]:
     """Device-seconds per training step at each number of runs sharing the device that finished
     training runs measured: a run's seconds per step over its concurrency, averaged over a level's
@@ -829,15 +854,15 @@ class Runner:
         return (planned.experiment, planned.run.point) not in timed
 
     def timed_elsewhere(self, planned: Planned) -> str | None:
-        """The device of the committed runs of ``planned``'s experiment that had one to themselves,
-        where that is not this machine's: a timing run here would time its grid point on another
-        device than the experiment's other points, which the report leaves out of its times."""
-        records = [
-            alone_record(self.where(p, False)) for p in self.plan.runs if p.experiment == planned.experiment
-        ]
-        # (a record without a device, an older one's: unknown)
-        devices = {r.get("device") for r in records if r is not None and isinstance(r.get("device"), str)}
-        return None if not devices or self.device in devices else ", ".join(sorted(devices))
+        """The device the report times ``planned``'s experiment on (``timing_device``, from its
+        runs that had one to themselves, committed or finished here), where that is not this
+        machine's: a timing run here would count in no time of the report."""
+        device = timing_device(
+            self.plan,
+            planned.experiment,
+            lambda p: alone_record(self.where(p, False)) or alone_record(self.where(p, True)),
+        )
+        return device if device is not None and device != self.device else None
 
     def untimed_here(self, todo: list[Planned]) -> dict[str, str]:
         """The experiments of ``todo`` timed on another device than this one, with that device."""
@@ -1305,9 +1330,12 @@ def cmd_status(args) -> int:
     # The estimates at the level --concurrent auto starts with, where the runs come from one device.
     costs = sharing_costs(measured) if len(devices) == 1 else {}
     level = choose_level(costs, LEVELS[-1])[0] if costs else 1
-    # The grid points a committed run timed (it had the device to itself); the run has no record
-    # of another device here, so the runner may still time one there again (``needs_alone``).
-    timed = timed_points(plan, lambda p: ran_alone(root / plan.results / p.experiment / p.run.name))
+    # The grid points a committed run timed (it had the device to itself), and the device each
+    # experiment is timed on: a machine of another has no timing runs of it (``needs_alone``).
+    committed = lambda p: root / plan.results / p.experiment / p.run.name  # noqa: E731
+    timed = timed_points(plan, lambda p: ran_alone(committed(p)))
+    experiments = dict.fromkeys(p.experiment for p in plan.runs)
+    timing = {e: timing_device(plan, e, lambda p: alone_record(committed(p))) for e in experiments}
     for planned in plan.runs:
         state = RunDir(root / plan.results / planned.experiment / planned.run.name).state()
         local = RunDir(root / SCRATCH / "runs" / planned.experiment / planned.run.name).state()
@@ -1325,7 +1353,9 @@ def cmd_status(args) -> int:
             point = (planned.experiment, planned.run.point)
             if planned.timed and config["mode"] == "train" and point not in timed:
                 timed.add(point)
-                text += "; runs alone: no run of its grid point timed yet"
+                device = timing.get(planned.experiment)
+                where = f" on {device} only (the report times {planned.experiment} there)" if device else ""
+                text += f"; runs alone{where}: no run of its grid point timed yet"
         print(f"{planned.name}: {text}")
     for device in devices:  # what --concurrent auto starts from there
         found = sharing_costs([m for m in measured if m.device == device])

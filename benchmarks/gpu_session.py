@@ -439,8 +439,8 @@ def variant_list(s: Session, group: str) -> list[tuple[str, list[str]]]:
             ("remat none", ["--remat", "none"]),
             ("unrolled layers", ["--layers", "unrolled"]),
             (f"micro-batch {large}", ["--micro-batch", large]),
-            # (62.9 GiB at 350M by the deviceless compile: inside the pool a child takes alone,
-            # JAX_ALONE_MEM_FRACTION, on an H100 and an H200)
+            # (62.9 GiB at 350M by the deviceless H200 compile: inside the pool a child takes
+            # alone, JAX_ALONE_MEM_FRACTION, of an H200, 125.9 GiB, and of an H100, 71.2 GiB)
             (
                 f"remat none, unrolled layers, micro-batch {large}",
                 ["--remat", "none", "--layers", "unrolled", "--micro-batch", large],

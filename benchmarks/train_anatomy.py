@@ -11,8 +11,8 @@ micro-batches with gradients accumulated in a ``lax.scan``, the optimizer update
   tokens), outputs, the bytes outputs share with donated arguments, and temporaries (activations
   kept for the backward pass, gradients, the accumulator, the refresh branch's scratch). The peak is
   arguments + outputs - aliased + temporaries: what the step holds at once, against the target
-  card's memory (the H100's 80 GB: 79.1 GiB; the H200's: 139.9 GiB) and against the 75% of it
-  JAX's allocator takes by default;
+  card's memory (the H100's 80 GB: 79.1 GiB; the H200's: 139.8 GiB) and against JAX's pool of it
+  (deviceless: the 75% JAX's allocator takes by default; on a local GPU: the pool it has);
 - kernels: launching instructions of the program (fusions, library and custom calls, copies) in
   the entry computation and the loops and branches it runs, each counted once; launches: those
   weighted by the loops' trip counts (the micro-batch scan, the layer scan), taking at each
@@ -191,10 +191,10 @@ def anatomy(
     micro_batch: int,
     seq_len: int,
     sharding,
-    memory_bytes: int | None,
+    memory: tuple[int | None, int | None],
 ) -> dict:
     """Memory, kernels and cuDNN calls of the compiled, donated training step of ``cfg``, its
-    peak against a device of ``memory_bytes`` (None: unknown)."""
+    peak against ``memory``: the card's bytes and those of JAX's pool (``device_memory``)."""
     state = abstract_state(cfg, tx, sharding)
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=sharding)
     step = jax.jit(make_train_step(cfg, tx, batch // micro_batch), donate_argnums=0)
@@ -209,23 +209,23 @@ def anatomy(
         "alias_bytes": m.alias_size_in_bytes,
         "temp_bytes": m.temp_size_in_bytes,
         "peak_bytes": peak,
-        "device_memory_bytes": memory_bytes,
-        "fits_device": None if memory_bytes is None else peak <= memory_bytes,
-        "fits_jax_default_pool": None
-        if memory_bytes is None
-        else peak <= JAX_DEFAULT_MEM_FRACTION * memory_bytes,
+        "fits_device": None if memory[0] is None else peak <= memory[0],
+        "fits_jax_pool": None if memory[1] is None else peak <= memory[1],
         "compile_s": compile_s,
         **program_kernels(compiled.as_text()),
     }
 
 
-def device_memory(target: str) -> int | None:
-    """The memory of ``target``'s card in bytes: a deviceless target's, or what the local device
-    says it may use (None where it does not say, as a CPU)."""
+def device_memory(target: str) -> tuple[int | None, int | None]:
+    """``(card, pool)``: the bytes of ``target``'s card and of the pool JAX's allocator takes of
+    it: a deviceless target's memory and JAX's default 75% of it; on the local device, the pool
+    its allocator has (``bytes_limit``: the fraction in effect, the card unknown); None where a
+    device does not say (a CPU)."""
     if target in TARGETS:
-        return TARGETS[target]["memory_bytes"]
+        card = TARGETS[target]["memory_bytes"]
+        return card, int(JAX_DEFAULT_MEM_FRACTION * card)
     stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
+    return None, stats.get("bytes_limit")
 
 
 def yes_no(value: bool | None) -> str:
@@ -236,7 +236,7 @@ def table(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
     lines = [
         "| model | remat | layers | attention | micro-batch | loss chunk | peak (GiB) | temp (GiB) | "
-        "fits the card | fits 75% | kernels | launches/step | cuDNN calls |",
+        "fits the card | fits JAX's pool | kernels | launches/step | cuDNN calls |",
         "|---|---|---|---|---:|---:|---:|---:|---|---|---:|---:|---|",
     ]
     for r in rows:
@@ -245,7 +245,7 @@ def table(rows: list[dict]) -> str:
             f"| {r['model']} | {r['remat']} | {r['layers']} | {r['attention']} | {r['micro_batch']} | "
             f"{r.get('loss_chunk', 0) or 'none'} | "
             f"{r['peak_bytes'] / 2**30:.1f} | {r['temp_bytes'] / 2**30:.1f} | "
-            f"{yes_no(r['fits_device'])} | {yes_no(r['fits_jax_default_pool'])} | "
+            f"{yes_no(r['fits_device'])} | {yes_no(r['fits_jax_pool'])} | "
             f"{r['kernels']} | {r['launches_plain_step']} | {cudnn} |"
         )
     return "\n".join(lines)
@@ -287,7 +287,8 @@ def main() -> None:
     tx = optimizers(256, 32)[args.optimizer]
     result = {
         "device": device,
-        "device_memory_bytes": memory,
+        "device_memory_bytes": memory[0],
+        "jax_pool_bytes": memory[1],
         "jax": jax.__version__,
         "optimizer": args.optimizer,
         "batch": args.batch,

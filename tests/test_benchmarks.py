@@ -243,7 +243,7 @@ def test_program_kernels_weights_loops_by_trip_count_and_takes_the_smaller_branc
 @pytest.mark.slow
 def test_train_anatomy_counts_the_micro_batch_loop_and_the_memory():
     """Smaller micro-batches of the same batch: more trips of the accumulation loop (more launches)
-    and less activation memory; the peak against the card's memory and JAX's default 75% of it."""
+    and less activation memory; the peak against the card's memory and JAX's pool of it."""
     import train_anatomy
     import train_step
 
@@ -251,7 +251,9 @@ def test_train_anatomy_counts_the_micro_batch_loop_and_the_memory():
 
     cfg = models.get_config("llama2-tiny", param_dtype="bfloat16", dtype="bfloat16")
     tx = train_step.optimizers(r_base=8, block=16)["adamw"]
-    runs = [train_anatomy.anatomy(cfg, tx, 8, micro, 16, None, None) for micro in (4, 2, 1)]  # 2, 4, 8 trips
+    runs = [
+        train_anatomy.anatomy(cfg, tx, 8, micro, 16, None, (None, None)) for micro in (4, 2, 1)
+    ]  # 2, 4, 8 trips
     launches = [r["launches_plain_step"] for r in runs]
     assert launches[0] < launches[1] < launches[2] and launches[1] > runs[1]["kernels"]
     assert runs[0]["peak_bytes"] > runs[1]["peak_bytes"] > runs[2]["peak_bytes"]
@@ -275,12 +277,17 @@ def test_train_anatomy_counts_the_micro_batch_loop_and_the_memory():
 
     assert last_line(row).startswith("| m | dots | scanned | xla | 4 | none |")
     assert last_line(row | {"loss_chunk": 32}).startswith("| m | dots | scanned | xla | 4 | 32 |")
-    assert (runs[0]["fits_device"], runs[0]["fits_jax_default_pool"]) == (None, None)  # memory unknown
+    assert (runs[0]["fits_device"], runs[0]["fits_jax_pool"]) == (None, None)  # memory unknown
     assert " | - | - | " in last_line(row)
-    # A card just big enough for the middle one's peak: it fits, not in JAX's default 75%.
+    # A deviceless target's pool is JAX's default 75% of its card; the local CPU says neither.
+    card = step_anatomy.TARGETS["h200"]["memory_bytes"]
+    assert train_anatomy.device_memory("h200") == (card, int(0.75 * card))
+    assert train_anatomy.device_memory("local")[0] is None
+    # A card just big enough for the middle one's peak: it fits, not in JAX's pool of 75% of it.
     card = runs[1]["peak_bytes"]
-    sized = [train_anatomy.anatomy(cfg, tx, 8, micro, 16, None, card) for micro in (4, 2)]
-    assert [(r["fits_device"], r["fits_jax_default_pool"]) for r in sized] == [(False, False), (True, False)]
+    memory = (card, int(0.75 * card))
+    sized = [train_anatomy.anatomy(cfg, tx, 8, micro, 16, None, memory) for micro in (4, 2)]
+    assert [(r["fits_device"], r["fits_jax_pool"]) for r in sized] == [(False, False), (True, False)]
     assert " | no | no | " in last_line(row | sized[0]) and " | yes | no | " in last_line(row | sized[1])
 
 

@@ -567,11 +567,19 @@ def test_the_first_run_of_each_grid_point_runs_alone_so_that_the_report_can_time
     runs = sweep.expand(runner.plan.base, ["conditions/galore,rank,decomp,full"], [0, 1, 2])
     scratch = root / evidence.SCRATCH / "runs" / "tiny"
     assert evidence.shared_device(scratch, runs) == {n for n in names if not n.endswith("seed0")}
-    # A timed run committed from this device counts.
+    # A timed run committed from this device counts; in an experiment timed on this device, one
+    # committed from another does not: its point is timed again here.
     planned = runner.plan.runs[1]
     assert planned.run.name == "galore-seed1" and not runner.needs_alone(planned)
     shutil.move(scratch / "galore-seed0", runner.where(runner.plan.runs[0], False))
     assert not runner.needs_alone(planned)
+    rank = {p.run.name: p for p in runner.plan.runs if p.run.point == "rank"}
+    committed = runner.where(rank["rank-seed0"], False)
+    shutil.move(scratch / "rank-seed0", committed)
+    assert not runner.needs_alone(rank["rank-seed1"])
+    record = json.loads((committed / evidence.RUNNER_FILE).read_text())
+    (committed / evidence.RUNNER_FILE).write_text(json.dumps({**record, "device": "another"}))
+    assert runner.needs_alone(rank["rank-seed1"]) and runner.untimed_here(runner.plan.runs) == {}
     assert not runner.needs_alone(dataclasses.replace(planned, timed=False))  # a plan entry's timed: false
     runner.args.no_timing_runs = True
     assert not runner.needs_alone(planned)
@@ -612,6 +620,14 @@ def test_in_an_experiment_timed_on_another_device_no_run_waits_for_the_device_to
     ]
     met = [runner_record(root, name)["concurrency"] for name in procs]
     assert met == [2.0] * 10 + [1.0]  # two at a time; the last one is left alone
+    # Committed, that last run had this device to itself: the report still times the experiment
+    # on the device its baseline's runs had alone, and so does the runner.
+    for name in names:
+        planned = next(p for p in runner.plan.runs if p.run.name == name)
+        shutil.move(root / evidence.SCRATCH / "runs" / "tiny" / name, runner.where(planned, False))
+    runner, _, _ = fake_runner(monkeypatch, plan_path, root, {}, concurrent=2, no_timing_runs=False)
+    assert runner.untimed_here(runner.plan.runs) == {"tiny": "another"}
+    assert not any(runner.needs_alone(p) for p in runner.plan.runs)
 
 
 def test_a_run_that_shared_the_device_before_a_resume_alone_is_not_timed(tmp_path, monkeypatch):

@@ -305,8 +305,9 @@ def test_report_times_only_the_runs_that_had_the_machine_to_themselves(tmp_path)
 
 def test_report_times_only_the_runs_on_the_device_the_baselines_timed_runs_had(tmp_path):
     """Wall-clock times compare on one device only: the one most of the baseline's timed runs
-    had. A run alone on another device counts in the steps but in no time, as a shared one; the
-    report names the device and why each such seed has no time."""
+    had, even where most runs had another. A run alone on another device, or on one it does not
+    name, counts in the steps but in no time, as a shared one; the report says why each such
+    seed has no time."""
     runs = sweep.expand(PAPER, ["conditions/galore,rank,full"], [0, 1, 2])
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
     made = {
@@ -314,16 +315,20 @@ def test_report_times_only_the_runs_on_the_device_the_baselines_timed_runs_had(t
         "galore-seed1": ([40, 30, 22], 1.0, h200),
         "galore-seed2": ([40, 30, 21], 3.0, h100),
         "rank-seed0": ([38, 25, 19], 0.5, h200),
+        "rank-seed1": ([38, 26, 20], 0.5, h200),
+        "rank-seed2": ([38, 25, 19], 0.5, None),  # a summary without device_kind
         "full-seed0": ([35, 21, 18], 2.0, h100),
         "full-seed1": ([35, 20, 19], 0.5, h200),
+        "full-seed2": ([35, 21, 18], 0.5, h200),  # shared the machine, the caller says
     }
     for i, (name, (ppl, per_step, device)) in enumerate(made.items()):
         make_run(tmp_path, name, ppl=ppl, seconds_per_step=per_step)
         span = [100.0 * i, 100.0 * i + 50, "gpu"]  # one after another: each alone
-        summary = {"status": "completed", "sessions": [span], "device_kind": device}
+        summary = {"status": "completed", "sessions": [span]} | ({"device_kind": device} if device else {})
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
-    result = sweep.report(tmp_path, runs)
+    result = sweep.report(tmp_path, runs, shared=frozenset({"full-seed2"}))
     galore, rank, full = (result["points"][p] for p in ("galore", "rank", "full"))
+    # Of the runs alone, four had the H200 and three the H100; the baseline's two of three the H100.
     assert result["timing_device"] == h100 and result["target_ppl"] == 21.0
     # galore reaches 21 at step 30 on its mean curve, timed by its H100 seeds: (30 + 90) / 2 s.
     assert galore["mean_curve"] == {"steps_to_target": 30, "time_to_target_s": 60.0}
@@ -332,25 +337,46 @@ def test_report_times_only_the_runs_on_the_device_the_baselines_timed_runs_had(t
         (None, False, h200),
         (90.0, True, h100),
     ]
-    # full's mean curve reaches 20.5 at step 20: 40 s from seed 0 alone, not seed 1's 10 s.
+    # full's mean curve reaches 20.67 at step 20: 40 s from seed 0 alone, not seed 1's 10 s.
     assert full["mean_curve"] == {"steps_to_target": 20, "time_to_target_s": 40.0}
     assert full["time_reduction_pct"] == pytest.approx(100 * (1 - 40 / 60))
+    assert [(s["shared"], s["elsewhere"]) for s in full["seeds"]] == [
+        (False, False),
+        (False, True),
+        (True, True),
+    ]
     assert (galore["timed"], rank["timed"], full["timed"]) == (2, 0, 1)
     assert rank["mean_curve"] == {"steps_to_target": 30, "time_to_target_s": None}
-    assert rank["time_reduction_pct"] is None and rank["steps_to_target"]["n"] == 1
+    assert rank["time_reduction_pct"] is None and rank["steps_to_target"]["n"] == 3
     assert result["warnings"] == [
         f"the runs ran on different devices ({h100}, {h200}): times differ by device"
     ]
     text = (tmp_path / "report.md").read_text()
     assert f"All times are {h100}'s, the device the baseline's timed runs had" in text
-    assert f"- rank: seed 0: ppl 19.000, 30 steps (ran on {h200}: no time)" in text
-    assert f"3 completed run(s) ran on another device than {h100} and count in no time." in text
-    assert "shared the machine and count in no time" not in text
+    assert (
+        f"- rank: seed 0: ppl 19.000, 30 steps (ran on {h200}: no time); seed 1: ppl 20.000, 30 steps "
+        f"(ran on {h200}: no time); seed 2: ppl 19.000, 30 steps (ran on a device it does not name: no time)"
+    ) in text
+    assert f"seed 2: ppl 18.000, 20 steps (shared the machine and ran on {h200}: no time)" in text
+    assert "1 completed run(s) shared the machine and count in no time." in text
+    assert f"6 completed run(s) ran on another device than {h100} and count in no time." in text
     # Without a timed baseline run, the device most timed runs had.
-    result = sweep.report(tmp_path, runs, shared=frozenset(f"galore-seed{s}" for s in range(3)))
+    result = sweep.report(
+        tmp_path, runs, shared=frozenset({"full-seed2", *(f"galore-seed{s}" for s in range(3))})
+    )
     assert result["timing_device"] == h200
     timed = {p: [s["timed"] for s in result["points"][p]["seeds"]] for p in ("galore", "rank", "full")}
-    assert timed == {"galore": [False] * 3, "rank": [True], "full": [False, True]}
+    assert timed == {"galore": [False] * 3, "rank": [True, True, False], "full": [False, True, False]}
+    # Where no run names its device, none is left out for it.
+    for name in made:
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        (tmp_path / name / "summary.json").write_text(
+            json.dumps({"status": "completed", "sessions": summary["sessions"]})
+        )
+    result = sweep.report(tmp_path, runs)
+    assert result["timing_device"] is None
+    assert all(s["timed"] for row in result["points"].values() for s in row["seeds"])
+    assert "All times are" not in (tmp_path / "report.md").read_text()
 
 
 def test_report_baseline_seeds_that_end_at_other_steps_still_give_a_target(tmp_path):

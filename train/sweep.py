@@ -325,14 +325,17 @@ def report(
     devices = {s["name"]: s["summary"].get("device_kind") for s in summaries}
     for point in points:
         for r in done[point]:
-            r["timed"], r["device"] = r["run"] not in shared, devices[r["run"]]
+            r["shared"], r["device"] = r["run"] in shared, devices[r["run"]]
     # Times compare on one device only: the one most of the baseline's timed runs had (without
-    # any, most of all timed runs); a run timed on another counts in no time either.
-    timing = most_common([r["device"] for r in done[baseline] if r["timed"]]) or most_common(
-        [r["device"] for point in points for r in done[point] if r["timed"]]
+    # any, most of all timed runs); a run alone on another, or on one it does not name, counts in
+    # no time either. Where no timed run names its device, none is left out for it.
+    alone = [r for point in points for r in done[point] if not r["shared"]]
+    timing = most_common([r["device"] for r in alone if r in done[baseline]]) or most_common(
+        [r["device"] for r in alone]
     )
     for r in (r for point in points for r in done[point]):
-        r["timed"] = r["timed"] and r["device"] == timing
+        r["elsewhere"] = timing is not None and r["device"] != timing
+        r["timed"] = not r["shared"] and not r["elsewhere"]
     # Without a completed baseline run there is no target: the final ppl are still reported. The
     # target is the last point of the baseline's mean curve: its seeds' mean final ppl when they
     # end at the same step (else at the last step they all evaluated, which its curve reaches).
@@ -350,7 +353,9 @@ def report(
                     "steps": step,
                     "time_s": wall if r["timed"] else None,
                     "timed": r["timed"],
+                    "shared": r["shared"],
                     "device": r["device"],
+                    "elsewhere": r["elsewhere"],
                 }
             )
         step, wall = reach(curves[point], target) if target is not None else (None, None)
@@ -391,9 +396,11 @@ def report(
     return result
 
 
-def most_common(devices: list) -> str | None:
-    """The device that most of ``devices`` name (the first named of those tied); None for none."""
-    return max(devices, key=devices.count) if devices else None
+def most_common(devices: list[str | None]) -> str | None:
+    """The device most of ``devices`` name (the first named of those tied), unnamed ones (None)
+    left out; None where none is named."""
+    named = [d for d in devices if d is not None]
+    return max(named, key=named.count) if named else None
 
 
 def mean_curve(seeds: list[dict]) -> list[dict]:
@@ -474,19 +481,19 @@ def markdown(result: dict) -> str:
         )
     lines += ["", "Per seed (final ppl, steps and seconds to the target):", ""]
     seeds = [s for row in result["points"].values() for s in row["seeds"]]
-    untimed = [s for s in seeds if not s["timed"]]
-    # (a run on another device than the timed ones': without any timed run, none is)
-    off = lambda s: any(t["timed"] for t in seeds) and s.get("device") != result["timing_device"]  # noqa: E731
-    elsewhere = [s for s in untimed if off(s)]
+
+    def no_time(s: dict) -> str:
+        """Why a seed that reached the target has no time."""
+        device = s["device"] or "a device it does not name"
+        return " and ".join(["shared the machine"] * s["shared"] + [f"ran on {device}"] * s["elsewhere"])
+
     for point, row in result["points"].items():
         per = "; ".join(
             f"seed {s['seed']}: ppl {s['final_ppl']:.3f}, "
             + (
                 f"{s['steps']} steps, {s['time_s']:.1f} s"
                 if s["time_s"] is not None
-                else f"{s['steps']} steps (ran on {s['device']}: no time)"
-                if s["steps"] is not None and off(s)
-                else f"{s['steps']} steps (shared the machine: no time)"
+                else f"{s['steps']} steps ({no_time(s)}: no time)"
                 if s["steps"] is not None
                 else "no target"
                 if result["target_ppl"] is None
@@ -495,13 +502,13 @@ def markdown(result: dict) -> str:
             for s in row["seeds"]
         )
         lines.append(f"- {point}: {per or 'none completed'}")
-    if len(untimed) > len(elsewhere):
-        shared = len(untimed) - len(elsewhere)
+    shared, elsewhere = sum(s["shared"] for s in seeds), sum(s["elsewhere"] for s in seeds)
+    if shared:
         lines += ["", f"{shared} completed run(s) shared the machine and count in no time."]
     if elsewhere:
         lines += [
             "",
-            f"{len(elsewhere)} completed run(s) ran on another device than {result['timing_device']} "
+            f"{elsewhere} completed run(s) ran on another device than {result['timing_device']} "
             "and count in no time.",
         ]
     if result["excluded"]:
