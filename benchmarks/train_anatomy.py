@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from _args import check_micro_batches, check_names, check_out, non_negative, positive
 from step_anatomy import TARGETS
+from step_anatomy import _placement as step_placement
 from train_step import apply_flag_sets, compiled_peak_bytes, optimizers
 
 import models
@@ -172,8 +173,6 @@ def _placement(target: str):
     """The sharding (None: the default device) and device label of the compilation target."""
     if target == "local":
         return None, jax.devices()[0].device_kind
-    from step_anatomy import _placement as step_placement  # noqa: PLC0415
-
     return step_placement(target)
 
 
