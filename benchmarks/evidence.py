@@ -426,12 +426,17 @@ def report_points(plan: Plan, experiment: str) -> tuple[list[str], str]:
     return points, points[0]
 
 
-def timing_device(plan: Plan, experiment: str, alone: Callable[[Planned], dict | None]) -> str | None:
+def timing_device(
+    plan: Plan,
+    experiment: str,
+    alone: Callable[[Planned], dict | None],
+    report: tuple[list[str], str] | None = None,
+) -> str | None:
     """The device ``experiment``'s report times it on, by the report's rule
     (``train.sweep.report``): the one most of its baseline point's runs that had a device to
     themselves had (``alone``: a run's ``alone_record``, where it is looked for), else most of its
-    report's runs that did; None before any did."""
-    points, baseline = report_points(plan, experiment)
+    report's runs that did; None before any did. ``report``: its ``report_points``, if known."""
+    points, baseline = report or report_points(plan, experiment)
     runs = [p for p in plan.runs if p.experiment == experiment and p.run.point in points]
     devices = {p: record.get("device") for p in runs if (record := alone(p)) is not None}
     return sweep.most_common([d for p, d in devices.items() if p.run.point == baseline]) or sweep.most_common(
@@ -613,6 +618,7 @@ class Runner:
         self.shared_at = self.t0  # when Runner.share last counted
         self.groups = Groups(root / SCRATCH / GROUPS)  # the children's process groups
         self.configs: dict = {}  # each planned run's config, as resolved once
+        self.reports: dict = {}  # each experiment's report_points, as resolved once
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.t0)
@@ -857,10 +863,14 @@ class Runner:
         """The device the report times ``planned``'s experiment on (``timing_device``, from its
         runs that had one to themselves, committed or finished here), where that is not this
         machine's: a timing run here would count in no time of the report."""
+        experiment = planned.experiment
+        if experiment not in self.reports:  # (asked at every poll of the schedule's loop)
+            self.reports[experiment] = report_points(self.plan, experiment)
         device = timing_device(
             self.plan,
-            planned.experiment,
+            experiment,
             lambda p: alone_record(self.where(p, False)) or alone_record(self.where(p, True)),
+            self.reports[experiment],
         )
         return device if device is not None and device != self.device else None
 

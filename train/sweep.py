@@ -329,11 +329,11 @@ def report(
     # Times compare on one device only: the one most of the baseline's timed runs had (without
     # any, most of all timed runs); a run alone on another, or on one it does not name, counts in
     # no time either. Where no timed run names its device, none is left out for it.
-    alone = [r for point in points for r in done[point] if not r["shared"]]
-    timing = most_common([r["device"] for r in alone if r in done[baseline]]) or most_common(
-        [r["device"] for r in alone]
+    completed = [r for point in points for r in done[point]]
+    timing = most_common([r["device"] for r in done[baseline] if not r["shared"]]) or most_common(
+        [r["device"] for r in completed if not r["shared"]]
     )
-    for r in (r for point in points for r in done[point]):
+    for r in completed:
         r["elsewhere"] = timing is not None and r["device"] != timing
         r["timed"] = not r["shared"] and not r["elsewhere"]
     # Without a completed baseline run there is no target: the final ppl are still reported. The
