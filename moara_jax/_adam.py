@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from moara_jax._nodes import Decomposed, LowRank, is_node
-from moara_jax._validate import check_adam, dtype_arg
+from moara_jax._validate import check_adam, dtype_arg, number
 
 
 def moment_dtype(dtype) -> jnp.dtype:
@@ -252,9 +252,9 @@ def decay_after_step(
     prefix of it), or a function of the parameters returning one; only leaves marked ``True``
     are decayed, the others pass unchanged (``optax.masked``). ``None`` decays every leaf.
     """
-    if isinstance(weight_decay, (int, float)):
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be non-negative, got {weight_decay!r}")
+    if number(weight_decay):
+        if not weight_decay >= 0:  # NaN too
+            raise ValueError(f"weight_decay must be a non-negative number, got {weight_decay!r}")
         if weight_decay == 0:
             return optax.identity()
 

@@ -101,7 +101,9 @@ def module_alignment(
       opt_state: the state of a ``moara_adamw``/``scale_by_galore``/``scale_by_moara`` optimizer
         after the update that used these gradients.
       block_size: decompose before projecting (``G_recon = Rep_B(M) * (P P^T V)``), else
-        ``P P^T G``.
+        ``P P^T G``. The state of an optimizer that decomposes (``scale_by_moara``,
+        ``moara_adamw`` with ``decompose``) holds bases of the directions ``V``: pass its
+        ``block_size`` (the paper's profiling runs vanilla GaLore, whose bases are of ``G``).
       label_fn: path -> module type.
       matrix_axes: the optimizer's ``matrix_axes``, if it was given one (:class:`MatrixAxes`).
 

@@ -30,6 +30,23 @@ def _check_known(name: str, group: tuple[str, ...], types: tuple[str, ...]) -> N
         raise ValueError(f"{name}: unknown module types {unknown}; known: {list(types)}")
 
 
+def _check_present(
+    name: str, group: tuple[str, ...], types: tuple[str, ...], default: bool = False, present: bool = True
+) -> None:
+    """Every type of ``group`` among the parameters' ``types`` (``present``; else every type the
+    labels can give), or a ``ValueError`` naming the argument (and saying so when it is the
+    default, left unset)."""
+    if not present:
+        _check_known(name, group, types)
+    absent = [t for t in group if t not in types]
+    if absent:
+        what = f"the default {name} {list(group)} are" if default else f"module types {absent} are"
+        raise ValueError(
+            f"{name}: {what} not in the parameters, whose module types are {list(types)}"
+            + (f"; pass {name}= naming types present" if default else "")
+        )
+
+
 def type_names(name: str, value: Iterable[str]) -> tuple[str, ...]:
     """``value`` as a tuple of module type names; a string (whose characters a tuple would take
     for names) refused, naming the argument."""
@@ -120,14 +137,21 @@ def resolve_module_ranks(
     receivers: Iterable[str] | None = None,
     delta: int | None = None,
     warn: bool = False,
+    present: bool = True,
 ) -> dict[str, int]:
     """The requested rank of each present module type (before per-matrix clipping).
+
+    ``module_types``: the parameters' module types, or with ``present=False`` every type the labels
+    can give (the arguments checked before the parameters are known: a donor or receiver not
+    among them is unknown).
 
     ``donors``/``receivers`` ``None``: the defaults (:func:`default_donors`, ``('down',)``).
     With the default donors and receivers, a tree that lacks all the donors or all the receivers
     moves no rank (every type keeps ``r_base``); ``warn=True`` says so with a warning (and where
     ``r_base`` 1 leaves the default ``delta`` none to move, :func:`allocate_ranks`). Donors or
-    receivers named by the caller must all be present (``ValueError`` otherwise). The rule's
+    receivers named by the caller must all be present (``ValueError`` otherwise), and so must the
+    default receivers when donors are named. ``ranks`` must be a mapping of positive integers;
+    ``warn=True`` warns of the types it names that are not present (they set no rank). The rule's
     settings (``donors``, ``receivers``, ``delta``) with no rule to apply them to
     (``rank_allocation=False``, or ``ranks`` given) are refused: they would change no rank.
     """
@@ -138,18 +162,28 @@ def resolve_module_ranks(
         instead = "ranks= gives every rank" if ranks is not None else "rank_allocation=False moves no rank"
         raise ValueError(f"{', '.join(given)} set, but {instead}: leave {' and '.join(given)} unset")
     if ranks is not None:
+        if not isinstance(ranks, Mapping):
+            raise ValueError(f"ranks must map module types to ranks, e.g. {{'down': 256}}, got {ranks!r}")
         for t, r in ranks.items():
             _positive_int(f"ranks[{t!r}]", r)
-        out = {t: int(ranks.get(t, r_base)) for t in types}
-        return out
+        absent = [t for t in ranks if t not in types]
+        if warn and absent:
+            _warn(
+                f"moara_adamw: ranks names module types the parameters do not have, {absent}: they "
+                f"set no rank (the parameters' module types: {list(types)})"
+            )
+        return {t: int(ranks.get(t, r_base)) for t in types}
     if not rank_allocation or not types:
         return {t: r_base for t in types}
-    if receivers is None:
+    if receivers is None and donors is None:
         # The default set applies to the types the model has (a partial tree moves no rank).
-        receivers = tuple(t for t in DEFAULT_RECEIVERS if t in types) if donors is None else DEFAULT_RECEIVERS
+        receivers = tuple(t for t in DEFAULT_RECEIVERS if t in types)
     else:
-        receivers = type_names("receivers", receivers)
-        _check_known("receivers", receivers, types)
+        default = receivers is None
+        receivers = DEFAULT_RECEIVERS if default else type_names("receivers", receivers)
+        _check_present("receivers", receivers, types, default, present)
+    if donors is not None:
+        _check_present("donors", type_names("donors", donors), types, present=present)
     if donors is None:
         donors = tuple(t for t in default_donors(types) if t in types)
         if not donors or not receivers:

@@ -33,7 +33,7 @@ from moara_jax._decomposition import (
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import project_back
 from moara_jax._sharding import follow_params, placing
-from moara_jax._validate import check_block_size
+from moara_jax._validate import check_block_size, number
 from moara_jax.hosts import Fira, Host, StageOptions, resolve_host
 from moara_jax.hosts.fira import DEFAULT_GROWTH_LIMIT
 
@@ -180,7 +180,7 @@ def decompose(
 
         # The node's eps is static (pytree aux data): an injected (array) eps keeps it out, and
         # then the refresh takes the direction itself rather than recomputing it.
-        static_eps = isinstance(eps, (int, float))
+        static_eps = number(eps)
         carry = keep_gradient and static_eps
 
         def split(g):

@@ -197,7 +197,7 @@ def moara_adamw(
     # the labels can name (with a custom label_fn, also the types named here); whether the model
     # has the donors and receivers is checked at init.
     known = MODULE_TYPES if label_fn is module_label else (*MODULE_TYPES, *(donors or ()), *(receivers or ()))
-    resolve_module_ranks(known, **allocation)
+    resolve_module_ranks(known, present=False, **allocation)
     if ranks is not None and label_fn is module_label:
         unknown = sorted(set(ranks) - set(MODULE_TYPES))
         if unknown:

@@ -29,7 +29,7 @@ from moara_jax._bases import (  # noqa: F401 - _orthonormal, _per_matrix: re-exp
 from moara_jax._decomposition import FAN_IN_AXIS, decompose_along
 from moara_jax._labels import unboxed
 from moara_jax._nodes import Decomposed, LowRank, is_node
-from moara_jax._validate import is_int, static_hint
+from moara_jax._validate import check_update_proj_gap, is_int, static_hint
 from moara_jax._warnings import warn
 
 PROJ_TYPES = ("std",)
@@ -65,9 +65,7 @@ def effective_rank(shape: tuple[int, ...], rank: int) -> int:
 def _check_args(rank: int, update_proj_gap: int, proj_type: str, svd: str) -> None:
     if not is_int(rank):
         raise ValueError(f"rank must be a positive integer, got {rank!r}{static_hint(rank)}")
-    if not is_int(update_proj_gap):
-        hint = static_hint(update_proj_gap)
-        raise ValueError(f"update_proj_gap must be a positive integer, got {update_proj_gap!r}{hint}")
+    check_update_proj_gap(update_proj_gap)
     if proj_type not in PROJ_TYPES:
         raise ValueError(f"proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
     if svd not in SVD_METHODS:

@@ -22,15 +22,15 @@ def is_int(value, minimum: int = 1) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= minimum
 
 
+def number(value) -> bool:
+    """A real number whose value is known now: a Python or NumPy scalar, not a bool and not an
+    array (an injected or traced hyperparameter, whose value a check cannot see)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def real_number(value) -> bool:
     """A finite real number of any numeric type, NumPy's scalars included (not a bool)."""
-    real_type = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-    return real_type and math.isfinite(value)
-
-
-def real(value) -> bool:
-    """A finite Python int or float (not a bool)."""
-    return isinstance(value, (int, float)) and real_number(value)
+    return number(value) and math.isfinite(value)
 
 
 def static_hint(value: Any) -> str:
@@ -49,8 +49,24 @@ def check_block_size(block_size: int) -> int:
     return int(block_size)
 
 
+# Step counters are int32, so a refresh interval stays below their largest value (Q-GaLore's
+# schedule of intervals ends with it, as "never again").
+MAX_PROJ_GAP = 2**31 - 2
+
+
+def check_update_proj_gap(update_proj_gap: int) -> None:
+    """Validates ``update_proj_gap``: an integer (of any integer type) from 1 to
+    :data:`MAX_PROJ_GAP`."""
+    if not (is_int(update_proj_gap) and update_proj_gap <= MAX_PROJ_GAP):
+        raise ValueError(
+            f"update_proj_gap must be a positive integer below 2^31 - 1 (the step counters are int32), "
+            f"got {update_proj_gap!r}{static_hint(update_proj_gap)}"
+        )
+
+
 def check_adam(b1: float, b2: float, eps: float) -> None:
-    """Validates Adam's ``b1``, ``b2``, ``eps`` when they are Python numbers. Injected
+    """Validates Adam's ``b1``, ``b2``, ``eps`` when they are numbers (:func:`number`; NaN is
+    out of range). Injected
     hyperparameters arrive as arrays (traced under ``jit``): their values are not checked, but a
     ``b1`` or ``b2`` of a floating dtype narrower than float32 is refused, as its dtype says at
     trace time: ``optax.inject_hyperparams`` makes them the parameters' dtype by default, and in
@@ -60,7 +76,7 @@ def check_adam(b1: float, b2: float, eps: float) -> None:
         ("b2", b2, lambda v: 0.0 <= v < 1.0),
         ("eps", eps, lambda v: v >= 0.0),
     ):
-        if isinstance(value, (int, float)) and not ok(value):
+        if number(value) and not ok(value):
             raise ValueError(f"{name} out of range: {value!r}")
     for name, value in (("b1", b1), ("b2", b2)):
         dtype = getattr(value, "dtype", None)

@@ -349,12 +349,45 @@ def test_receivers_named_by_the_caller_are_checked_like_donors():
     for receivers in [("dwn",), ("down", "dwn")]:
         with pytest.raises(ValueError, match=r"receivers: unknown module types \['dwn'\]"):
             mj.moara_adamw(0.01, r_base=8, block_size=4, receivers=receivers)
-    with pytest.raises(ValueError, match=r"receivers: unknown module types \['gate'\]"):
+    absent = r"receivers: module types \['gate'\] are not in the parameters, whose module types are"
+    with pytest.raises(ValueError, match=absent):
         mj.moara_adamw(0.01, r_base=8, block_size=4, receivers=("gate",)).init(params)
-    with pytest.raises(ValueError, match=r"receivers: unknown module types \['gate'\]"):
+    with pytest.raises(ValueError, match=absent):
         mj.rank_table(params, r_base=8, receivers=("gate",))
     ranks = {row["module"]: row["requested"] for row in mj.rank_table(params, r_base=8, receivers=("up",))}
     assert ranks == {"q": 4, "k": 4, "up": 16, "down": 8}
+
+
+def test_allocation_settings_the_parameters_cannot_use_are_named():
+    """ranks= naming a type the model lacks changed no rank and said nothing (a typo under a
+    custom label_fn, or another model's profiled allocation); a list for ranks raised an
+    AttributeError; named donors whose default receiver is absent were called unknown receivers."""
+    params = {
+        "self_attn": {"q_proj": {"kernel": jnp.ones((16, 16))}, "v_proj": {"kernel": jnp.ones((16, 16))}},
+        "mlp": {"up_proj": {"kernel": jnp.ones((16, 32))}},
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = mj.moara_adamw(0.01, r_base=8, block_size=4, ranks={"q": 4, "down": 16}).init(params)
+    (message,) = _moara_warnings(caught)
+    assert "ranks names module types the parameters do not have, ['down']: they set no rank" in message
+    assert jax.tree.leaves(state)  # the init went on
+    table = {r["module"]: r["requested"] for r in mj.rank_table(params, r_base=8, ranks={"q": 4, "down": 16})}
+    assert table == {"q": 4, "v": 8, "up": 8}
+    with pytest.raises(ValueError, match=r"ranks must map module types to ranks, e\.g\. \{'down': 256\}"):
+        mj.moara_adamw(0.01, r_base=8, block_size=4, ranks=[("q", 4)])
+    with pytest.raises(
+        ValueError,
+        match=r"receivers: the default receivers \['down'\] are not in the parameters, whose module "
+        r"types are \['up', 'q', 'v'\]; pass receivers= naming types present",
+    ):
+        mj.moara_adamw(0.01, r_base=8, block_size=4, donors=("q",)).init(params)
+    with pytest.raises(ValueError, match=r"donors: module types \['k'\] are not in the parameters"):
+        mj.moara_adamw(0.01, r_base=8, block_size=4, donors=("q", "k"), receivers=("up",)).init(params)
+    ranks = {
+        r["module"]: r["requested"] for r in mj.rank_table(params, r_base=8, donors=("v",), receivers=("up",))
+    }
+    assert ranks == {"q": 8, "v": 4, "up": 12}
 
 
 def test_a_label_fn_that_returns_no_string_is_named():

@@ -93,6 +93,20 @@ class ToyHost(mj.Host):
         return mj.HOSTS["galore"]().stages(o)
 
 
+def test_the_same_host_defined_again_replaces_the_one_registered(frozen_galore):
+    """A notebook cell (or a reloaded module) that defines and registers a host runs again: the
+    class is new but the same (module and qualified name), so it replaces the one registered
+    instead of being refused as another host under a name taken."""
+    block = next(
+        b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if "register_host" in b
+    )
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    again = namespace["FrozenGaLore"]
+    assert again is not frozen_galore and mj.HOSTS["frozen_galore"] is again
+    assert isinstance(mj.resolve_host("frozen_galore"), again)
+
+
 def test_registration_and_resolution_errors_name_the_problem():
     with pytest.raises(TypeError, match="takes a Host subclass"):
         mj.register_host(dict)
@@ -105,6 +119,8 @@ def test_registration_and_resolution_errors_name_the_problem():
         mj.register_host(Impostor)
     with pytest.raises(ValueError, match="host must be one of"):
         mj.moara_adamw(1e-3, r_base=4, block_size=8, host="apollo")
+    with pytest.raises(ValueError, match=r"host=Fira is a class: pass its settings, Fira\(\)"):
+        mj.moara_adamw(1e-3, r_base=4, block_size=8, host=mj.Fira)
     with pytest.raises(ValueError, match="cannot be imported"):
         mj.resolve_host("no_such_module:Host")
     with pytest.raises(ValueError, match="is not a moara_jax.Host subclass"):

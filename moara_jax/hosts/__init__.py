@@ -27,13 +27,17 @@ HOSTS: dict[str, type[Host]] = {cls.name: cls for cls in (GaLore, Fira, QGaLore,
 
 def register_host(cls: type[Host]) -> type[Host]:
     """Adds a :class:`Host` subclass to :data:`HOSTS` under its ``name`` (usable as a class
-    decorator); ``moara_adamw(host=name)`` and the trainer's ``optimizer.host`` then take it."""
+    decorator); ``moara_adamw(host=name)`` and the trainer's ``optimizer.host`` then take it.
+    Another class under a name taken is refused, but for the same class defined again (its
+    module and qualified name the same: a notebook cell or a reloaded module run again), which
+    replaces the one registered."""
     if not (isinstance(cls, type) and issubclass(cls, Host)):
         raise TypeError(f"register_host takes a Host subclass, got {cls!r}")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{cls.__name__} needs a class attribute name (a non-empty string)")
-    if name in HOSTS and HOSTS[name] is not cls:
+    taken = HOSTS.get(name)
+    if taken is not None and (taken.__module__, taken.__qualname__) != (cls.__module__, cls.__qualname__):
         raise ValueError(f"a host named {name!r} is already registered ({HOSTS[name].__name__})")
     HOSTS[name] = cls
     return cls
@@ -63,6 +67,8 @@ def resolve_host(host: str | Host) -> Host:
         return host
     if isinstance(host, str) and (host in HOSTS or ":" in host):
         return host_class(host)()
+    if isinstance(host, type) and issubclass(host, Host):
+        raise ValueError(f"host={host.__name__} is a class: pass its settings, {host.__name__}()")
     raise ValueError(f"host must be one of {tuple(HOSTS)} or a host settings object, got {host!r}")
 
 

@@ -22,16 +22,17 @@ from moara_jax._labels import is_box
 from moara_jax._projection import SVD_METHODS
 from moara_jax._validate import (
     check_adam,
+    check_update_proj_gap,
     dtype_arg,
     is_int,
-    real,  # noqa: F401 - the hosts' settings checks
+    number,
     real_number,
 )
 
 
 def is_zero(weight_decay) -> bool:
-    """A Python-number weight decay of 0 (an injected array may change: never zero)."""
-    return isinstance(weight_decay, (int, float)) and weight_decay == 0
+    """A weight decay of 0 given as a number (an injected array may change: never zero)."""
+    return number(weight_decay) and weight_decay == 0
 
 
 DecayMask = Callable[[Any], Any]  # a tree -> a tree of booleans of its structure
@@ -123,8 +124,8 @@ class StageOptions:
     name: str | Callable[[Any], str] | None = None
 
     def __post_init__(self):
-        if not isinstance(self.update_proj_gap, (jax.Array, np.ndarray)) and not is_int(self.update_proj_gap):
-            raise ValueError(f"update_proj_gap must be a positive integer, got {self.update_proj_gap!r}")
+        if not isinstance(self.update_proj_gap, (jax.Array, np.ndarray)):
+            check_update_proj_gap(self.update_proj_gap)
         injected = isinstance(self.scale, (jax.Array, np.ndarray))
         if not injected and not (real_number(self.scale) and self.scale >= 0):
             raise ValueError(f"scale must be a non-negative number, got {self.scale!r}")

@@ -31,7 +31,8 @@ import optax
 from moara_jax._adam import InnerAdamState, inner_adam
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import _matrix_of, project, project_back
-from moara_jax.hosts._base import Host, StageOptions, real
+from moara_jax._validate import number
+from moara_jax.hosts._base import Host, StageOptions, real_number
 
 # Fira's constants: the norm-growth limit and the stabiliser of its two norm ratios.
 DEFAULT_GROWTH_LIMIT = 1.01
@@ -91,7 +92,7 @@ def fira_adam(
     Returns:
       An ``optax.GradientTransformation`` with :class:`FiraState`.
     """
-    if isinstance(growth_limit, (int, float)) and not growth_limit > 0:
+    if number(growth_limit) and not (real_number(growth_limit) and growth_limit > 0):
         raise ValueError(f"growth_limit must be positive, got {growth_limit!r}")
     inner = inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
 
@@ -151,7 +152,7 @@ class Fira(Host):
     growth_limit: float = DEFAULT_GROWTH_LIMIT
 
     def __post_init__(self):
-        if not (real(self.growth_limit) and self.growth_limit > 0):
+        if not (real_number(self.growth_limit) and self.growth_limit > 0):
             raise ValueError(f"growth_limit must be positive, got {self.growth_limit!r}")
 
     def stages(self, o: StageOptions):

@@ -57,7 +57,7 @@ from moara_jax._projection import (
     transport,
 )
 from moara_jax._validate import check_adam, dtype_arg
-from moara_jax.hosts._base import Host, StageOptions, is_zero, real
+from moara_jax.hosts._base import Host, StageOptions, is_zero, real_number
 
 
 class LDAdamState(NamedTuple):
@@ -124,7 +124,7 @@ def ldadam(
     """
     _check_args(rank if not callable(rank) else 1, 1, "std", svd)
     check_adam(b1, b2, eps)
-    if not (isinstance(rho, (int, float)) and 0 <= rho < 1):
+    if not (real_number(rho) and 0 <= rho < 1):
         raise ValueError(f"rho must be in [0, 1), got {rho!r}")
     if not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
@@ -244,7 +244,7 @@ class LDAdam(Host):
     error_feedback: bool = True
 
     def __post_init__(self):
-        if not (real(self.rho) and 0 <= self.rho < 1):
+        if not (real_number(self.rho) and 0 <= self.rho < 1):
             raise ValueError(f"rho must be a number in [0, 1), got {self.rho!r}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {self.error_feedback!r}")

@@ -41,7 +41,7 @@ from moara_jax._projection import (
     state_ranks,
     zero_bases,
 )
-from moara_jax.hosts._base import Host, StageOptions, real
+from moara_jax.hosts._base import Host, StageOptions, real_number
 
 
 class OSDProjectState(NamedTuple):
@@ -184,17 +184,17 @@ class OSD(Host):
     weight_decay: float = 0.01
 
     def __post_init__(self):
-        if self.peak_lr is not None and not (real(self.peak_lr) and self.peak_lr > 0):
+        if self.peak_lr is not None and not (real_number(self.peak_lr) and self.peak_lr > 0):
             raise ValueError(f"peak_lr must be a positive number, got {self.peak_lr!r}")
         if self.basis_lr is not None and not (
-            callable(self.basis_lr) or (real(self.basis_lr) and self.basis_lr >= 0)
+            callable(self.basis_lr) or (real_number(self.basis_lr) and self.basis_lr >= 0)
         ):
             raise ValueError(f"basis_lr must be a non-negative number or a schedule, got {self.basis_lr!r}")
         for field in ("b1", "b2"):
-            if not (real(getattr(self, field)) and 0 <= getattr(self, field) < 1):
+            if not (real_number(getattr(self, field)) and 0 <= getattr(self, field) < 1):
                 raise ValueError(f"{field} must be in [0, 1), got {getattr(self, field)!r}")
         for field in ("eps", "weight_decay"):
-            if not (real(getattr(self, field)) and getattr(self, field) >= 0):
+            if not (real_number(getattr(self, field)) and getattr(self, field) >= 0):
                 raise ValueError(f"{field} must be a non-negative number, got {getattr(self, field)!r}")
 
     def stages(self, o: StageOptions):
@@ -220,8 +220,7 @@ class OSD(Host):
         peak = self.peak_lr
         if peak is None:
             # Only a Python number is its own peak (an injected or scheduled rate changes).
-            number = isinstance(learning_rate, (int, float)) and not isinstance(learning_rate, bool)
-            if not (number and learning_rate > 0):
+            if not (real_number(learning_rate) and learning_rate > 0):
                 raise ValueError(
                     f"host OSD with learning_rate={learning_rate!r} (a schedule, an injected array or "
                     "not positive) needs OSD(peak_lr=...) (its basis steps lr_t / (peak_lr * "

@@ -50,7 +50,7 @@ from moara_jax._quant import (
     unit_restore,
 )
 from moara_jax._validate import in_made_form_on_update, is_int
-from moara_jax.hosts._base import Host, StageOptions, is_zero, real
+from moara_jax.hosts._base import Host, StageOptions, is_zero, real_number
 
 
 @flax_serializable("codes", "scales", "zeros")
@@ -167,8 +167,6 @@ def q_galore_project(
         raise ValueError(f"queue_size must be a positive integer, got {queue_size!r}")
     if not (isinstance(gamma, numbers.Real) and math.isfinite(gamma) and gamma >= 1):
         raise ValueError(f"gamma must be a finite number >= 1, got {gamma!r}")
-    if update_proj_gap >= _INT32_MAX:
-        raise ValueError(f"update_proj_gap must be below 2^31 (the step counter), got {update_proj_gap}")
     rank_fn = rank if callable(rank) else (lambda path: rank)
     name_fn = name if callable(name) else (lambda path: name)
     intervals = refresh_intervals(update_proj_gap, gamma)
@@ -385,9 +383,9 @@ class QGaLore(Host):
             raise ValueError(f"min_8bit_size must be a non-negative integer, got {self.min_8bit_size!r}")
         if self.mag_bits not in (8, 32):
             raise ValueError(f"mag_bits must be 8 or 32, got {self.mag_bits!r}")
-        if not (real(self.gamma) and 1 <= self.gamma < 2**20):
+        if not (real_number(self.gamma) and 1 <= self.gamma < 2**20):
             raise ValueError(f"gamma must be a number in [1, 2^20), got {self.gamma!r}")
-        if not real(self.cos_threshold):
+        if not real_number(self.cos_threshold):
             raise ValueError(f"cos_threshold must be a finite number, got {self.cos_threshold!r}")
         if not isinstance(self.stochastic_round, bool):
             raise ValueError(f"stochastic_round must be True or False, got {self.stochastic_round!r}")

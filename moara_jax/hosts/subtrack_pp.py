@@ -54,7 +54,7 @@ from moara_jax._projection import (
     zero_bases,
 )
 from moara_jax._validate import is_int
-from moara_jax.hosts._base import Host, StageOptions, real
+from moara_jax.hosts._base import Host, StageOptions, real_number
 from moara_jax.hosts.fira import DEFAULT_GROWTH_LIMIT, fira_stage
 
 
@@ -108,7 +108,7 @@ def subtrack_project(
       svd, seed, canonical_signs, name: as :func:`project`, for the step-0 basis.
     """
     _check_args(rank if not callable(rank) else 1, update_proj_gap, "std", svd)
-    if not (isinstance(step_size, (int, float)) and step_size >= 0):
+    if not (real_number(step_size) and step_size >= 0):
         raise ValueError(f"step_size must be a non-negative number, got {step_size!r}")
     if not isinstance(track_all, bool):
         raise ValueError(f"track_all must be True or False, got {track_all!r}")
@@ -229,9 +229,9 @@ class SubTrackPP(Host):
     track_all: bool = False
 
     def __post_init__(self):
-        if not (real(self.step_size) and self.step_size >= 0):
+        if not (real_number(self.step_size) and self.step_size >= 0):
             raise ValueError(f"step_size must be a non-negative number, got {self.step_size!r}")
-        if not (real(self.growth_limit) and self.growth_limit > 0):
+        if not (real_number(self.growth_limit) and self.growth_limit > 0):
             raise ValueError(f"growth_limit must be positive, got {self.growth_limit!r}")
         if not isinstance(self.track_all, bool):
             raise ValueError(f"track_all must be True or False, got {self.track_all!r}")
