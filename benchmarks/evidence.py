@@ -76,7 +76,7 @@ import yaml  # noqa: E402
 from _processes import Groups, kill_group  # noqa: E402  (this script's folder: sys.path[0])
 
 from train import sweep  # noqa: E402
-from train.errors import EXIT_USER_ERROR, UserError  # noqa: E402
+from train.errors import EXIT_USER_ERROR, UserError, yaml_problem  # noqa: E402
 from train.rundir import (  # noqa: E402
     ALIGNMENT,
     ALLOCATION,
@@ -164,9 +164,7 @@ def load_plan(path: pathlib.Path) -> Plan:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        line = f" (line {where.line + 1})" if where is not None else ""
-        raise UserError(f"plan {path} is not valid YAML{line}: {getattr(e, 'problem', None) or e}") from None
+        raise UserError(f"plan {path} is not valid YAML{yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise UserError(f"plan {path} must hold a mapping (base, results, runs, ...), got {data!r}")
     missing = [k for k in ("base", "results", "runs") if k not in data]

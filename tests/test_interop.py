@@ -866,6 +866,26 @@ def test_evaluate_counts_skipped_records_and_keeps_an_earlier_evaluation(run, tm
     assert not list(out.glob("scores-*.jsonl"))
 
 
+def test_named_files_take_the_name_before_the_first_equals_sign():
+    """``--ppl-files``/``--tasks`` items: a path may hold ``=`` (a partitioned data dir,
+    ``lang=en/``), which the name used to run up to."""
+    parse = lambda text: evaluation.parse_named(text, "--ppl-files")  # noqa: E731
+    assert parse("r=/d/lang=en/r.txt") == {"r": ["/d/lang=en/r.txt"]}
+    assert parse("/d/r.txt") == {"r": ["/d/r.txt"]}
+    assert parse("web=a.txt+/d/x=1/b.txt,wiki.val.txt") == {
+        "web": ["a.txt", "/d/x=1/b.txt"],
+        "wiki": ["wiki.val.txt"],
+    }
+    with pytest.raises(UserError, match=r"--ppl-files: name 'a b' must be letters, digits"):
+        parse("a b=x.txt")
+    with pytest.raises(
+        UserError, match=r"name '/d/lang' must be .* \(a path with '=' in it needs a name: NAME=PATH\)"
+    ):
+        parse("/d/lang=en/r.txt")
+    with pytest.raises(UserError, match=r"--ppl-files: 'r=' names no file"):
+        parse("r=")
+
+
 def test_evaluate_errors_name_the_problem(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(

@@ -321,6 +321,24 @@ def test_a_lock_file_that_cannot_be_written_is_one_error_and_no_lock(tmp_path, m
         assert "pid " in (tmp_path / "run" / ".lock").read_text()
 
 
+def test_a_run_dir_on_a_read_only_disk_is_named_as_made_or_as_found(tmp_path, monkeypatch):
+    """The lock file on a read-only filesystem: the line said "creating the run dir" of a run dir
+    that was there already."""
+    from train import rundir
+
+    def read_only(*args, **kwargs):
+        raise fault(errno.EROFS)
+
+    monkeypatch.setattr(rundir, "open", read_only, raising=False)
+    (tmp_path / "there").mkdir()
+    with pytest.raises(
+        IOFault, match=r"^opening the run dir's lock file in .*/there failed: read-only file system"
+    ):
+        rundir.RunLock(tmp_path / "there").acquire()
+    with pytest.raises(IOFault, match=r"^creating the run dir .*/new failed: read-only file system"):
+        rundir.RunLock(tmp_path / "new").acquire()
+
+
 def test_a_run_file_written_over_keeps_its_old_text_when_the_write_fails(tmp_path, monkeypatch):
     """``config.yaml``, ``model.json`` and ``summary.json`` are replaced whole or not at all: a
     resume stopped by a full disk leaves the config the next ``--resume`` compares with."""

@@ -692,6 +692,39 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
     assert report["runs"][0]["status"] == "completed" and len(report["warnings"]) == 2
 
 
+def test_compare_names_runs_apart_refuses_one_given_twice_and_warns_of_resumed_times(tmp_path, capsys):
+    """Two sweeps' runs of one name were two rows of the same name (and in the plot's legend);
+    a resumed run's time counts its restarts, which compare now says."""
+    for sweep in ("a", "b"):
+        (tmp_path / sweep).mkdir()
+    first, second = (
+        fake_run(tmp_path / "a", "galore-seed0"),
+        fake_run(tmp_path / "b", "galore-seed0", session=(20, 30)),
+    )
+    compare([first, second], tmp_path / "out")
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    assert [r["run"] for r in report["runs"]] == ["a/galore-seed0", "b/galore-seed0"]
+    assert "| b/galore-seed0 | completed |" in (tmp_path / "out" / "compare.md").read_text()
+    other = fake_run(tmp_path, "moara-seed0", session=(20, 30))
+    compare([first, other], tmp_path / "out")  # names apart already: the directory's name
+    assert [r["run"] for r in json.loads((tmp_path / "out" / "compare.json").read_text())["runs"]] == [
+        "galore-seed0",
+        "moara-seed0",
+    ]
+    with pytest.raises(UserError, match=r"galore-seed0 is given twice"):
+        compare([first, tmp_path / "a" / ".." / "a" / "galore-seed0"], tmp_path / "out")
+    summary = json.loads((other / "summary.json").read_text())
+    summary["sessions"] = [[20, 25, "host"], [40, 50, "host"]]
+    (other / "summary.json").write_text(json.dumps(summary))
+    capsys.readouterr()
+    text = compare([first, other], tmp_path / "out")
+    resumed = (
+        "moara-seed0 ran in 2 sessions (resumed): its wall-clock time counts each restart's restore "
+        "and compilation"
+    )
+    assert f"warning: {resumed}" in capsys.readouterr().err and f"- warning: {resumed}" in text
+
+
 @pytest.mark.parametrize("damage", ["out is a file", "summary is a list", "eval row without wall_s"])
 def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys, damage):
     """``python -m train.compare`` on an ``--out`` that is a file, or on a damaged run dir (a

@@ -354,6 +354,7 @@ def test_prepare_builds_the_store_the_trainer_then_finds(tmp_path, monkeypatch, 
             ["--set", "data.source=store", "--set", "data.store=x"],
             "error: data.source is store: there is nothing",
         ),
+        (["--out", paths[0]], f"error: --out {paths[0]}: {paths[0]} is not a directory"),
     ]:
         assert prepare.main([*argv, *more]) == 2
         err = capsys.readouterr().err.strip().splitlines()

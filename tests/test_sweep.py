@@ -438,7 +438,10 @@ def sweep_cli(argv, monkeypatch, capsys):
             ["--axis", "paper/conditions/galore,full", "--baseline", "nope"],
             "--baseline nope is not a grid point (galore, full)",
         ),
-        (["--set", "train.stepz=3"], "tiny-seed0: unknown config key train.stepz (valid: "),
+        (
+            ["--set", "train.stepz=3"],
+            "tiny-seed0: unknown config key train.stepz (did you mean train.steps? valid: ",
+        ),
         (["--seeds", "-1"], "tiny-seed-1: train.seed must be in [0, 2**32), got -1"),
         (["--seeds", "0,1,0"], "--seeds 0,1,0: seed 0 is given more than once"),
         (["--base", "{broken}"], "broken-seed0: config file {broken} is not valid YAML"),

@@ -418,7 +418,7 @@ def test_sweep_then_compare(tmp_path):
 @pytest.mark.parametrize(
     "sets,message",
     [
-        (["train.stepz=3"], "unknown config key train.stepz"),
+        (["train.stepz=3"], "unknown config key train.stepz (did you mean train.steps? valid: ["),
         (["train.steps=many"], "train.steps: expected int"),
         (["optimizer.r_base=0"], "optimizer.r_base must be >= 1"),
         (["optimizer.block_size=0"], "optimizer.block_size must be >= 1"),
@@ -549,6 +549,9 @@ def test_config_files_that_cannot_be_read_are_one_clear_line(tmp_path, capsys):
     twice.write_text(
         f"base: {TINY}\ntrain:\n  lr: 0.01\n  steps: 4\nmodel: {{name: tiny}}\ntrain:\n  steps: 5\n"
     )
+    unclosed, based = tmp_path / "unclosed.yaml", tmp_path / "based.yaml"
+    unclosed.write_text(f"base: {TINY}\ndata:\n  paths: [a.txt, b.txt\ntrain: {{steps: 4}}\n")
+    based.write_text("base: gone.yaml\n")
     (tmp_path / "corpus").mkdir()
     cases = [
         (["--config", str(tmp_path)], f"config file {tmp_path} is a directory"),
@@ -559,9 +562,14 @@ def test_config_files_that_cannot_be_read_are_one_clear_line(tmp_path, capsys):
         ),
         (
             ["--config", str(twice)],
-            f"config file {twice} is not valid YAML: key 'train' repeated (lines 2 and 6): the second "
-            "would replace the first",
+            f"config file {twice} is not valid YAML (line 6): key 'train' repeated (lines 2 and 6): the "
+            "second would replace the first",
         ),
+        (
+            ["--config", str(unclosed)],
+            f"config file {unclosed} is not valid YAML (line 4): expected ',' or ']'",
+        ),
+        (["--config", str(based)], f"config file not found: {tmp_path / 'gone.yaml'} (the base of {based})"),
         (
             ["--config", TINY, "--set", "model.overrides={remat: none, remat: full}"],
             "--set model.overrides: value '{remat: none, remat: full}' is not valid YAML (key 'remat' "
@@ -1247,8 +1255,26 @@ def test_a_second_ctrl_c_ends_the_steps_at_once_and_a_second_sigterm_waits(name,
     assert proc.returncode == -signal.SIGINT and "went on" not in proc.stdout, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "error: interrupted twice: stopped at once, without the checkpoint the first interrupt asked "
-        "for (the last complete one is kept; --resume goes on from it)"
+        "for (--resume goes on from the run's last complete checkpoint, or from step 0 where it has none)"
     ]
+
+
+def test_the_closing_line_calls_only_the_last_steps_evaluation_final(tmp_path, capsys):
+    """An interrupted run's last evaluation may be steps before its stop: the line gives its step
+    rather than calling it final."""
+    from train.__main__ import _report
+
+    summary = {"status": "interrupted", "steps": 155, "wall_s": 10.2, "last_checkpoint": 155}
+    assert _report({**summary, "final_eval_ppl": 11.683, "final_eval_step": 100}, tmp_path) == EXIT_PREEMPTED
+    assert (
+        capsys.readouterr().out.splitlines()[0]
+        == "interrupted: 155 steps in 10.2s, eval ppl 11.68 at step 100"
+    )
+    done = {**summary, "status": "completed", "steps": 400, "final_eval_ppl": 5.776, "final_eval_step": 400}
+    assert _report(done, tmp_path) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "completed: 400 steps in 10.2s, final eval ppl 5.78"
+    assert _report({**summary, "final_eval_ppl": None, "final_eval_step": None}, tmp_path) == EXIT_PREEMPTED
+    assert capsys.readouterr().out.splitlines()[0] == "interrupted: 155 steps in 10.2s"
 
 
 def write_jsonl(path, n, seed):

@@ -11,29 +11,18 @@ import sys
 import threading
 
 from train import distributed
+from train.arguments import add_config_arguments
 from train.errors import EXIT_PREEMPTED, IOFault, UserError, cli
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m train",
-        description="Pretrain a models config with AdamW, GaLore or MoARa (or profile module alignment).",
+        description="Pretrain a model from a run config with AdamW, GaLore or MoARa (or profile module "
+        "alignment).",
     )
-    parser.add_argument(
-        "--config",
-        required=True,
-        action="append",
-        help="YAML run config (see configs/); repeat to layer files, later ones win",
-    )
+    add_config_arguments(parser)
     parser.add_argument("--run-dir", default=None, help="output directory (default runs/<config name>)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key; the value is parsed as YAML",
-    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     return parser.parse_args(argv)
@@ -81,7 +70,7 @@ def train(argv=None) -> int:
         return _report(summary, run_dir)
 
     try:
-        with _interrupt_ends_startup(), _one_line_warnings():
+        with _interrupt_ends_startup():
             return cli(body)
     except Exception as e:
         distributed.before_traceback(e)  # an unexpected runtime error may be a lost peer's doing
@@ -104,33 +93,6 @@ def _interrupt_ends_startup():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-# This project's packages: a warning whose location is in them is about the run's settings.
-_OWN = tuple(
-    str(pathlib.Path(__file__).resolve().parents[1] / name) + "/" for name in ("train", "moara_jax", "models")
-)
-
-
-@contextlib.contextmanager
-def _one_line_warnings():
-    """The run's own warnings (a clipped projection rank, ...; issued in this project's packages)
-    as one line each, ``warning: MESSAGE``, without the source line Python adds, which points into
-    the trainer's start-up, not at the config; other packages' warnings as Python writes them."""
-    import warnings
-
-    previous = warnings.formatwarning
-
-    def one_line(message, category, filename, lineno, line=None):
-        if str(filename).startswith(_OWN):
-            return f"warning: {message}\n"
-        return previous(message, category, filename, lineno, line)
-
-    warnings.formatwarning = one_line
-    try:
-        yield
-    finally:
-        warnings.formatwarning = previous
 
 
 def _set_xla_flags(cfg, quiet: bool) -> None:
@@ -177,12 +139,15 @@ def _interrupted(steps: int, checkpoint: int | None) -> str:
 def _report(summary: dict, run_dir: pathlib.Path) -> int:
     if summary["status"] in ("nan", "diverged"):
         return 1
-    ppl = summary["final_eval_ppl"]
-    print(
-        f"{summary['status']}: {summary['steps']} steps in {summary['wall_s']:.1f}s, final eval ppl {ppl:.2f}"
-        if ppl is not None
-        else f"{summary['status']}"
-    )
+    ppl, at = summary["final_eval_ppl"], summary.get("final_eval_step")
+    line = f"{summary['status']}: {summary['steps']} steps in {summary['wall_s']:.1f}s"
+    if ppl is not None:  # an interrupted run's last evaluation may be steps before its end
+        line += (
+            f", final eval ppl {ppl:.2f}"
+            if at in (None, summary["steps"])
+            else f", eval ppl {ppl:.2f} at step {at}"
+        )
+    print(line)
     print(f"run dir: {run_dir}")
     if summary["status"] == "interrupted":
         print(_interrupted(summary["steps"], summary.get("last_checkpoint")), file=sys.stderr)

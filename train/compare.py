@@ -4,8 +4,10 @@ reductions in %; ``compare.md`` and ``compare.png`` (eval ppl vs steps and vs wa
 
 Runs that did not complete (interrupted, diverged, NaN, still running), or whose tokenizer or
 validation data differ from the first run's, are refused: their numbers do not compare.
-``--force`` compares them anyway and marks them. Wall-clock figures from different devices, or
-from runs that overlapped in time (sharing the machine), are reported with a warning."""
+``--force`` compares them anyway and marks them. Wall-clock figures from different devices, from
+runs that overlapped in time (sharing the machine), or from resumed runs (each restart's restore
+and compilation counted) are reported with a warning. A run is named by its directory's name, or
+by as many of its last path parts as tell it from the others."""
 
 from __future__ import annotations
 
@@ -20,7 +22,23 @@ from train.rundir import METRICS, SUMMARY, RunDir, check_directory_path
 from train.store.reading import tokenizer_key
 
 
-def load_run(run_dir: pathlib.Path) -> dict:
+def run_names(run_dirs: list[pathlib.Path]) -> list[str]:
+    """Each run's name in the tables and the plot: its directory's name, or as many of its last
+    path parts as tell it from the others (two sweeps' ``galore-seed0``); the same run given
+    twice is refused."""
+    resolved = [pathlib.Path(d).resolve() for d in run_dirs]
+    for i, path in enumerate(resolved):
+        if path in resolved[:i]:
+            raise UserError(f"{run_dirs[i]} is given twice")
+    depth = 1
+    while True:
+        names = ["/".join(p.parts[-depth:]) for p in resolved]
+        if len(set(names)) == len(names) or depth >= max(len(p.parts) for p in resolved):
+            return names
+        depth += 1
+
+
+def load_run(run_dir: pathlib.Path, name: str | None = None) -> dict:
     run = RunDir(run_dir)
     if not run.metrics_file.is_file():
         raise UserError(f"no {METRICS} in {run_dir}")
@@ -33,7 +51,7 @@ def load_run(run_dir: pathlib.Path) -> dict:
     summary = summary or {}
     status = summary.get("status", f"running or killed (no {SUMMARY})")
     return {
-        "name": run.name,
+        "name": name or run.name,
         "dir": str(run_dir),
         "evals": evals,
         "summary": summary,
@@ -108,6 +126,13 @@ def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
         )
     for an, bn in overlaps(runs):
         warnings.append(f"{an} and {bn} ran at the same time: their wall-clock times may be contended")
+    for run in runs:
+        sessions = len(run["summary"].get("sessions", []))
+        if sessions > 1:
+            warnings.append(
+                f"{run['name']} ran in {sessions} sessions (resumed): its wall-clock time counts each "
+                "restart's restore and compilation"
+            )
     return refusals, sorted(set(warnings))
 
 
@@ -135,7 +160,7 @@ def reach(evals: list[dict], target: float) -> tuple[int | None, float | None]:
 
 
 def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None, force: bool = False) -> str:
-    runs = [load_run(d) for d in run_dirs]
+    runs = [load_run(d, name) for d, name in zip(run_dirs, run_names(run_dirs), strict=True)]
     refusals, warnings = problems(runs)
     if refusals and not force:
         raise UserError(
@@ -205,9 +230,23 @@ def _plot(runs, target, path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.compare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=pathlib.Path)
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="where compare.md/png go")
+    parser = argparse.ArgumentParser(
+        prog="python -m train.compare",
+        description="Final ppl, steps and time to target of each run against the first run's final ppl "
+        "(the paper's Table 3), with reductions in %: compare.md, compare.json and compare.png.",
+    )
+    parser.add_argument(
+        "runs",
+        nargs="+",
+        type=pathlib.Path,
+        help="run dirs; the first is the baseline, whose final ppl is the target",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="where compare.md, compare.json and compare.png go (default: the first run's parent dir)",
+    )
     parser.add_argument("--force", action="store_true", help="compare runs that do not compare, marked")
     args = parser.parse_args(argv)
 

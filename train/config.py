@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import importlib.util
 import math
 import pathlib
@@ -21,7 +22,7 @@ import yaml
 import models
 from moara_jax import MODULE_TYPES
 from moara_jax.hosts import host_class
-from train.errors import UserError
+from train.errors import UserError, yaml_problem
 from train.rundir import CONFIG
 
 
@@ -215,7 +216,9 @@ def _build(cls, data: Any, prefix: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise UserError(f"unknown config key {prefix}{unknown[0]} (valid: {sorted(names)})")
+        near = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1)
+        hint = f"did you mean {prefix}{near[0]}? " if near else ""
+        raise UserError(f"unknown config key {prefix}{unknown[0]} ({hint}valid: {sorted(names)})")
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -269,10 +272,12 @@ def _yaml(text: str):
 
 
 def _read_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
+    """A config file's mapping over its ``base`` (``seen``: the files whose bases led here)."""
+    of = f" (the base of {seen[-1]})" if seen else ""
     if path.is_dir():
-        raise UserError(f"config file {path} is a directory")
+        raise UserError(f"config file {path}{of} is a directory")
     if not path.is_file():
-        raise UserError(f"config file not found: {path}")
+        raise UserError(f"config file not found: {path}{of}")
     if path.resolve() in seen:
         raise UserError(f"config base cycle through {path}")
     try:
@@ -280,7 +285,7 @@ def _read_yaml(path: pathlib.Path, seen: tuple = ()) -> dict:
     except UnicodeDecodeError as e:
         raise UserError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
-        raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise UserError(f"config file {path} is not valid YAML{yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold a mapping")
     # A section left empty (``optimizer:`` with its keys commented out) changes nothing.

@@ -234,7 +234,8 @@ class StopSignals:
         if signum == signal.SIGINT and self._interrupted:
             sys.stderr.write(
                 "error: interrupted twice: stopped at once, without the checkpoint the first "
-                "interrupt asked for (the last complete one is kept; --resume goes on from it)\n"
+                "interrupt asked for (--resume goes on from the run's last complete checkpoint, "
+                "or from step 0 where it has none)\n"
             )
             sys.stderr.flush()
             signal.signal(signal.SIGINT, signal.SIG_DFL)

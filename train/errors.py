@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pathlib
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 
 # Exit statuses: a user error (config, files, environment) is 2; a run stopped by SIGTERM/SIGINT
@@ -129,13 +131,47 @@ class HeldFaults:
             self.fault = self.fault or e
 
 
+# This project's packages: a warning whose location is in them is about the run's settings.
+_OWN = tuple(
+    str(pathlib.Path(__file__).resolve().parents[1] / name) + "/" for name in ("train", "moara_jax", "models")
+)
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """The run's own warnings (a clipped projection rank, ...; issued in this project's packages)
+    as one line each, ``warning: MESSAGE``, without the source line Python adds, which points into
+    the command's start-up, not at the settings; other packages' warnings as Python writes them."""
+    previous = warnings.formatwarning
+
+    def one_line(message, category, filename, lineno, line=None):
+        if str(filename).startswith(_OWN):
+            return f"warning: {message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
+
+
+def yaml_problem(e: Exception) -> str:
+    """A YAML parser's error for a one-line message: ``" (line N): PROBLEM"`` (the line where the
+    parser has it), to follow the file's name and ``is not valid YAML``."""
+    where = getattr(e, "problem_mark", None)
+    line = f" (line {where.line + 1})" if where is not None else ""
+    return f"{line}: {getattr(e, 'problem', None) or str(e).splitlines()[0]}"
+
+
 def cli(body: Callable[[], int]) -> int:
     """Runs a command's body: a ``UserError``, an ``IOFault`` or a ``ProcessLost`` becomes one
     ``error:`` line on stderr and the status ``EXIT_USER_ERROR``, ``EXIT_IO_ERROR`` or
-    ``EXIT_PEER_LOST``."""
+    ``EXIT_PEER_LOST``; this project's warnings are one line each (:func:`one_line_warnings`)."""
     statuses = {UserError: EXIT_USER_ERROR, IOFault: EXIT_IO_ERROR, ProcessLost: EXIT_PEER_LOST}
     try:
-        return body()
+        with one_line_warnings():
+            return body()
     except tuple(statuses) as e:
         print(f"error: {e}", file=sys.stderr)
         return next(status for kind, status in statuses.items() if isinstance(e, kind))

@@ -269,17 +269,27 @@ def multiple_choice(scorer: Scorer, path: str, tokenizer, delimiter: str = " ") 
     return result, per_example
 
 
+def _is_name(text: str) -> bool:
+    return text.replace("-", "").replace("_", "").replace(".", "").isalnum()
+
+
 def parse_named(text: str | None, what: str) -> dict[str, list[str]]:
-    """``name=PATH[+PATH...],name=PATH`` (a bare PATH is named after its file)."""
+    """``name=PATH[+PATH...],name=PATH`` (a bare PATH, with no ``=``, is named after its file).
+    The name ends at the first ``=``, so paths may hold ``=`` (``r=/data/lang=en/r.txt``)."""
     out: dict[str, list[str]] = {}
     for item in filter(None, (text or "").split(",")):
-        name, _, paths = item.rpartition("=")
+        name, sep, paths = item.partition("=")
+        if not sep:
+            name, paths = "", item
         paths_list = [p for p in paths.split("+") if p]
         if not paths_list:
             raise UserError(f"{what}: {item!r} names no file")
         name = name or pathlib.Path(paths_list[0]).name.split(".")[0]
-        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise UserError(f"{what}: name {name!r} must be letters, digits, '-', '_' or '.'")
+        if not _is_name(name):
+            raise UserError(
+                f"{what}: name {name!r} must be letters, digits, '-', '_' or '.' (a path with '=' in it "
+                "needs a name: NAME=PATH)"
+            )
         if name in out:
             raise UserError(f"{what}: the name {name!r} is given twice (join files under one name with '+')")
         out[name] = paths_list
@@ -442,7 +452,9 @@ def main(argv=None) -> int:
         description="Text perplexity and zero-shot multiple-choice accuracy of a run or an HF model.",
     )
     parser.add_argument("--run-dir", help="a run dir of python -m train (its newest checkpoint, or --step)")
-    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument(
+        "--step", type=int, default=None, help="the checkpoint of --run-dir (default: the newest)"
+    )
     parser.add_argument("--hf", help="a Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("--ppl-files", help="NAME=PATH[+PATH...],... text files whose perplexity to report")
     parser.add_argument("--tasks", help='NAME=PATH,... JSONL tasks: {"context", "choices", "label"} per line')

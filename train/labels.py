@@ -11,6 +11,7 @@ import jax
 
 import moara_jax as mj
 import models
+from train.arguments import add_config_arguments
 from train.config import load_config
 from train.errors import UserError, cli
 from train.model import model_config
@@ -71,9 +72,12 @@ def describe(cfg, vocab_size: int | None = None) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.labels", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, action="append")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser = argparse.ArgumentParser(
+        prog="python -m train.labels",
+        description="Print the optimizer's view of a run config's model: each parameter's label, rank "
+        "and weight decay, and the state's MiB (nothing allocated).",
+    )
+    add_config_arguments(parser)
     parser.add_argument(
         "--vocab-size",
         type=int,

@@ -805,6 +805,7 @@ def make_summary(setup: Setup, run: RunDir, start: Start, loop: StepLoop, outcom
         "wall_s": loop.writer.wall(),
         "final_eval_loss": loop.last_eval,
         "final_eval_ppl": ppl(loop.last_eval) if loop.last_eval is not None else None,
+        "final_eval_step": loop.last_eval_step,
         "tokens_per_s": _median_tokens_per_s(run),
         "peak_device_memory_bytes": _peak_memory(),
         "param_count": models.param_count(setup.model_cfg),

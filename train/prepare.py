@@ -15,16 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
 
+from train.arguments import add_config_arguments
 from train.errors import EXIT_PREEMPTED, UserError, cli
+from train.rundir import check_directory_path
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.prepare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", action="append", default=[], help="YAML run config(s); its data section")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser = argparse.ArgumentParser(
+        prog="python -m train.prepare",
+        description="Tokenize a run config's data section once, in parallel, into the token store its "
+        "runs read (python -m train builds it itself when it is missing; this builds it ahead of time, "
+        "e.g. on a CPU machine before a GPU job).",
+    )
+    add_config_arguments(parser, required=False)
     parser.add_argument("--out", default=None, help="store directory (default: data.store or the cache)")
     parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
@@ -38,6 +45,8 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides).data
         if cfg.source == "store":
             raise UserError("data.source is store: there is nothing to prepare (give files, tfds or builtin)")
+        if args.out is not None:
+            check_directory_path(pathlib.Path(args.out), "--out")
         t0 = time.perf_counter()
         try:
             opened = store.open_store(cfg, quiet=args.quiet, out=args.out, workers=args.workers)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from train.errors import IOFault, UserError, io_operation
+from train.errors import IOFault, UserError, io_operation, yaml_problem
 from train.plots import figure
 
 CONFIG = "config.yaml"
@@ -148,10 +148,7 @@ class RunDir:
         except UnicodeDecodeError as e:
             raise UserError(f"{self.config_file} is not UTF-8 text (byte {e.start})") from None
         except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            line = f" (line {where.line + 1})" if where is not None else ""
-            problem = getattr(e, "problem", None) or e
-            raise UserError(f"{self.config_file} is not valid YAML{line}: {problem}") from None
+            raise UserError(f"{self.config_file} is not valid YAML{yaml_problem(e)}") from None
         if not isinstance(config, dict):
             raise UserError(f"{self.config_file} is not a mapping of settings")
         return config
@@ -324,7 +321,12 @@ class RunDir:
             "last_checkpoint": step,
         }
         if step != completed["steps"]:  # from an earlier checkpoint: the end's results are not its
-            interrupted |= {"final_eval_loss": None, "final_eval_ppl": None, "profile": None}
+            interrupted |= {
+                "final_eval_loss": None,
+                "final_eval_ppl": None,
+                "final_eval_step": None,
+                "profile": None,
+            }
         self.write_summary(interrupted)
         return kept
 
@@ -386,8 +388,9 @@ class RunLock:
         run_dir = self.path.parent
         if run_dir.exists() and not run_dir.is_dir():
             raise UserError(f"run dir {run_dir} is a file, not a directory; choose another --run-dir")
+        operation = "opening the run dir's lock file in" if run_dir.is_dir() else "creating the run dir"
         try:
-            with io_operation("creating the run dir", run_dir):
+            with io_operation(operation, run_dir):
                 run_dir.mkdir(parents=True, exist_ok=True)
                 f = open(self.path, "a+")  # noqa: SIM115 - held open until release
         except OSError as e:  # not the machine's fault: a path that cannot be a directory

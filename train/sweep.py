@@ -42,6 +42,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from train.arguments import add_config_arguments
 from train.compare import eval_rows, evaluation, overlaps, problems, reach
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import figure
@@ -555,17 +556,23 @@ def plot(path: pathlib.Path, curves: dict, seeds: dict, timed: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m train.sweep",
+        description="Run a grid of config layers x seeds and report each grid point's final ppl, and its "
+        "steps and time to the baseline's, over the seeds.",
+    )
     parser.add_argument("--base", required=True, type=pathlib.Path, help="the base config file")
     parser.add_argument(
         "--axis", action="append", default=[], help="DIR/a,b,c: config layers beside the base"
     )
-    parser.add_argument("--seeds", default="0", help="comma-separated train.seed values")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--seeds", default="0", help="comma-separated train.seed values (default: 0)")
+    add_config_arguments(parser, config=False)
     parser.add_argument(
         "--out", type=pathlib.Path, default=None, help="the sweep dir (default runs/sweep-BASE)"
     )
-    parser.add_argument("--baseline", default=None, help="the grid point whose final ppl is the target")
+    parser.add_argument(
+        "--baseline", default=None, help="the grid point whose final ppl is the target (default: the first)"
+    )
     parser.add_argument("--report-only", action="store_true", help="write the report from what has run")
     args = parser.parse_args(argv)
     return cli(lambda: _sweep(args, args.out or pathlib.Path("runs") / f"sweep-{args.base.stem}"))

@@ -103,5 +103,6 @@ def find_or_build(directory: pathlib.Path, p: Plan, workers: int | None = None, 
     if (directory / MANIFEST).is_file():
         return
     if not quiet:
-        print(f"token store: building {directory} ({len(p.pieces)} pieces)", file=sys.stderr)
+        pieces = len(p.pieces)
+        print(f"token store: building {directory} ({pieces} piece{'s' * (pieces != 1)})", file=sys.stderr)
     build(directory, p, workers, quiet=quiet)
