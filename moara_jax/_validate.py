@@ -66,11 +66,11 @@ def check_update_proj_gap(update_proj_gap: int) -> None:
 
 def check_adam(b1: float, b2: float, eps: float) -> None:
     """Validates Adam's ``b1``, ``b2``, ``eps`` when they are numbers (:func:`number`; NaN is
-    out of range). Injected
-    hyperparameters arrive as arrays (traced under ``jit``): their values are not checked, but a
-    ``b1`` or ``b2`` of a floating dtype narrower than float32 is refused, as its dtype says at
-    trace time: ``optax.inject_hyperparams`` makes them the parameters' dtype by default, and in
-    bfloat16 ``b2 = 0.999`` is 1, which leaves every update zero."""
+    out of range). Injected hyperparameters arrive as arrays (traced under ``jit``): their
+    values are not checked, but a ``b1`` or ``b2`` of a floating dtype narrower than float32 is
+    refused, as its dtype says at trace time: ``optax.inject_hyperparams`` makes them the
+    parameters' dtype by default, and in bfloat16 ``b2 = 0.999`` is 1, which leaves every update
+    zero."""
     for name, value, ok in (
         ("b1", b1, lambda v: 0.0 <= v < 1.0),
         ("b2", b2, lambda v: 0.0 <= v < 1.0),
