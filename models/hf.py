@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from models.configs import ModelConfig, replace_config
+from models.configs import FAMILIES, ModelConfig, replace_config
 from models.model import abstract_params
 
 # HF names that carry no parameters (buffers some versions keep in state dicts).
@@ -72,7 +72,10 @@ def _as_numpy(x: Any) -> np.ndarray:
         x = x.detach().cpu()
         if str(x.dtype) == "torch.bfloat16":
             return x.float().numpy().astype(jax.numpy.bfloat16)  # bf16 -> f32 -> bf16 is exact
-        return x.numpy()
+        try:
+            return x.numpy()
+        except TypeError:  # a dtype numpy has not (float8, ...): named by the caller
+            raise ValueError(f"a torch tensor of {x.dtype}, which numpy cannot hold") from None
     return np.asarray(x)
 
 
@@ -120,19 +123,24 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
 
     def fill(path, spec):
         parts = []
+        scanned = _names(path)[0] == "layers"
+        want = spec.shape[1:] if scanned else spec.shape
         for name, _, transpose in _hf_entries(cfg, path):
             key = stored_name(name, state_dict)
             if key is None:
                 raise ValueError(f"from_hf: missing key {name!r} for config {cfg.name!r}")
-            x = _as_numpy(state_dict[key])
+            try:
+                x = _as_numpy(state_dict[key])
+            except ValueError as e:
+                raise ValueError(f"from_hf: {key!r} is {e}; the weights must be floating point") from None
+            if (x.shape[::-1] if transpose else x.shape) != tuple(want):
+                hf_shape = tuple(want[::-1]) if transpose else tuple(want)
+                raise ValueError(
+                    f"from_hf: {key!r} has shape {tuple(x.shape)}, config {cfg.name!r} expects {hf_shape}"
+                )
             parts.append(x.T if transpose else x)
             used.add(key)
-        arr = np.stack(parts) if _names(path)[0] == "layers" else parts[0]
-        if arr.shape != spec.shape:
-            raise ValueError(
-                f"from_hf: {'/'.join(_names(path))} has shape {arr.shape}, config "
-                f"{cfg.name!r} expects {spec.shape}"
-            )
+        arr = np.stack(parts) if scanned else parts[0]
         return jax.numpy.asarray(arr, spec.dtype)
 
     params = jax.tree_util.tree_map_with_path(fill, shapes)
@@ -203,8 +211,8 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
         except config_errors() as e:
             raise ValueError(f"config_from_hf: {config_error_line(e)}") from None
     kind = hf_config.model_type
-    if kind not in ("llama", "qwen2", "qwen3", "deepseek_v2"):
-        raise ValueError(f"unsupported HF model_type {kind!r}")
+    if kind not in FAMILIES:
+        raise ValueError(f"unsupported HF model_type {kind!r} (supported: {', '.join(FAMILIES)})")
     quantized = getattr(hf_config, "quantization_config", None)
     if quantized:
         method = quantized.get("quant_method") if isinstance(quantized, Mapping) else None

@@ -333,7 +333,7 @@ def load_hf_params(directory, cfg: ModelConfig, shardings=None) -> dict[str, Any
                 if s.get_dtype() not in FLOAT_DTYPES:  # numpy cannot read float8, say
                     raise ValueError(
                         f"{directory}: tensor {name!r} is {s.get_dtype()}; the weights must be "
-                        f"floating point ({', '.join(FLOAT_DTYPES)})"
+                        f"one of {', '.join(FLOAT_DTYPES)}"
                     )
                 have = tuple(s.get_shape())
                 if (have[::-1] if transpose else have) != tuple(want):

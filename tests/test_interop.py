@@ -213,7 +213,9 @@ def test_bad_directories_are_named(tmp_path):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps(other))
-    with pytest.raises(ValueError, match="unsupported HF model_type 'gpt2'"):
+    with pytest.raises(
+        ValueError, match=r"unsupported HF model_type 'gpt2' \(supported: llama, qwen2, qwen3, deepseek_v2\)"
+    ):
         models.read_hf_config(gpt2)
     with pytest.raises(ValueError, match="holds no model.safetensors"):
         models.load_hf_params(gpt2, cfg)
@@ -296,7 +298,7 @@ def test_a_quantized_checkpoint_is_refused_by_its_config_and_its_tensors(tmp_pat
     name = "model.layers.0.mlp.down_proj.weight"
     tensors[name] = tensors[name].astype(ml_dtypes.float8_e4m3fn)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=f"tensor '{name}' is F8_E4M3; the weights must be floating point"):
+    with pytest.raises(ValueError, match=f"tensor '{name}' is F8_E4M3; the weights must be one of F16, BF16"):
         models.load_hf_params(tmp_path, models.read_hf_config(tmp_path))
 
 
@@ -660,6 +662,45 @@ def test_init_from_mismatches_are_one_line_errors(run, exported, tmp_path):
     proc = run_cli(tmp_path / "r", *run["sets"], f"model.init_from={broken}", "model.name=null", check=False)
     err = proc.stderr.strip()
     assert proc.returncode == 2 and "holds no model.safetensors" in err and len(err.splitlines()) == 1, err
+
+
+def test_init_from_is_checked_before_any_data_work_and_warns_of_byte_ids(
+    run, exported, tmp_path, monkeypatch
+):
+    """A tokenizer with more ids than the model's vocabulary, or a weight file missing, was said
+    only once the whole token store was built; a model with its own tokenizer trained on byte ids
+    without a word."""
+    import shutil
+    import warnings
+
+    from train import loop
+    from train.config import load_config
+
+    monkeypatch.setattr(loop, "build_data", lambda *a, **k: pytest.fail("the data was built first"))
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+
+    def setup(*sets):
+        cfg = load_config(tiny, ["model.name=null", *sets])
+        return loop.make_setup(cfg, quiet=True, clock=loop.Clock())
+
+    big = tmp_path / "big.model"
+    train_sentencepiece(tmp_path / "big", vocab_size=64)
+    with pytest.raises(
+        UserError, match=r"the tokenizer has 64 ids but the model in .* has a vocabulary of 60"
+    ):
+        setup(f"model.init_from={exported}", f"data.tokenizer={big}")
+    gone = tmp_path / "gone"
+    shutil.copytree(exported, gone)
+    (gone / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=r"model.init_from: .*/gone holds no model.safetensors"):
+        setup(f"model.init_from={gone}", f"data.tokenizer={run['tokenizer']}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(UserError, match="the tokenizer has 257 ids but the model"):
+            setup(f"model.init_from={exported}")  # data.tokenizer: bytes
+    (message,) = [str(w.message) for w in caught if "init_from" in str(w.message)]
+    assert message.startswith(f"model.init_from {exported} has its own tokenizer (tokenizer.json), but ")
+    assert message.endswith(f"set data.tokenizer={exported}")
 
 
 SHARDED_LOAD = textwrap.dedent("""

@@ -174,6 +174,29 @@ def test_a_base_model_state_dict_and_a_config_dict_load_as_transformers_loads_th
         models.from_hf(cfg, {**sd, **{f"extra.{i}": np.zeros(1) for i in range(10)}})
 
 
+def test_from_hf_names_a_tensor_that_does_not_fit_by_its_hf_name_and_shape():
+    """A wrong shape was named by the Flax path with the transposed shape, and a float8 tensor
+    ended in torch's own TypeError."""
+    cfg = CASES["llama2-mha-untied"]
+    sd = _state_dict(_hf_model(cfg, seed=3))
+    name = "model.layers.1.mlp.up_proj.weight"
+    want = tuple(sd[name].shape)
+    cut = {**sd, name: sd[name][:, :-1]}
+    message = (
+        rf"from_hf: '{re.escape(name)}' has shape \({want[0]}, {want[1] - 1}\), config .* expects "
+        rf"\({want[0]}, {want[1]}\)"
+    )
+    for scan in (True, False):
+        with pytest.raises(ValueError, match=message):
+            models.from_hf(dataclasses.replace(cfg, scan_layers=scan), cut)
+    fp8 = {**_hf_model(cfg, seed=3).state_dict()}
+    fp8[name] = fp8[name].to(torch.float8_e4m3fn)
+    with pytest.raises(
+        ValueError, match=rf"from_hf: '{re.escape(name)}' is a torch tensor of torch.float8_e4m3fn"
+    ):
+        models.from_hf(cfg, fp8)
+
+
 def test_token_ids_outside_the_vocabulary_are_refused_not_read_as_nan_or_wrapped():
     """An id past the table gave NaN logits at every position (through attention) and a
     negative one read the table's last row; both are refused when the ids are concrete, as

@@ -34,7 +34,7 @@ from train.distributed import StopSignals, any_process, differs_from_first, erro
 from train.errors import IOFault, UserError, io_operation
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
 from train.metrics import perplexity as ppl
-from train.model import init_from_params, model_config
+from train.model import check_init_from, init_from_params, model_config
 from train.rundir import RunDir, RunLock, banner, plot_curves
 from train.sharding import (
     ACTIVATION_RULES,
@@ -220,7 +220,7 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock, built: models.ModelCon
     ``model.json``), taken in place of the directory's."""
     t = cfg.train
     if cfg.model.init_from is not None:
-        model_config(cfg, 0, built)  # a bad directory or a mismatch is said before any data work
+        check_init_from(cfg, built)  # a bad directory, a mismatch, a weight file missing: before any data
     data = build_data(cfg.data, t.seq_len, quiet=quiet)
     clock.mark("data_s")
     model_cfg = model_config(cfg, data.vocab_size, built)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import warnings
 
 import models
-from models.hf_files import FRAMEWORK_FIELDS, architecture
+from models.hf_files import FRAMEWORK_FIELDS, architecture, weight_files
 from train.config import DEFAULT_MODEL, RunConfig, yaml_float
 from train.errors import UserError
+from train.sources import make_tokenizer
 
 
 def model_config(
@@ -93,6 +95,35 @@ def _init_from_config(
             f"vocabulary of {found.vocab_size}"
         )
     return result
+
+
+# The files of a Hugging Face directory that make its tokenizer (a sentencepiece model or a
+# tokenizers' file): a model that has one was trained on its ids.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+def check_init_from(cfg: RunConfig, built: models.ModelConfig | None = None) -> None:
+    """What ``model.init_from`` makes wrong, said before any data work (a corpus may take hours to
+    tokenize): a directory that is no such model or not the one ``model.*`` describes, a tokenizer
+    with more ids than its vocabulary, a weight file missing (not for a resume, whose weights are
+    in its checkpoint: ``built``). A run on the byte tokenizer from a model that has its own is
+    warned of: byte ids mean nothing to it."""
+    directory = pathlib.Path(cfg.model.init_from).expanduser()
+    own = [name for name in HF_TOKENIZER_FILES if (directory / name).is_file()] if built is None else []
+    if cfg.data.tokenizer == "bytes" and own:  # (before a refusal of the byte ids' number)
+        warnings.warn(
+            f"model.init_from {directory} has its own tokenizer ({own[0]}), but data.tokenizer is bytes: "
+            f"the run trains it on byte ids, which mean nothing to it; set data.tokenizer={directory}"
+            + ("" if own[0] == "tokenizer.json" else f"/{own[0]}"),
+            stacklevel=2,
+        )
+    vocab = make_tokenizer(cfg.data.tokenizer).vocab_size if cfg.data.source != "store" else 0
+    model_config(cfg, vocab, built)
+    if built is None:
+        try:
+            weight_files(directory)
+        except ValueError as e:
+            raise UserError(f"model.init_from: {e}") from None
 
 
 def init_from_params(cfg: RunConfig, model_cfg: models.ModelConfig, shardings):
