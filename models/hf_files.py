@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from models.configs import DTYPES, ModelConfig, replace_config, rope_scaling_type
+from models.configs import DTYPES, FAMILIES, ModelConfig, replace_config, rope_scaling_type
 from models.hf import (
     _hf_entries,
     _names,
@@ -235,6 +235,14 @@ def read_hf_config(directory, **overrides) -> ModelConfig:
         )
     if not (directory / "config.json").is_file():
         raise ValueError(f"{directory} holds no config.json (not a Hugging Face model directory)")
+    try:  # a family this library has not, said before transformers' advice to upgrade it
+        kind = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError, OSError):
+        kind = None  # (transformers says what is wrong with the file)
+    if isinstance(kind, str) and kind not in FAMILIES:
+        raise ValueError(
+            f"{directory}/config.json: unsupported HF model_type {kind!r} (supported: {', '.join(FAMILIES)})"
+        )
     try:
         hf_config = transformers.AutoConfig.from_pretrained(str(directory))
     except (KeyError, OSError) as e:

@@ -217,6 +217,14 @@ def test_bad_directories_are_named(tmp_path):
         ValueError, match=r"unsupported HF model_type 'gpt2' \(supported: llama, qwen2, qwen3, deepseek_v2\)"
     ):
         models.read_hf_config(gpt2)
+    (gpt2 / "config.json").write_text(json.dumps(other | {"model_type": "no_such_family"}))
+    with pytest.raises(ValueError) as refused:  # not transformers' paragraph on upgrading itself
+        models.read_hf_config(gpt2)
+    assert str(refused.value) == (
+        f"{gpt2}/config.json: unsupported HF model_type 'no_such_family' (supported: llama, qwen2, qwen3, "
+        "deepseek_v2)"
+    )
+    (gpt2 / "config.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="holds no model.safetensors"):
         models.load_hf_params(gpt2, cfg)
     (gpt2 / "pytorch_model.bin").write_bytes(b"")
