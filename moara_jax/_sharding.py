@@ -127,13 +127,18 @@ def state_shardings(state: Any, params: Any, param_shardings: Any = None) -> Any
       state: the state, or ``jax.eval_shape(tx.init, params)``.
       params: the parameters (arrays, or ``jax.ShapeDtypeStruct`` with ``sharding``).
       param_shardings: a ``NamedSharding`` per parameter (default: each parameter's
-        ``.sharding``); all on one mesh.
+        ``.sharding``, where concrete parameters have no place of their own, NumPy arrays,
+        Python numbers or arrays not committed to a device, replicated); all on one mesh.
 
     Returns:
       A ``NamedSharding`` per leaf of ``state``.
     """
+    params = _numbers_as_arrays(params)
     if param_shardings is None:
-        shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), params)
+        placed = _placed_on(params)
+        shardings = (
+            placed if placed is not None else jax.tree.map(lambda x: getattr(x, "sharding", None), params)
+        )
     else:
         shardings = param_shardings
     named = jax.tree.leaves(shardings, is_leaf=lambda s: s is None or isinstance(s, NamedSharding))
@@ -185,21 +190,46 @@ def _inputs_mesh(*trees) -> contextlib.AbstractContextManager:
 
 def _placed_on(params) -> Any:
     """Where the parameters are, when those that are JAX arrays (one at least) are concrete, all
-    with a NamedSharding on one mesh: a sharding per parameter, the mesh replicating those that
-    have no place (NumPy arrays) as it does a replicated array. Else ``None``."""
+    placed with a NamedSharding on one mesh: a sharding per parameter, the mesh replicating those
+    that have no place as it does a replicated array (NumPy arrays, Python numbers and arrays not
+    committed to a device, as ``jnp.zeros`` makes them: ``jit`` puts such arrays where they are
+    needed). Else ``None``."""
     leaves = jax.tree.leaves(params)
-    arrays = [x for x in leaves if isinstance(x, jax.Array)]
-    if not arrays or any(isinstance(x, jax.core.Tracer) for x in leaves):
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
-    shardings = [x.sharding for x in arrays]
-    if not all(isinstance(s, NamedSharding) and s.mesh == shardings[0].mesh for s in shardings):
+    placed = lambda x: isinstance(x, jax.Array) and x.committed  # noqa: E731
+    shardings = [x.sharding for x in leaves if placed(x)]
+    if not shardings or not all(
+        isinstance(s, NamedSharding) and s.mesh == shardings[0].mesh for s in shardings
+    ):
         return None
     whole = NamedSharding(shardings[0].mesh, P())
-    return jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else whole, params)
+    return jax.tree.map(lambda x: x.sharding if placed(x) else whole, params)
 
 
 def _spec_of(x) -> P:
     return jax.typeof(x).sharding.spec
+
+
+def _concrete(*trees) -> bool:
+    """Whether every array among ``trees``' leaves is concrete (eager, not traced)."""
+    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
+def _on_axes(spec: P, axes: tuple[str, ...]) -> P:
+    """``spec`` with only the mesh axes ``axes`` (the Explicit ones, which a type's spec holds)."""
+
+    def keep(entry):
+        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in axes)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    return P(*(keep(entry) for entry in spec))
+
+
+def _whole_placement(mesh, axes) -> bool:
+    """Whether arrays on ``mesh`` have a placement their types do not hold: Auto axes beside the
+    Explicit ``axes``, which the type of a result of an Auto region leaves to the compiler."""
+    return any(a not in axes for a in mesh.axis_names)
 
 
 def _sharded_over(axes: tuple[str, ...], *trees) -> bool:
@@ -278,8 +308,20 @@ def follow_params(
             # Sizing the state traces init once more: its warnings are those of the run below.
             with jax.sharding.use_abstract_mesh(auto), quiet():
                 abstract = jax.eval_shape(run, *plain)
-            specs = _specs(abstract, params, jax.tree.map(_spec_of, params), mesh.shape)
-            return jax.sharding.auto_axes(run, axes=axes, out_sharding=specs)(params, arrays)
+            concrete = _concrete(params) and _whole_placement(mesh, axes)
+            # Concrete parameters on a mesh with Auto axes too: the state is derived from their
+            # whole placement (their types hold the Explicit axes only), and put there.
+            given = jax.tree.map(lambda x: x.sharding.spec if concrete else _spec_of(x), params)
+            specs = _specs(abstract, params, given, mesh.shape)
+            typed = jax.tree.map(lambda s: _on_axes(s, axes), specs, is_leaf=lambda s: isinstance(s, P))
+            state = jax.sharding.auto_axes(run, axes=axes, out_sharding=typed)(params, arrays)
+            if not concrete:
+                return state
+            whole = jax.tree.leaves(params)[0].sharding.mesh
+            return jax.device_put(
+                state,
+                jax.tree.map(lambda s: NamedSharding(whole, s), specs, is_leaf=lambda s: isinstance(s, P)),
+            )
         placed = _placed_on(params)
         if placed is not None:  # made where it belongs, never whole on one device first
             shardings = state_shardings(jax.eval_shape(base.init, params), params, placed)
@@ -301,9 +343,15 @@ def follow_params(
         def run(updates, state, params, extra_arrays, hyper):
             return inner(hyper).update(updates, state, params, **extra_back(extra_arrays))
 
-        return jax.sharding.auto_axes(run, axes=axes, out_sharding=out)(
+        result = jax.sharding.auto_axes(run, axes=axes, out_sharding=out)(
             updates, state, params, extra_arrays, arrays
         )
+        mesh = jax.sharding.get_abstract_mesh()
+        if _concrete(updates, state) and _whole_placement(mesh, axes):
+            # Eager, with Auto axes too: the results go where the updates and the state were
+            # (their types keep only the Explicit axes).
+            result = jax.device_put(result, jax.tree.map(lambda x: x.sharding, (updates, state)))
+        return result
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -771,7 +771,7 @@ def test_the_banner_names_the_mesh_and_the_dimensions_its_axes_do_not_divide(tmp
 
     import models
     from train.rundir import banner
-    from train.sharding import whole_dims
+    from train.sharding import split_heads, whole_dims
 
     cfg = models.get_config("tiny")
     logical, abstract = models.logical_axes(cfg), models.abstract_params(cfg)
@@ -789,3 +789,11 @@ def test_the_banner_names_the_mesh_and_the_dimensions_its_axes_do_not_divide(tmp
         f"warning: {len(whole)} parameter dimension(s) the mesh would shard stay whole"
     )
     assert lines[-1].endswith(f"and {len(whole) - 2} more")
+    # tensor=8 against the 4 heads of 16 dims: every dimension divides, and heads are split.
+    assert split_heads(cfg, jax.sharding.AbstractMesh((1, 1, 2), ("data", "fsdp", "tensor"))) is None
+    split = split_heads(cfg, jax.sharding.AbstractMesh((1, 1, 8), ("data", "fsdp", "tensor")))
+    assert split.startswith(
+        "mesh tensor=8 does not divide the 4 query and 4 key/value heads, so heads are split"
+    )
+    lines = banner(params=133_568, embedding_params=32_896, run_dir=tmp_path, split_heads=split, **common)
+    assert lines[-1] == f"warning: {split}"

@@ -403,6 +403,42 @@ PLACEMENT = textwrap.dedent("""
         params = {"q_proj": {"kernel": jnp.asarray(normal(64, 32), device=NamedSharding(mixed, P()))}}
         tx = mj.moara_adamw(0.01, **kw)
         jax.jit(tx.update)(params, tx.init(params), params)
+
+    def placed_as(state, params):  # every state leaf where state_shardings puts it
+        want = mj.state_shardings(jax.eval_shape(tx.init, params), params)
+        for (path, x), s in zip(leaves(state), jax.tree.leaves(want)):
+            assert x.sharding.is_equivalent_to(s, x.ndim), (jax.tree_util.keystr(path), x.sharding, s)
+
+    # A Python number or an array committed to no device beside sharded parameters: the state is
+    # still placed (it was all on device 0, with no word) and state_shardings takes the tree.
+    auto = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    kernel = jax.device_put(jnp.asarray(normal(64, 32)), NamedSharding(auto, P("fsdp", None)))
+    for other in (1.0, jnp.zeros((32,))):
+        params = {"q_proj": {"kernel": kernel}, "temp": other}
+        tx = mj.moara_adamw(0.01, **kw)
+        state = tx.init(params)
+        placed_as(state, params)
+        assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(state))
+    # A mesh of Explicit and Auto axes: the state follows the parameters' whole placement (their
+    # types hold the Explicit axes only: it lost the Auto one, and moved at the first update, which
+    # compiled again); eager updates land where the gradients are.
+    for types in ((AxisType.Explicit, AxisType.Auto), (AxisType.Auto, AxisType.Explicit)):
+        both = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=types)
+        tiled = NamedSharding(both, P("fsdp", "tensor"))
+        params = {"q_proj": {"kernel": jax.device_put(jnp.asarray(normal(32, 32)), tiled)},
+                  "embed": jax.device_put(jnp.asarray(normal(64, 32)), tiled)}
+        with jax.set_mesh(both):
+            tx = mj.moara_adamw(0.01, **kw)
+            state = tx.init(params)
+            placed_as(state, params)
+            step = jax.jit(tx.update)
+            for _ in range(2):
+                update, state = step(params, state, params)
+            assert step._cache_size() == 1, types
+            placed_as(state, params)
+            update, state = tx.update(params, state, params)
+            assert all(x.sharding.spec == P("fsdp", "tensor") for x in jax.tree.leaves(update)), update
+            placed_as(state, params)
     print("OK")
 """)
 

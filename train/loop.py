@@ -44,6 +44,7 @@ from train.sharding import (
     on_mesh,
     param_shardings,
     process_rows,
+    split_heads,
     state_shardings,
     whole_dims,
 )
@@ -379,6 +380,7 @@ def banner_lines(setup: Setup, run: RunDir) -> list[str]:
         run_dir=run,
         mesh=describe_mesh(setup.mesh),
         whole=whole_dims(models.logical_axes(setup.model_cfg), setup.abstract_params, setup.mesh),
+        split_heads=split_heads(setup.model_cfg, setup.mesh),
     )
 
 

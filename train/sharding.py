@@ -92,6 +92,22 @@ def whole_dims(logical, abstract_params, mesh) -> list[str]:
     return found
 
 
+def split_heads(model_cfg, mesh) -> str | None:
+    """What a ``tensor`` axis that does not divide the attention head counts does (its dimensions
+    divided, so nothing stays whole): each device holds parts of heads, whose attention then
+    gathers them; ``None`` when every head stays on one device."""
+    tensor = mesh.shape["tensor"]
+    heads = model_cfg.num_attention_heads
+    kv = model_cfg.num_key_value_heads or heads
+    if tensor == 1 or not (heads % tensor or kv % tensor):
+        return None
+    return (
+        f"mesh tensor={tensor} does not divide the {heads} query and {kv} key/value heads, so heads are "
+        "split across devices and their attention gathers them (the numbers are the same); a tensor "
+        "axis that divides the head counts keeps each head on one device"
+    )
+
+
 def param_shardings(logical, abstract_params, mesh: Mesh):
     def one(spec, x):
         return NamedSharding(mesh, _fit(_mesh_axes(spec, x), x.shape, mesh))
