@@ -308,19 +308,23 @@ def follow_params(
             # Sizing the state traces init once more: its warnings are those of the run below.
             with jax.sharding.use_abstract_mesh(auto), quiet():
                 abstract = jax.eval_shape(run, *plain)
-            concrete = _concrete(params) and _whole_placement(mesh, axes)
             # Concrete parameters on a mesh with Auto axes too: the state is derived from their
             # whole placement (their types hold the Explicit axes only), and put there.
-            given = jax.tree.map(lambda x: x.sharding.spec if concrete else _spec_of(x), params)
+            placed = _placed_on(params) if _whole_placement(mesh, axes) else None
+            is_spec = lambda s: isinstance(s, P)  # noqa: E731
+            is_named = lambda s: isinstance(s, NamedSharding)  # noqa: E731
+            if placed is None:
+                given = jax.tree.map(_spec_of, params)
+            else:
+                given = jax.tree.map(lambda s: s.spec, placed, is_leaf=is_named)
             specs = _specs(abstract, params, given, mesh.shape)
-            typed = jax.tree.map(lambda s: _on_axes(s, axes), specs, is_leaf=lambda s: isinstance(s, P))
+            typed = jax.tree.map(lambda s: _on_axes(s, axes), specs, is_leaf=is_spec)
             state = jax.sharding.auto_axes(run, axes=axes, out_sharding=typed)(params, arrays)
-            if not concrete:
+            if placed is None or not _concrete(state):  # (under a trace: the compiler places it)
                 return state
-            whole = jax.tree.leaves(params)[0].sharding.mesh
+            whole = jax.tree.leaves(placed, is_leaf=is_named)[0].mesh
             return jax.device_put(
-                state,
-                jax.tree.map(lambda s: NamedSharding(whole, s), specs, is_leaf=lambda s: isinstance(s, P)),
+                state, jax.tree.map(lambda s: NamedSharding(whole, s), specs, is_leaf=is_spec)
             )
         placed = _placed_on(params)
         if placed is not None:  # made where it belongs, never whole on one device first
@@ -346,11 +350,12 @@ def follow_params(
         result = jax.sharding.auto_axes(run, axes=axes, out_sharding=out)(
             updates, state, params, extra_arrays, arrays
         )
-        mesh = jax.sharding.get_abstract_mesh()
-        if _concrete(updates, state) and _whole_placement(mesh, axes):
+        if _whole_placement(jax.sharding.get_abstract_mesh(), axes) and _concrete(result):
             # Eager, with Auto axes too: the results go where the updates and the state were
-            # (their types keep only the Explicit axes).
-            result = jax.device_put(result, jax.tree.map(lambda x: x.sharding, (updates, state)))
+            # (their types keep only the Explicit axes; what had no place, replicated).
+            where = _placed_on((updates, state))
+            if where is not None:
+                result = jax.device_put(result, where)
         return result
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

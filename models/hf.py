@@ -79,6 +79,16 @@ def _as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _loaded(key: str, x: Any) -> np.ndarray:
+    """``_as_numpy`` of state-dict entry ``key``, a dtype numpy has not refused naming it."""
+    try:
+        return _as_numpy(x)
+    except ValueError as e:
+        raise ValueError(
+            f"from_hf: {key!r} is {e}; the weights must be float16, bfloat16, float32 or float64"
+        ) from None
+
+
 # A checkpoint of the base model (``LlamaModel``: no LM head) names its tensors without the
 # ``model.`` prefix (transformers' ``base_model_prefix``); transformers loads either spelling.
 BASE_PREFIX = "model."
@@ -129,10 +139,7 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
             key = stored_name(name, state_dict)
             if key is None:
                 raise ValueError(f"from_hf: missing key {name!r} for config {cfg.name!r}")
-            try:
-                x = _as_numpy(state_dict[key])
-            except ValueError as e:
-                raise ValueError(f"from_hf: {key!r} is {e}; the weights must be floating point") from None
+            x = _loaded(key, state_dict[key])
             if (x.shape[::-1] if transpose else x.shape) != tuple(want):
                 hf_shape = tuple(want[::-1]) if transpose else tuple(want)
                 raise ValueError(
@@ -147,7 +154,7 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
     head = state_dict.get("lm_head.weight")
     embed = state_dict.get(stored_name("model.embed_tokens.weight", state_dict) or "")
     if cfg.tie_word_embeddings and head is not None and embed is not None:
-        if not np.array_equal(_as_numpy(head), _as_numpy(embed)):
+        if not np.array_equal(_loaded("lm_head.weight", head), _loaded("model.embed_tokens.weight", embed)):
             raise ValueError(
                 f"from_hf: config {cfg.name!r} ties the embeddings, but the state dict has its own "
                 "lm_head.weight (load it with tie_word_embeddings=False)"

@@ -711,6 +711,9 @@ def test_compare_names_runs_apart_refuses_one_given_twice_and_warns_of_resumed_t
         "galore-seed0",
         "moara-seed0",
     ]
+    (tmp_path / "baseline").symlink_to(first)  # a link keeps the name it was given by
+    compare([tmp_path / "baseline", other], tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "compare.json").read_text())["runs"][0]["run"] == "baseline"
     with pytest.raises(UserError, match=r"galore-seed0 is given twice"):
         compare([first, tmp_path / "a" / ".." / "a" / "galore-seed0"], tmp_path / "out")
     summary = json.loads((other / "summary.json").read_text())
@@ -791,6 +794,8 @@ def test_the_banner_names_the_mesh_and_the_dimensions_its_axes_do_not_divide(tmp
     assert lines[-1].endswith(f"and {len(whole) - 2} more")
     # tensor=8 against the 4 heads of 16 dims: every dimension divides, and heads are split.
     assert split_heads(cfg, jax.sharding.AbstractMesh((1, 1, 2), ("data", "fsdp", "tensor"))) is None
+    # tensor=3 leaves the 4 x 16 dimensions whole (whole_dims says so): no head is split.
+    assert split_heads(cfg, mesh) is None
     split = split_heads(cfg, jax.sharding.AbstractMesh((1, 1, 8), ("data", "fsdp", "tensor")))
     assert split.startswith(
         "mesh tensor=8 does not divide the 4 query and 4 key/value heads, so heads are split"

@@ -426,7 +426,8 @@ PLACEMENT = textwrap.dedent("""
         both = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=types)
         tiled = NamedSharding(both, P("fsdp", "tensor"))
         params = {"q_proj": {"kernel": jax.device_put(jnp.asarray(normal(32, 32)), tiled)},
-                  "embed": jax.device_put(jnp.asarray(normal(64, 32)), tiled)}
+                  "embed": jax.device_put(jnp.asarray(normal(64, 32)), tiled),
+                  "bias": jnp.zeros((32,)), "a_scale": normal(32)}  # committed to no device, NumPy
         with jax.set_mesh(both):
             tx = mj.moara_adamw(0.01, **kw)
             state = tx.init(params)
@@ -437,7 +438,10 @@ PLACEMENT = textwrap.dedent("""
             assert step._cache_size() == 1, types
             placed_as(state, params)
             update, state = tx.update(params, state, params)
-            assert all(x.sharding.spec == P("fsdp", "tensor") for x in jax.tree.leaves(update)), update
+            tiles = (update["q_proj"]["kernel"], update["embed"])
+            assert all(x.sharding.spec == P("fsdp", "tensor") for x in tiles), update
+            bias = update["bias"].sharding
+            assert bias.is_fully_replicated and len(bias.device_set) == 8, bias
             placed_as(state, params)
     print("OK")
 """)

@@ -519,6 +519,7 @@ def test_numpy_scalars_and_nan_settings_are_checked_like_python_numbers():
             make(weight_decay=value)
     with pytest.raises(ValueError, match="growth_limit must be positive"):
         mj.fira_adam(growth_limit=np.float32(-1.0))
+    mj.fira_adam(growth_limit=float("inf"))  # no limit
     for host in ("galore", "q_galore", "subtrack_pp"):
         with pytest.raises(ValueError, match=r"update_proj_gap must be a positive integer below 2\^31 - 1"):
             make(host=host, update_proj_gap=2**31 - 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 
@@ -30,10 +31,11 @@ def run_names(run_dirs: list[pathlib.Path]) -> list[str]:
     for i, path in enumerate(resolved):
         if path in resolved[:i]:
             raise UserError(f"{run_dirs[i]} is given twice")
+    given = [pathlib.Path(os.path.abspath(d)) for d in run_dirs]  # as typed: a link keeps its name
     depth = 1
     while True:
-        names = ["/".join(p.parts[-depth:]) for p in resolved]
-        if len(set(names)) == len(names) or depth >= max(len(p.parts) for p in resolved):
+        names = ["/".join(p.parts[-depth:]) for p in given]
+        if len(set(names)) == len(names) or depth >= max(len(p.parts) for p in given):
             return names
         depth += 1
 

@@ -161,7 +161,7 @@ def yaml_problem(e: Exception) -> str:
     parser has it), to follow the file's name and ``is not valid YAML``."""
     where = getattr(e, "problem_mark", None)
     line = f" (line {where.line + 1})" if where is not None else ""
-    return f"{line}: {getattr(e, 'problem', None) or str(e).splitlines()[0]}"
+    return f"{line}: {getattr(e, 'problem', None) or next(iter(str(e).splitlines()), type(e).__name__)}"
 
 
 def cli(body: Callable[[], int]) -> int:

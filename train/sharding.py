@@ -99,7 +99,12 @@ def split_heads(model_cfg, mesh) -> str | None:
     tensor = mesh.shape["tensor"]
     heads = model_cfg.num_attention_heads
     kv = model_cfg.num_key_value_heads or heads
-    if tensor == 1 or not (heads % tensor or kv % tensor):
+    if model_cfg.model_type == "deepseek_v2":  # MLA: a query head's width, and each head's value
+        widths = (model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim, model_cfg.v_head_dim)
+    else:
+        widths = (model_cfg.head_size,) * 2
+    # Heads split: a count the axis does not divide, in a dimension it does (else left whole).
+    if not any(n % tensor and (n * w) % tensor == 0 for n, w in zip((heads, kv), widths, strict=True)):
         return None
     return (
         f"mesh tensor={tensor} does not divide the {heads} query and {kv} key/value heads, so heads are "

@@ -92,7 +92,7 @@ def fira_adam(
     Returns:
       An ``optax.GradientTransformation`` with :class:`FiraState`.
     """
-    if number(growth_limit) and not (real_number(growth_limit) and growth_limit > 0):
+    if number(growth_limit) and not growth_limit > 0:  # NaN too (inf: no limit)
         raise ValueError(f"growth_limit must be positive, got {growth_limit!r}")
     inner = inner_adam(b1, b2, eps, mu_dtype=mu_dtype, mag_dtype=mag_dtype)
 
