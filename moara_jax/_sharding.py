@@ -226,6 +226,13 @@ def _on_axes(spec: P, axes: tuple[str, ...]) -> P:
     return P(*(keep(entry) for entry in spec))
 
 
+def _moved(tree, shardings):
+    """``jax.device_put(tree, shardings)`` of eager results, once they are computed: a reshard
+    is a collective of its own, which on a host's devices waits for threads the computation
+    still running holds (an XLA CPU rendezvous timed out so, under load)."""
+    return jax.device_put(jax.block_until_ready(tree), shardings)
+
+
 def _whole_placement(mesh, axes) -> bool:
     """Whether arrays on ``mesh`` have a placement their types do not hold: Auto axes beside the
     Explicit ``axes``, which the type of a result of an Auto region leaves to the compiler."""
@@ -323,9 +330,7 @@ def follow_params(
             if placed is None or not _concrete(state):  # (under a trace: the compiler places it)
                 return state
             whole = jax.tree.leaves(placed, is_leaf=is_named)[0].mesh
-            return jax.device_put(
-                state, jax.tree.map(lambda s: NamedSharding(whole, s), specs, is_leaf=is_spec)
-            )
+            return _moved(state, jax.tree.map(lambda s: NamedSharding(whole, s), specs, is_leaf=is_spec))
         placed = _placed_on(params)
         if placed is not None:  # made where it belongs, never whole on one device first
             shardings = state_shardings(jax.eval_shape(base.init, params), params, placed)
@@ -355,7 +360,7 @@ def follow_params(
             # (their types keep only the Explicit axes; what had no place, replicated).
             where = _placed_on((updates, state))
             if where is not None:
-                result = jax.device_put(result, where)
+                result = _moved(result, where)
         return result
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
