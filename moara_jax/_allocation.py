@@ -37,7 +37,7 @@ def _check_present(
     labels can give), or a ``ValueError`` naming the argument (and saying so when it is the
     default, left unset)."""
     if not present:
-        _check_known(name, group, types)
+        return _check_known(name, group, types)
     absent = [t for t in group if t not in types]
     if absent:
         what = f"the default {name} {list(group)} are" if default else f"module types {absent} are"

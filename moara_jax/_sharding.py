@@ -188,17 +188,21 @@ def _inputs_mesh(*trees) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def _concrete(*trees) -> bool:
+    """Whether every array among ``trees``' leaves is concrete (eager, not traced)."""
+    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
 def _placed_on(params) -> Any:
     """Where the parameters are, when those that are JAX arrays (one at least) are concrete, all
     placed with a NamedSharding on one mesh: a sharding per parameter, the mesh replicating those
     that have no place as it does a replicated array (NumPy arrays, Python numbers and arrays not
     committed to a device, as ``jnp.zeros`` makes them: ``jit`` puts such arrays where they are
     needed). Else ``None``."""
-    leaves = jax.tree.leaves(params)
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    if not _concrete(params):
         return None
     placed = lambda x: isinstance(x, jax.Array) and x.committed  # noqa: E731
-    shardings = [x.sharding for x in leaves if placed(x)]
+    shardings = [x.sharding for x in jax.tree.leaves(params) if placed(x)]
     if not shardings or not all(
         isinstance(s, NamedSharding) and s.mesh == shardings[0].mesh for s in shardings
     ):
@@ -209,11 +213,6 @@ def _placed_on(params) -> Any:
 
 def _spec_of(x) -> P:
     return jax.typeof(x).sharding.spec
-
-
-def _concrete(*trees) -> bool:
-    """Whether every array among ``trees``' leaves is concrete (eager, not traced)."""
-    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
 
 
 def _on_axes(spec: P, axes: tuple[str, ...]) -> P:
