@@ -11,6 +11,7 @@ SVD. Between refreshes the basis is kept in the state.
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -191,7 +192,8 @@ def zero_bases(stage: str, params: Any, rank_fn: Callable, name_fn: Callable) ->
         m, d, r = basis_shape(stage, path, u, rank_fn(unboxed(path)), name_fn(unboxed(path)))
         return jnp.zeros(m.shape[:-2] + (d, r), m.dtype)
 
-    return jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
+    with grouped_rank_warnings():
+        return jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
 
 
 def state_ranks(stage: str, updates: Any, bases: list, rank_fn: Callable) -> list[int]:
@@ -219,14 +221,54 @@ def state_ranks(stage: str, updates: Any, bases: list, rank_fn: Callable) -> lis
     return ranks
 
 
+# The clipped ranks of the matrices sized inside grouped_rank_warnings, else None (warned one by one).
+_CLIPS: contextvars.ContextVar[list | None] = contextvars.ContextVar("moara_jax_rank_clips", default=None)
+
+
 def rank_warning(path, shape: tuple[int, ...], requested: int, rank: int, module: str | None) -> None:
-    """Warns, naming the module and both numbers, when the requested rank was clipped."""
-    if rank < requested:
-        what = f"module {module!r} at " if module else ""
-        warn(
-            f"projection rank {requested} for {what}{_path_str(path)} (Flax shape "
-            f"{tuple(shape)}) exceeds min(fan_in, fan_out) = {rank}; clipped to {rank}",
-        )
+    """Warns, naming the module and both numbers, when the requested rank was clipped (inside
+    :func:`grouped_rank_warnings`, once for all the matrices clipped alike)."""
+    if rank >= requested:
+        return
+    clips = _CLIPS.get()
+    if clips is not None:
+        clips.append((path, tuple(shape), requested, rank, module))
+        return
+    _warn_clipped([path], tuple(shape), requested, rank, module)
+
+
+class grouped_rank_warnings:  # noqa: N801 - used as a function, ``with grouped_rank_warnings():``
+    """One clipped-rank warning per module type, matrix shape and pair of ranks for the matrices
+    sized inside (an unrolled 24-layer model's clipped ``down`` projections: one line, not 24),
+    given when the block ends without an error. (A class, not a generator: the warnings name the
+    user's line, found by walking out of this package's frames.)"""
+
+    def __enter__(self) -> None:
+        self._clips: list = []
+        self._token = _CLIPS.set(self._clips)
+
+    def __exit__(self, kind, *_) -> None:
+        _CLIPS.reset(self._token)
+        if kind is not None:
+            return
+        groups: dict[tuple, list] = defaultdict(list)
+        for path, shape, requested, rank, module in self._clips:
+            groups[(module, shape, requested, rank)].append(path)
+        for (module, shape, requested, rank), paths in groups.items():
+            _warn_clipped(paths, shape, requested, rank, module)
+
+
+def _warn_clipped(paths: list, shape: tuple[int, ...], requested: int, rank: int, module: str | None) -> None:
+    what = f"module {module!r} at " if module else ""
+    where = _path_str(paths[0])
+    if len(paths) == 2:
+        where = f"2 matrices ({where} and {_path_str(paths[1])})"
+    elif len(paths) > 2:
+        where = f"{len(paths)} matrices ({where}, ..., {_path_str(paths[-1])})"
+    warn(
+        f"projection rank {requested} for {what}{where} (Flax shape {shape}) exceeds "
+        f"min(fan_in, fan_out) = {rank}; clipped to {rank}",
+    )
 
 
 def project(

@@ -611,6 +611,33 @@ def test_rank_clipping_is_reported_with_module_and_both_numbers():
     assert mj.state_bytes(state)["projection_bases"] > 0
 
 
+@pytest.mark.parametrize("host", ["galore", "q_galore", "ldadam", "osd", "subtrack_pp"])
+def test_rank_clipping_warns_once_for_the_matrices_clipped_alike(host):
+    """An unrolled model's layers clipped alike give one warning naming how many and the first
+    and last (one per layer buried the other warnings); another shape or module is another line."""
+    layers = {
+        f"layers_{i}": {
+            "mlp": {"down_proj": {"kernel": jnp.ones((40, 6))}},
+            "self_attn": {"q_proj": {"kernel": jnp.ones((6, 6))}, "k_proj": {"kernel": jnp.ones((6, 6))}},
+        }
+        for i in range(4)
+    }
+    layers["layers_3"]["mlp"]["down_proj"]["kernel"] = jnp.ones((40, 7))
+    hosts = {"q_galore": mj.QGaLore(basis_bits=None, weight_bits=None)}
+    tx = mj.moara_adamw(0.1, r_base=4, block_size=2, host=hosts.get(host, host))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tx.init(layers)
+    clipped = sorted(str(w.message) for w in caught if "clipped" in str(w.message))
+    first, last = (f"['layers_{i}']['mlp']['down_proj']['kernel']" for i in (0, 2))
+    assert clipped == [
+        f"projection rank 8 for module 'down' at 3 matrices ({first}, ..., {last}) (Flax shape "
+        "(40, 6)) exceeds min(fan_in, fan_out) = 6; clipped to 6",
+        "projection rank 8 for module 'down' at ['layers_3']['mlp']['down_proj']['kernel'] (Flax "
+        "shape (40, 7)) exceeds min(fan_in, fan_out) = 7; clipped to 7",
+    ], clipped
+
+
 @pytest.mark.parametrize("method", ["eigh", "randomized"])
 def test_fast_refresh_agrees_with_exact_basis(method):
     """Principal angles between the eigh / randomized and the exact top-r subspaces are small when

@@ -50,6 +50,7 @@ from moara_jax._projection import (
     _orthonormal,
     _swap,
     basis_shape,
+    grouped_rank_warnings,
     project_back,
     project_value,
     refresh_bases,
@@ -136,17 +137,18 @@ def ldadam(
     def init_fn(params):
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_node)
         fields: dict[str, list] = {k: [] for k in LDAdamState._fields[1:]}
-        for path, u in with_paths:
-            m, d, r = basis_shape("ldadam", path, u, rank_fn(unboxed(path)), name_fn(unboxed(path)))
-            lead, (fan_in, fan_out) = m.shape[:-2], m.shape[-2:]
-            low = lead + ((r, fan_out) if ldadam_side(m.shape) == "in" else (fan_in, r))
-            mag = u.mag if isinstance(u, Decomposed) else None
-            fields["basis"].append(jnp.zeros(lead + (d, r), m.dtype))
-            fields["dir_mu"].append(jnp.zeros(low, mu_dtype or moment_dtype(m.dtype)))
-            fields["dir_nu"].append(jnp.zeros(low, mu_dtype or moment_dtype(m.dtype)))
-            fields["mag_mu"].append(None if mag is None else jnp.zeros(mag.shape, mag_dtype))
-            fields["mag_nu"].append(None if mag is None else jnp.zeros(mag.shape, mag_dtype))
-            fields["error"].append(jnp.zeros(m.shape, m.dtype) if error_feedback else None)
+        with grouped_rank_warnings():
+            for path, u in with_paths:
+                m, d, r = basis_shape("ldadam", path, u, rank_fn(unboxed(path)), name_fn(unboxed(path)))
+                lead, (fan_in, fan_out) = m.shape[:-2], m.shape[-2:]
+                low = lead + ((r, fan_out) if ldadam_side(m.shape) == "in" else (fan_in, r))
+                mag = u.mag if isinstance(u, Decomposed) else None
+                fields["basis"].append(jnp.zeros(lead + (d, r), m.dtype))
+                fields["dir_mu"].append(jnp.zeros(low, mu_dtype or moment_dtype(m.dtype)))
+                fields["dir_nu"].append(jnp.zeros(low, mu_dtype or moment_dtype(m.dtype)))
+                fields["mag_mu"].append(None if mag is None else jnp.zeros(mag.shape, mag_dtype))
+                fields["mag_nu"].append(None if mag is None else jnp.zeros(mag.shape, mag_dtype))
+                fields["error"].append(jnp.zeros(m.shape, m.dtype) if error_feedback else None)
         trees = {k: treedef.unflatten(v) for k, v in fields.items()}
         return LDAdamState(jnp.zeros([], jnp.int32), **trees)
 

@@ -36,6 +36,7 @@ from moara_jax._projection import (
     _path_str,
     _refresh_matrix,
     basis_shape,
+    grouped_rank_warnings,
     project_value,
     projection_side,
     refresh_bases,
@@ -193,7 +194,8 @@ def q_galore_project(
                 jnp.zeros(batch + (d,), jnp.float32),
             )
 
-        made = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
+        with grouped_rank_warnings():
+            made = jax.tree_util.tree_map_with_path(make, params, is_leaf=is_node)
         leaves, treedef = jax.tree.flatten(params, is_leaf=is_node)
         per = treedef.flatten_up_to(made)
         fields = [treedef.unflatten([p[i] for p in per]) for i in range(5)]
