@@ -762,6 +762,25 @@ def write_task(path):
     return path
 
 
+def test_a_diverged_models_text_perplexity_is_capped_as_the_training_curves(tmp_path):
+    """A loss past ``log(float max)`` (about 709 nats a token) overflowed ``exp`` after every window
+    was scored, and the evaluation was lost; it is capped at ``exp(50)``, as in metrics.jsonl."""
+    from train.metrics import perplexity
+    from train.sources import make_tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox. " * 20)
+
+    class Diverged:
+        max_len = 33
+
+        def score(self, rows):
+            return np.array([-800.0 * w.sum() for _, w in rows])
+
+    got = evaluation.text_perplexity(Diverged(), [str(text)], make_tokenizer("bytes"))
+    assert got["loss"] == pytest.approx(800.0) and got["ppl"] == perplexity(800.0) == pytest.approx(np.exp(50))
+
+
 @pytest.mark.parametrize("batch_size", [4, 1])
 def test_evaluate_matches_hand_computed_scores(tmp_path, batch_size):
     """A tiny model and the byte tokenizer: each choice's log-likelihood and the perplexity of a

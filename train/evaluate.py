@@ -37,6 +37,7 @@ import numpy as np
 import models
 from train.config import MeshSection
 from train.errors import UserError, cli, io_operation
+from train.metrics import perplexity
 from train.rundir import EVAL, RunDir, check_directory_path, make_directory
 from train.sharding import make_mesh, param_shardings
 from train.sources import (
@@ -146,9 +147,10 @@ def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, Counts]:
     return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), counts
 
 
-def perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
-    """Perplexity of the texts of ``paths`` (``skipped``: the records that held no text, by
-    reason, as a token store counts them)."""
+def text_perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
+    """Perplexity of the texts of ``paths`` (capped at ``exp(50)`` as the training curve's, so a
+    diverged model's loss stays a number; ``skipped``: the records that held no text, by reason,
+    as a token store counts them)."""
     stream, counts = token_stream(paths, tokenizer)
     rows = packed_rows(stream, scorer.max_len)
     if not rows:
@@ -157,7 +159,7 @@ def perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
     count = int(sum(len(w) for _, w in rows))
     loss = -total / count
     return {
-        "ppl": math.exp(loss),
+        "ppl": perplexity(loss),
         "loss": loss,
         "tokens": count,
         "documents": counts.documents,
@@ -433,7 +435,7 @@ def evaluate(args) -> dict:
     }
     started = time.perf_counter()
     for name, paths in texts.items():
-        report["perplexity"][name] = {**perplexity(scorer, paths, tokenizer), "files": paths}
+        report["perplexity"][name] = {**text_perplexity(scorer, paths, tokenizer), "files": paths}
     for name, (path,) in tasks.items():
         result, per_example = multiple_choice(scorer, path, tokenizer, args.target_delimiter)
         report["tasks"][name] = {**result, "file": path}
