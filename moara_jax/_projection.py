@@ -63,14 +63,33 @@ def effective_rank(shape: tuple[int, ...], rank: int) -> int:
     return min(rank, shape[-2], shape[-1])
 
 
-def _check_args(rank: int, update_proj_gap: int, proj_type: str, svd: str) -> None:
-    if not is_int(rank):
+def stage_settings(
+    rank: int | Callable[[Any], int], update_proj_gap: int, proj_type: str, svd: str, name: Any
+) -> tuple[Callable[[Any], int], Callable[[Any], str | None]]:
+    """A projection stage's shared settings checked (a ``ValueError`` naming the first bad one),
+    and its rank and module name as functions of a parameter's key path (each given as one, or
+    as one value for every parameter)."""
+    if not callable(rank) and not is_int(rank):
         raise ValueError(f"rank must be a positive integer, got {rank!r}{static_hint(rank)}")
     check_update_proj_gap(update_proj_gap)
     if proj_type not in PROJ_TYPES:
         raise ValueError(f"proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
     if svd not in SVD_METHODS:
         raise ValueError(f"svd must be one of {SVD_METHODS}, got {svd!r}")
+    rank_fn = rank if callable(rank) else (lambda path: rank)
+    name_fn = name if callable(name) else (lambda path: name)
+    return rank_fn, name_fn
+
+
+def step_key(seed: int, count: jax.Array) -> jax.Array:
+    """The random key of a stage's step ``count`` (the randomized refresh's, Q-GaLore's rounding)."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), count)
+
+
+def emit(u: Any, low: Any) -> Any:
+    """A stage's output for leaf ``u``: ``low`` as the direction of ``u``'s ``Decomposed`` (its
+    gradient, needed only by the refresh, dropped), else ``low`` itself."""
+    return u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low
 
 
 def _matrix_of(u: Any) -> jax.Array:
@@ -312,7 +331,7 @@ def project(
     Returns:
       A transform that emits :class:`LowRank` nodes (inside ``Decomposed`` when given one).
     """
-    _check_args(rank if not callable(rank) else 1, update_proj_gap, proj_type, svd)
+    rank_fn, name_fn = stage_settings(rank, update_proj_gap, proj_type, svd, name)
     if keep_source is not None:
         warnings.warn("keep_source= is deprecated; use keep_projected=", DeprecationWarning, stacklevel=2)
         keep_projected = keep_source
@@ -320,8 +339,6 @@ def project(
         raise ValueError(f"oversample must be a non-negative integer, got {oversample!r}")
     if not is_int(power_iters, minimum=0):
         raise ValueError(f"power_iters must be a non-negative integer, got {power_iters!r}")
-    rank_fn = rank if callable(rank) else (lambda path: rank)
-    name_fn = name if callable(name) else (lambda path: name)
 
     def init_fn(params):
         basis = zero_bases("project", params, rank_fn, name_fn)
@@ -335,7 +352,7 @@ def project(
         ranks = state_ranks("project", updates, old, rank_fn)
 
         def refresh():
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+            key = step_key(seed, state.count)
             sources = [_refresh_matrix(u) for u in leaves]
             new = refresh_bases(sources, ranks, svd, key, oversample, power_iters, canonical_signs)
             return [n.astype(o.dtype) for n, o in zip(new, old, strict=True)]
@@ -348,7 +365,7 @@ def project(
         for u, m, b in zip(leaves, mats, bases, strict=True):
             side = projection_side(m.shape)
             low = LowRank(project_value(m, b, side), b, side, projected=m if keep_projected else None)
-            out.append(u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low)
+            out.append(emit(u, low))
         new_state = ProjectState(
             count=optax.safe_increment(state.count),
             basis=jax.tree.unflatten(treedef, bases),

@@ -778,7 +778,9 @@ def test_a_diverged_models_text_perplexity_is_capped_as_the_training_curves(tmp_
             return np.array([-800.0 * w.sum() for _, w in rows])
 
     got = evaluation.text_perplexity(Diverged(), [str(text)], make_tokenizer("bytes"))
-    assert got["loss"] == pytest.approx(800.0) and got["ppl"] == perplexity(800.0) == pytest.approx(np.exp(50))
+    assert got["loss"] == pytest.approx(800.0) and got["ppl"] == perplexity(800.0) == pytest.approx(
+        np.exp(50)
+    )
 
 
 @pytest.mark.parametrize("batch_size", [4, 1])

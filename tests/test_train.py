@@ -1222,7 +1222,9 @@ def test_the_runs_own_warnings_are_one_line_each(tmp_path):
     proc = run_cli(tmp_path / "run", *FAST, "train.steps=2", "optimizer.r_base=100000", in_process=False)
     lines = proc.stderr.strip().splitlines()
     assert lines and all(line.startswith("warning: projection rank ") for line in lines), lines
-    assert any("for module 'down' at 2 matrices (['layers_0']['mlp']['down_proj']['kernel'] and" in x for x in lines)
+    assert any(
+        "for module 'down' at 2 matrices (['layers_0']['mlp']['down_proj']['kernel'] and" in x for x in lines
+    )
 
 
 TWO_SIGNALS = textwrap.dedent("""

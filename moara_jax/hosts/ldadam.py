@@ -45,7 +45,6 @@ from moara_jax._adam import _torch_adam_from, moment_dtype, pytorch_adam, torch_
 from moara_jax._labels import unboxed
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
-    _check_args,
     _matrix_of,
     _orthonormal,
     _swap,
@@ -54,7 +53,9 @@ from moara_jax._projection import (
     project_back,
     project_value,
     refresh_bases,
+    stage_settings,
     state_ranks,
+    step_key,
     transport,
 )
 from moara_jax._validate import check_adam, dtype_arg
@@ -123,7 +124,7 @@ def ldadam(
       svd, seed, canonical_signs, name: as :func:`project`, for the first step's basis (the
         power iteration's orthonormalisation is sign-free: the update does not depend on it).
     """
-    _check_args(rank if not callable(rank) else 1, 1, "std", svd)
+    rank_fn, name_fn = stage_settings(rank, 1, "std", svd, name)
     check_adam(b1, b2, eps)
     if not (real_number(rho) and 0 <= rho < 1):
         raise ValueError(f"rho must be in [0, 1), got {rho!r}")
@@ -131,8 +132,6 @@ def ldadam(
         raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
     mu_dtype = dtype_arg("mu_dtype", mu_dtype)
     mag_dtype = dtype_arg("mag_dtype", mag_dtype)
-    rank_fn = rank if callable(rank) else (lambda path: rank)
-    name_fn = name if callable(name) else (lambda path: name)
 
     def init_fn(params):
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_node)
@@ -174,7 +173,7 @@ def ldadam(
         ]
 
         def svd_bases():
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+            key = step_key(seed, state.count)
             sources = [g if s == "in" else _swap(g) for g, s in zip(grads, sides, strict=True)]
             # refresh_bases picks the side by GaLore's rule; handing it the matrix with the
             # projected side first (fan_in) makes that the side it returns.

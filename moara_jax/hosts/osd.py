@@ -30,15 +30,17 @@ import jax.numpy as jnp
 import optax
 
 from moara_jax._adam import _torch_adam_from, inner_adam, moment_dtype, torch_adam_direction
-from moara_jax._nodes import Decomposed, LowRank, is_node
+from moara_jax._nodes import LowRank, is_node
 from moara_jax._projection import (
-    _check_args,
     _matrix_of,
     _refresh_matrix,
+    emit,
     project_value,
     projection_side,
     refresh_bases,
+    stage_settings,
     state_ranks,
+    step_key,
     zero_bases,
 )
 from moara_jax.hosts._base import Host, StageOptions, real_number
@@ -102,9 +104,7 @@ def osd_project(
       b1, b2, eps, weight_decay: the basis's AdamW (PyTorch's defaults).
       svd, seed, canonical_signs, name: as :func:`project` (for the step-0 basis).
     """
-    _check_args(rank if not callable(rank) else 1, 1, "std", svd)
-    rank_fn = rank if callable(rank) else (lambda path: rank)
-    name_fn = name if callable(name) else (lambda path: name)
+    rank_fn, name_fn = stage_settings(rank, 1, "std", svd, name)
     lr_fn = basis_lr if callable(basis_lr) else (lambda count: basis_lr)
 
     def init_fn(params):
@@ -121,7 +121,7 @@ def osd_project(
         mats = [_matrix_of(u) for u in leaves]
 
         def first():
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+            key = step_key(seed, state.count)
             sources = [_refresh_matrix(u) for u in leaves]
             new = refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
             return [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
@@ -140,7 +140,7 @@ def osd_project(
         for u, m, b, mu, nu in zip(leaves, mats, bases, mus, nus, strict=True):
             side = projection_side(m.shape)
             low = LowRank(project_value(m, b, side), b, side)
-            out.append(u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low)
+            out.append(emit(u, low))
             # The moments of the basis's step on this step's loss (none at step 0, where it was made).
             grad = jax.grad(pca_loss)(b, m, side)
             _, mu_new, nu_new = torch_adam_direction(grad, mu, nu, jnp.maximum(state.count, 1), b1, b2, eps)

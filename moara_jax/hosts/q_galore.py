@@ -29,18 +29,20 @@ import optax
 
 from moara_jax._adam import decay_after_step
 from moara_jax._labels import unboxed
-from moara_jax._nodes import Decomposed, LowRank, is_node
+from moara_jax._nodes import LowRank, is_node
 from moara_jax._projection import (
-    _check_args,
     _matrix_of,
     _path_str,
     _refresh_matrix,
     basis_shape,
+    emit,
     grouped_rank_warnings,
     project_value,
     projection_side,
     refresh_bases,
+    stage_settings,
     state_ranks,
+    step_key,
 )
 from moara_jax._quant import (
     adam8bit,
@@ -159,7 +161,7 @@ def q_galore_project(
     due; only the due matrices take theirs. ``bits=None`` keeps float bases. ``group_size`` must
     divide each basis's size.
     """
-    _check_args(rank if not callable(rank) else 1, update_proj_gap, "std", svd)
+    rank_fn, name_fn = stage_settings(rank, update_proj_gap, "std", svd, name)
     if bits is not None and not (is_int(bits) and bits <= 8):
         raise ValueError(f"bits must be an integer in [1, 8] or None, got {bits!r}")
     if not is_int(group_size):
@@ -168,8 +170,6 @@ def q_galore_project(
         raise ValueError(f"queue_size must be a positive integer, got {queue_size!r}")
     if not (isinstance(gamma, numbers.Real) and math.isfinite(gamma) and gamma >= 1):
         raise ValueError(f"gamma must be a finite number >= 1, got {gamma!r}")
-    rank_fn = rank if callable(rank) else (lambda path: rank)
-    name_fn = name if callable(name) else (lambda path: name)
     intervals = refresh_intervals(update_proj_gap, gamma)
 
     def store(basis: jax.Array, side: str):
@@ -237,7 +237,7 @@ def q_galore_project(
         # A QuantizedBasis keeps the float basis's shape.
         ranks = state_ranks("q_galore_project", updates, [fields[0] for fields in old], rank_fn)
         due = [state.count % fields[1] == 0 for fields in old]
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+        key = step_key(seed, state.count)
         fields = list(old)
         # One cond per shape: a group's SVDs (one batched call) run only when one of its
         # matrices is due, so matrices whose intervals grew skip them.
@@ -265,7 +265,7 @@ def q_galore_project(
             side = projection_side(m.shape)
             b = dequantized(basis).astype(m.dtype)
             low = LowRank(project_value(m, b, side), b, side)
-            out.append(u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low)
+            out.append(emit(u, low))
         if leaves:
             columns = [treedef.unflatten([f[i] for f in fields]) for i in range(5)]
         else:
@@ -319,7 +319,7 @@ def quantize_weights(
             raise ValueError("quantize_weights needs the parameters: update(updates, state, params)")
         leaves, treedef = jax.tree.flatten(updates)
         plist = treedef.flatten_up_to(params)
-        base = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+        base = step_key(seed, state.count)
         out = []
         for i, (u, p) in enumerate(zip(leaves, plist, strict=True)):
             new = unit(p.astype(jnp.float32) + u.astype(jnp.float32))

@@ -40,16 +40,18 @@ import optax
 
 from moara_jax._adam import InnerAdamState
 from moara_jax._bases import _svd
-from moara_jax._nodes import Decomposed, LowRank, is_node
+from moara_jax._nodes import LowRank, is_node
 from moara_jax._projection import (
-    _check_args,
     _matrix_of,
     _refresh_matrix,
     _swap,
+    emit,
     project_value,
     projection_side,
     refresh_bases,
+    stage_settings,
     state_ranks,
+    step_key,
     transport,
     zero_bases,
 )
@@ -107,13 +109,11 @@ def subtrack_project(
       track_all: also move bases of the fan_in side (the reference leaves them at step 0's).
       svd, seed, canonical_signs, name: as :func:`project`, for the step-0 basis.
     """
-    _check_args(rank if not callable(rank) else 1, update_proj_gap, "std", svd)
+    rank_fn, name_fn = stage_settings(rank, update_proj_gap, "std", svd, name)
     if not (real_number(step_size) and step_size >= 0):
         raise ValueError(f"step_size must be a non-negative number, got {step_size!r}")
     if not isinstance(track_all, bool):
         raise ValueError(f"track_all must be True or False, got {track_all!r}")
-    rank_fn = rank if callable(rank) else (lambda path: rank)
-    name_fn = name if callable(name) else (lambda path: name)
 
     def init_fn(params):
         basis = zero_bases("subtrack_project", params, rank_fn, name_fn)
@@ -130,7 +130,7 @@ def subtrack_project(
 
         # Each branch gives (bases, initial bases); step 0's SVD basis is both.
         def first():
-            key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+            key = step_key(seed, state.count)
             sources = [_refresh_matrix(u) for u in leaves]
             new = refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
             new = [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
@@ -151,7 +151,7 @@ def subtrack_project(
         out = []
         for u, m, b, b0, side in zip(leaves, mats, bases, initial, sides, strict=True):
             low = LowRank(project_value(m, b, side), b, side, projected=m, prev_basis=b0)
-            out.append(u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low)
+            out.append(emit(u, low))
         new_state = SubTrackProjectState(
             optax.safe_increment(state.count), treedef.unflatten(bases), treedef.unflatten(initial)
         )
