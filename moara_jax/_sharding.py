@@ -29,19 +29,22 @@ from moara_jax._validate import fit_errors
 from moara_jax._warnings import quiet
 
 
-def derived_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
+def kept_spec(shape: tuple, param_shape: tuple, param_spec: tuple) -> tuple:
     """Mesh axes for a low-rank leaf of a parameter: leading (stacked) dimensions as the
     parameter's, then each of the last two dimensions as the parameter's matrix dimension of the
     same size (the same place first: bases are stored in the paper's orientation), a mesh axis
-    used once."""
+    used once. Each dimension kept has the size of the parameter's it takes the axis from, so the
+    axis divides it. A leaf not of the parameter's layout (another number of dimensions: a
+    quantized basis's groups; the state of a multi-axis kernel's matrix view, ``as_matrices``)
+    keeps none."""
     lead = len(param_shape) - 2
-    if len(shape) < len(param_shape) - 2 or lead < 0:
+    if len(shape) != len(param_shape) or lead < 0:
         return (None,) * len(shape)
-    spec = list(param_spec[: min(lead, len(shape))]) + [None] * max(len(shape) - lead, 0)
+    spec = list(param_spec[:lead]) + [None, None]
     used = {a for a in spec if a is not None}
-    for k in range(lead, len(shape)):  # the leaf's matrix dimensions
+    for k in (lead, lead + 1):  # the leaf's matrix dimensions
         place = k - lead
-        for candidate in (place, 1 - place) if place in (0, 1) else ():
+        for candidate in (place, 1 - place):
             axis = param_spec[lead + candidate]
             if shape[k] == param_shape[lead + candidate] and axis is not None and axis not in used:
                 spec[k] = axis
@@ -86,10 +89,7 @@ def _leaf_spec(path, x, params: dict, sizes) -> P:
     param_shape, spec = match
     if tuple(x.shape) == param_shape:
         return P(*spec)
-    # Each sharded dimension has the size of the parameter's it takes the axis from: it divides.
-    # A leaf not of the parameter's layout (a quantized basis's groups; the state of a
-    # multi-axis kernel's matrix view, ``as_matrices``) keeps none.
-    kept = derived_spec(tuple(x.shape), param_shape, spec) if x.ndim == len(param_shape) else (None,) * x.ndim
+    kept = kept_spec(tuple(x.shape), param_shape, spec)
     spread = spread_spec(kept, tuple(x.shape), spec, sizes)
     return P(*spread) if any(spread) else P()  # P() for a leaf left whole, as jit gives one back
 

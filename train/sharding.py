@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moara_jax._labels import find_param, path_key
-from moara_jax._sharding import derived_spec, params_by_path, spread_spec
+from moara_jax._sharding import kept_spec, params_by_path, spread_spec
 from train.config import MeshSection
 from train.errors import UserError
 
@@ -162,7 +162,7 @@ def state_shardings(abstract_state, mesh: Mesh, abstract_params=None, param_shar
         param_shape, spec = match
         if x.shape == param_shape:
             return NamedSharding(mesh, P(*spec))
-        derived = _fit(derived_spec(x.shape, param_shape, spec), x.shape, mesh)
+        derived = _fit(kept_spec(x.shape, param_shape, spec), x.shape, mesh)
         return NamedSharding(mesh, _spread(tuple(derived), x.shape, spec, mesh))
 
     return jax.tree_util.tree_map_with_path(one, abstract_state)
