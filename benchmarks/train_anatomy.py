@@ -51,8 +51,7 @@ if any(t in sys.argv or f"--target={t}" in sys.argv for t in ("h100", "h200")): 
 import jax
 import jax.numpy as jnp
 from _args import check_micro_batches, check_names, check_out, non_negative, positive
-from step_anatomy import TARGETS
-from step_anatomy import _placement as step_placement
+from step_anatomy import TARGETS, _placement
 from train_step import apply_flag_sets, compiled_peak_bytes, optimizers
 
 import models
@@ -77,7 +76,6 @@ _NO_KERNEL = {
     "replica-id",
     "domain",
 }
-_CONTROL = {"while", "conditional", "call"}
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
@@ -167,13 +165,6 @@ def program_kernels(hlo_text: str) -> dict:
         "kernels_by_kind": dict(kinds),
         "cudnn_calls": cudnn,
     }
-
-
-def _placement(target: str):
-    """The sharding (None: the default device) and device label of the compilation target."""
-    if target == "local":
-        return None, jax.devices()[0].device_kind
-    return step_placement(target)
 
 
 def abstract_state(cfg: models.ModelConfig, tx, sharding) -> TrainState:

@@ -92,16 +92,11 @@ def inner_adam(
     mu_dtype = dtype_arg("mu_dtype", mu_dtype)
     mag_dtype = dtype_arg("mag_dtype", mag_dtype)
 
-    def zeros(x, kind, path):
-        del path
-        dtype = mag_dtype if kind == MAG else (mu_dtype or moment_dtype(x.dtype))
-        return jnp.zeros(x.shape, dtype), jnp.zeros(x.shape, dtype)
-
     def step(g, mu, nu, count_inc, kind):
         del kind
         return adam_direction(g, mu, nu, count_inc, b1, b2, eps)
 
-    return node_adam(zeros, step)
+    return node_adam(zero_moments(mu_dtype, mag_dtype), step)
 
 
 class LeafMoments(NamedTuple):
@@ -118,6 +113,18 @@ class LeafMoments(NamedTuple):
 # What an Adam moment belongs to (node_adam's ``kind``): a plain (unprojected) leaf, a projected
 # low-rank value, or block magnitudes.
 PLAIN, DIRECTION, MAG = "plain", "direction", "magnitude"
+
+
+def zero_moments(mu_dtype: Any, mag_dtype: Any) -> Callable[[jax.Array, str, Any], tuple[Any, Any]]:
+    """:func:`node_adam`'s ``init_moments`` for plain arrays: zeros in ``mag_dtype`` for block
+    magnitudes, else in ``mu_dtype`` (``None``: :func:`moment_dtype` of the value's)."""
+
+    def zeros(x, kind, path):
+        del path
+        dtype = mag_dtype if kind == MAG else (mu_dtype or moment_dtype(x.dtype))
+        return jnp.zeros(x.shape, dtype), jnp.zeros(x.shape, dtype)
+
+    return zeros
 
 
 def node_adam(
@@ -219,16 +226,11 @@ def pytorch_adam(
     check_adam(b1, b2, eps)
     mu_dtype = dtype_arg("mu_dtype", mu_dtype)
 
-    def zeros(x, kind, path):
-        del path
-        dtype = jnp.float32 if kind == MAG else (mu_dtype or moment_dtype(x.dtype))
-        return jnp.zeros(x.shape, dtype), jnp.zeros(x.shape, dtype)
-
     def step(g, mu, nu, count_inc, kind):
         del kind
         return torch_adam_direction(g, mu, nu, count_inc, b1, b2, eps)
 
-    return node_adam(zeros, step)
+    return node_adam(zero_moments(mu_dtype, jnp.float32), step)
 
 
 class DecayAfterStepState(NamedTuple):

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from moara_jax._labels import MLA_MODULE_TYPES, OTHER, label_tree, module_label, unboxed, warn_if_no_targets
+from moara_jax._labels import OTHER, label_tree, module_label, unboxed, warn_if_no_targets
 from moara_jax._matrices import MatrixAxesOrFn, leaf_views
 from moara_jax._projection import effective_rank
 from moara_jax._validate import is_int
@@ -266,6 +266,3 @@ def rank_table(
             }
         )
     return rows
-
-
-__all__ = ["allocate_ranks", "rank_table", "resolve_module_ranks", "MLA_MODULE_TYPES"]

@@ -64,10 +64,10 @@ def scale_by_moara(
     direction with no learning rate, so ``optax.chain(scale_by_moara(...), optax.scale(-lr))`` is
     a full optimizer. See :func:`moara_adamw` for per-module ranks and non-target parameters.
 
-    ``host`` (a name or settings, :mod:`moara_jax` ``GaLore``/``Fira``/``QGaLore``) picks the
-    projection and Adam stages (:func:`host_stages`); they then work on the block direction.
-    ``rank`` and the keywords but ``decompose_eps`` (``decompose``'s) and ``host`` are
-    :class:`StageOptions`' fields, with its defaults.
+    ``host`` (a name or settings: :mod:`moara_jax`'s ``GaLore``, ``Fira``, ``QGaLore``, ``OSD``,
+    ``LDAdam`` or ``SubTrackPP``) picks the projection and Adam stages (:func:`host_stages`); they
+    then work on the block direction. ``rank`` and the keywords but ``decompose_eps``
+    (``decompose``'s) and ``host`` are :class:`StageOptions`' fields, with its defaults.
 
     References:
       MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507.

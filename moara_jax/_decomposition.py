@@ -31,7 +31,7 @@ def _blocked(x: jnp.ndarray, block_size: int, axis: int) -> jnp.ndarray:
     """Pads ``axis`` to a multiple of ``block_size`` and splits it into ``(k, block_size)``."""
     axis = axis % x.ndim
     n = x.shape[axis]
-    k = math.ceil(n / block_size)
+    k = num_blocks(n, block_size)
     pad = k * block_size - n
     if pad:
         widths = [(0, 0)] * x.ndim

@@ -97,20 +97,7 @@ def path_names(path: Any) -> tuple[str, ...]:
                 parts = parts[:-1]
             return tuple(a or b or c for a, b, c in parts)
         return tuple(p for p in path.replace(".", "/").split("/") if p)
-    names = []
-    path = unboxed(path)
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            names.append(str(k.key))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            names.append(k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            names.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            names.append(str(k.key))
-        else:
-            names.append(str(k))
-    return tuple(names)
+    return path_key(unboxed(path))
 
 
 def module_label(path: Any) -> str:

@@ -28,7 +28,7 @@ class TensorBoardSink:
 
     name = "TensorBoard events"
 
-    def __init__(self, run_dir: pathlib.Path, config: dict, resume_step: int | None = None):
+    def __init__(self, run_dir: pathlib.Path, resume_step: int | None = None):
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
@@ -100,7 +100,7 @@ def make_sinks(
     the checkpoint's step when resuming)."""
     sinks = []
     if "tensorboard" in writers:
-        sinks.append(TensorBoardSink(run_dir, config, resume_step))
+        sinks.append(TensorBoardSink(run_dir, resume_step))
     if "wandb" in writers:
         sinks.append(WandbSink(run_dir, config, wandb_project))
     return sinks
