@@ -308,78 +308,15 @@ def report(
     nothing here measures, so its time counts in no mean and no reduction."""
     points = grid_points(runs, baseline)
     baseline = baseline or points[0]
-    done, excluded = {p: [] for p in points}, []
-    for run in runs:
-        run_dir = RunDir(out / run.name)
-        status = run_dir.state()
-        evals = eval_rows(run_dir)
-        if status != "completed" or not evals:
-            excluded.append({"run": run.name, "status": status if evals else f"{status}, no evaluation"})
-            continue
-        done[run.point].append({"run": run.name, "seed": run.seed, "evals": evals})
-    summaries = []
-    for run in (RunDir(out / r["run"]) for point in points for r in done[point]):
-        summary = run.summary() or {}
-        seen = evaluation(run, summary)
-        summaries.append({"name": run.name, "status": "completed", "summary": summary, "evaluation": seen})
-    shared = set(shared).union(*overlaps(summaries))
-    devices = {s["name"]: s["summary"].get("device_kind") for s in summaries}
-    for point in points:
-        for r in done[point]:
-            r["shared"], r["device"] = r["run"] in shared, devices[r["run"]]
-    # Times compare on one device only: the one most of the baseline's timed runs had (without
-    # any, most of all timed runs); a run alone on another, or on one it does not name, counts in
-    # no time either. Where no timed run names its device, none is left out for it.
-    completed = [r for point in points for r in done[point]]
-    timing = most_common([r["device"] for r in done[baseline] if not r["shared"]]) or most_common(
-        [r["device"] for r in completed if not r["shared"]]
-    )
-    for r in completed:
-        r["elsewhere"] = timing is not None and r["device"] != timing
-        r["timed"] = not r["shared"] and not r["elsewhere"]
+    done, excluded, summaries = _completed(out, runs, points)
+    timing = _mark_timing(done, baseline, set(shared).union(*overlaps(summaries)), summaries)
     # Without a completed baseline run there is no target: the final ppl are still reported. The
     # target is the last point of the baseline's mean curve: its seeds' mean final ppl when they
     # end at the same step (else at the last step they all evaluated, which its curve reaches).
     curves = {point: mean_curve(done[point]) for point in points}
     target = curves[baseline][-1]["eval_ppl"] if curves[baseline] else None
-    rows = {}
-    for point in points:
-        seeds = []
-        for r in done[point]:
-            step, wall = reach(r["evals"], target) if target is not None else (None, None)
-            seeds.append(
-                {
-                    "seed": r["seed"],
-                    "final_ppl": r["evals"][-1]["eval_ppl"],
-                    "steps": step,
-                    "time_s": wall if r["timed"] else None,
-                    "timed": r["timed"],
-                    "shared": r["shared"],
-                    "device": r["device"],
-                    "elsewhere": r["elsewhere"],
-                }
-            )
-        step, wall = reach(curves[point], target) if target is not None else (None, None)
-        rows[point] = {
-            "final_ppl": _stats([s["final_ppl"] for s in seeds]),
-            "mean_curve": {"steps_to_target": step, "time_to_target_s": wall},
-            "steps_to_target": _stats([s["steps"] for s in seeds if s["steps"] is not None]),
-            "time_to_target_s": _stats([s["time_s"] for s in seeds if s["time_s"] is not None]),
-            "reached": sum(s["steps"] is not None for s in seeds),
-            "timed": sum(s["timed"] for s in seeds),
-            "seeds": seeds,
-        }
-    finals = {point: [s["final_ppl"] for s in row["seeds"]] for point, row in rows.items()}
-    for point, row in rows.items():
-        row["final_ppl_p"] = None if point == baseline else permutation_p(finals[point], finals[baseline])
-    base = rows[baseline]["mean_curve"]
-    for row in rows.values():
-        for key, red in (
-            ("steps_to_target", "step_reduction_pct"),
-            ("time_to_target_s", "time_reduction_pct"),
-        ):
-            m, b = row["mean_curve"][key], base[key]
-            row[red] = 100 * (1 - m / b) if m is not None and b else None
+    rows = {point: _point_row(done[point], curves[point], target) for point in points}
+    _compare_to_baseline(rows, baseline)
     refusals, warnings = problems(summaries) if summaries else ([], [])
     result = {
         "baseline": baseline,
@@ -395,6 +332,92 @@ def report(
         seeds = {point: len(done[point]) for point in points}
         plot(out / "report.png", curves, seeds, {point: rows[point]["timed"] for point in points})
     return result
+
+
+def _completed(out: pathlib.Path, runs: list[Run], points: list[str]) -> tuple[dict, list, list]:
+    """``(done, excluded, summaries)``: each point's completed runs with evaluations (``run``,
+    ``seed``, ``evals``), the other runs with their status, and the completed runs' summaries
+    and evaluation sessions (what :func:`overlaps` and :func:`problems` read)."""
+    done, excluded = {p: [] for p in points}, []
+    for run in runs:
+        run_dir = RunDir(out / run.name)
+        status = run_dir.state()
+        evals = eval_rows(run_dir)
+        if status != "completed" or not evals:
+            excluded.append({"run": run.name, "status": status if evals else f"{status}, no evaluation"})
+            continue
+        done[run.point].append({"run": run.name, "seed": run.seed, "evals": evals})
+    summaries = []
+    for run in (RunDir(out / r["run"]) for point in points for r in done[point]):
+        summary = run.summary() or {}
+        seen = evaluation(run, summary)
+        summaries.append({"name": run.name, "status": "completed", "summary": summary, "evaluation": seen})
+    return done, excluded, summaries
+
+
+def _mark_timing(done: dict, baseline: str, shared: set[str], summaries: list[dict]) -> str | None:
+    """Marks each completed run ``shared``, ``device``, ``elsewhere`` and ``timed``; returns the
+    device times compare on. Times compare on one device only: the one most of the baseline's
+    timed runs had (without any, most of all timed runs); a run alone on another, or on one it
+    does not name, counts in no time either. Where no timed run names its device, none is left
+    out for it."""
+    devices = {s["name"]: s["summary"].get("device_kind") for s in summaries}
+    completed = [r for runs in done.values() for r in runs]
+    for r in completed:
+        r["shared"], r["device"] = r["run"] in shared, devices[r["run"]]
+    timing = most_common([r["device"] for r in done[baseline] if not r["shared"]]) or most_common(
+        [r["device"] for r in completed if not r["shared"]]
+    )
+    for r in completed:
+        r["elsewhere"] = timing is not None and r["device"] != timing
+        r["timed"] = not r["shared"] and not r["elsewhere"]
+    return timing
+
+
+def _point_row(runs: list[dict], curve: list[dict], target: float | None) -> dict:
+    """A grid point's row of the report: its seeds' final ppl, steps and time to ``target``
+    (None: no target), and its mean curve's."""
+    seeds = []
+    for r in runs:
+        step, wall = reach(r["evals"], target) if target is not None else (None, None)
+        seeds.append(
+            {
+                "seed": r["seed"],
+                "final_ppl": r["evals"][-1]["eval_ppl"],
+                "steps": step,
+                "time_s": wall if r["timed"] else None,
+                "timed": r["timed"],
+                "shared": r["shared"],
+                "device": r["device"],
+                "elsewhere": r["elsewhere"],
+            }
+        )
+    step, wall = reach(curve, target) if target is not None else (None, None)
+    return {
+        "final_ppl": _stats([s["final_ppl"] for s in seeds]),
+        "mean_curve": {"steps_to_target": step, "time_to_target_s": wall},
+        "steps_to_target": _stats([s["steps"] for s in seeds if s["steps"] is not None]),
+        "time_to_target_s": _stats([s["time_s"] for s in seeds if s["time_s"] is not None]),
+        "reached": sum(s["steps"] is not None for s in seeds),
+        "timed": sum(s["timed"] for s in seeds),
+        "seeds": seeds,
+    }
+
+
+def _compare_to_baseline(rows: dict, baseline: str) -> None:
+    """Adds each row's p-value of its final ppl against the baseline's, and its mean curve's
+    reductions of steps and time to the target."""
+    finals = {point: [s["final_ppl"] for s in row["seeds"]] for point, row in rows.items()}
+    for point, row in rows.items():
+        row["final_ppl_p"] = None if point == baseline else permutation_p(finals[point], finals[baseline])
+    base = rows[baseline]["mean_curve"]
+    for row in rows.values():
+        for key, red in (
+            ("steps_to_target", "step_reduction_pct"),
+            ("time_to_target_s", "time_reduction_pct"),
+        ):
+            m, b = row["mean_curve"][key], base[key]
+            row[red] = 100 * (1 - m / b) if m is not None and b else None
 
 
 def most_common(devices: list[str | None]) -> str | None:
