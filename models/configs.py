@@ -59,6 +59,14 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
+        self._check_fields()
+        self._check_heads()
+        if self.model_type == "deepseek_v2":
+            self._check_mla()
+        self._check_rope_scaling()
+
+    def _check_fields(self) -> None:
+        """Each field's type and range, alone."""
         if self.model_type not in FAMILIES:
             raise ValueError(f"model_type must be one of {FAMILIES}, got {self.model_type!r}")
         if self.remat not in REMAT_POLICIES:
@@ -104,6 +112,9 @@ class ModelConfig:
         for f in ("param_dtype", "dtype"):
             if getattr(self, f) not in DTYPES:
                 raise ValueError(f"{f} must be one of {DTYPES}, got {getattr(self, f)!r}")
+
+    def _check_heads(self) -> None:
+        """The heads against the width, RoPE's pairs and the key-value heads."""
         if self.hidden_size % self.num_attention_heads and (
             self.model_type in ("llama", "deepseek_v2") or self.head_dim is None
         ):
@@ -123,18 +134,23 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.kv_heads})"
             )
-        if self.model_type == "deepseek_v2":
-            for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-                if not getattr(self, f):
-                    raise ValueError(f"deepseek_v2 needs {f}")
-            if self.rope_scaling:  # HF's yarn scaling also changes MLA's softmax scale
-                raise ValueError("deepseek_v2: rope_scaling is not supported (plain RoPE only)")
-            if self.kv_heads != self.num_attention_heads:  # HF would repeat MLA's keys again
-                raise ValueError(
-                    f"deepseek_v2: num_key_value_heads must be null or num_attention_heads "
-                    f"({self.num_attention_heads}): MLA gives every head its own key and value, got "
-                    f"{self.num_key_value_heads}"
-                )
+
+    def _check_mla(self) -> None:
+        """DeepSeek-V2's MLA: its dimensions given, plain RoPE, a key and value per head."""
+        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not getattr(self, f):
+                raise ValueError(f"deepseek_v2 needs {f}")
+        if self.rope_scaling:  # HF's yarn scaling also changes MLA's softmax scale
+            raise ValueError("deepseek_v2: rope_scaling is not supported (plain RoPE only)")
+        if self.kv_heads != self.num_attention_heads:  # HF would repeat MLA's keys again
+            raise ValueError(
+                f"deepseek_v2: num_key_value_heads must be null or num_attention_heads "
+                f"({self.num_attention_heads}): MLA gives every head its own key and value, got "
+                f"{self.num_key_value_heads}"
+            )
+
+    def _check_rope_scaling(self) -> None:
+        """``rope_scaling``: none, or the ``llama3`` type with its four numbers."""
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be a mapping or null, got {self.rope_scaling!r}")
         kind = rope_scaling_type(self.rope_scaling)
