@@ -162,17 +162,7 @@ def resolve_module_ranks(
         instead = "ranks= gives every rank" if ranks is not None else "rank_allocation=False moves no rank"
         raise ValueError(f"{', '.join(given)} set, but {instead}: leave {' and '.join(given)} unset")
     if ranks is not None:
-        if not isinstance(ranks, Mapping):
-            raise ValueError(f"ranks must map module types to ranks, e.g. {{'down': 256}}, got {ranks!r}")
-        for t, r in ranks.items():
-            _positive_int(f"ranks[{t!r}]", r)
-        absent = [t for t in ranks if t not in types]
-        if warn and absent:
-            _warn(
-                f"moara_adamw: ranks names module types the parameters do not have, {absent}: they "
-                f"set no rank (the parameters' module types: {list(types)})"
-            )
-        return {t: int(ranks.get(t, r_base)) for t in types}
+        return _explicit_ranks(ranks, types, r_base, warn)
     if not rank_allocation or not types:
         return {t: r_base for t in types}
     if receivers is None and donors is None:
@@ -191,6 +181,22 @@ def resolve_module_ranks(
                 _warn_no_allocation(types, donors, receivers, r_base)
             donors, receivers = (), ()
     return allocate_ranks(r_base, types, donors, receivers, delta, warn=warn)
+
+
+def _explicit_ranks(ranks: Mapping, types: tuple[str, ...], r_base: int, warn: bool) -> dict[str, int]:
+    """The ranks ``ranks=`` gives (``r_base`` for the types it leaves out), checked; ``warn``:
+    warns of the types it names that the parameters lack (they set no rank)."""
+    if not isinstance(ranks, Mapping):
+        raise ValueError(f"ranks must map module types to ranks, e.g. {{'down': 256}}, got {ranks!r}")
+    for t, r in ranks.items():
+        _positive_int(f"ranks[{t!r}]", r)
+    absent = [t for t in ranks if t not in types]
+    if warn and absent:
+        _warn(
+            f"moara_adamw: ranks names module types the parameters do not have, {absent}: they "
+            f"set no rank (the parameters' module types: {list(types)})"
+        )
+    return {t: int(ranks.get(t, r_base)) for t in types}
 
 
 def _warn_no_allocation(
