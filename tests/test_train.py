@@ -514,6 +514,22 @@ def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message, capsys):
     assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
+def test_one_set_takes_several_keys():
+    """``--set a=1 b=2`` sets both keys, as two ``--set``s do (the second was refused as an
+    unrecognized argument), in every command that loads a config (they share the option)."""
+    import argparse
+
+    from train.__main__ import parse_args
+    from train.arguments import add_config_arguments
+
+    sets = ["--set", "train.steps=5", "mesh.fsdp=2", "--set", "train.seed=1"]
+    want = ["train.steps=5", "mesh.fsdp=2", "train.seed=1"]
+    assert parse_args(["--config", TINY, *sets, "--resume"]).overrides == want
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, config=False)
+    assert parser.parse_args(sets).overrides == want and parser.parse_args([]).overrides == []
+
+
 def test_a_later_config_file_changes_the_model_overrides_it_names_and_keeps_the_others(tmp_path):
     """Config files read in order (``base:`` and several ``--config``) merge ``model.overrides``
     field by field, as ``--set`` does: a file adding ``loss_chunk`` to the 7B config keeps its

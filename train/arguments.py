@@ -22,9 +22,10 @@ def add_config_arguments(
     parser.add_argument(
         "--set",
         dest="overrides",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help="set one config key, e.g. train.steps=100 (repeatable); the value is YAML, and a section "
-        "given as a mapping replaces the whole section",
+        help="set config keys, e.g. --set train.steps=100 mesh.fsdp=8 (repeatable); each value is YAML, "
+        "and a section given as a mapping replaces the whole section",
     )
