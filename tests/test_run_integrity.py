@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import math
+import pathlib
 import re
 import shutil
 import signal
@@ -728,9 +729,12 @@ def test_compare_names_runs_apart_refuses_one_given_twice_and_warns_of_resumed_t
     assert f"warning: {resumed}" in capsys.readouterr().err and f"- warning: {resumed}" in text
 
 
-@pytest.mark.parametrize("damage", ["out is a file", "summary is a list", "eval row without wall_s"])
+@pytest.mark.parametrize(
+    "damage", ["out is a file", "out cannot be made", "summary is a list", "eval row without wall_s"]
+)
 def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys, damage):
-    """``python -m train.compare`` on an ``--out`` that is a file, or on a damaged run dir (a
+    """``python -m train.compare`` on an ``--out`` that is a file or cannot be made (it was a
+    traceback), or on a damaged run dir (a
     summary that is no JSON object, an evaluation row without its time): exit 2 and one line
     naming the file and what is wrong, the file left as it was."""
     from train.compare import main
@@ -740,6 +744,9 @@ def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys, damage)
     if damage == "out is a file":
         out.write_text("kept")
         file, message = out, f"--out {out}: {out} is not a directory"
+    elif damage == "out cannot be made":
+        out = pathlib.Path("/proc/compare")
+        file, message = base / "summary.json", f"--out {out}: cannot create it ("
     elif damage == "summary is a list":
         file, message = other / "summary.json", f"{other / 'summary.json'} is not a JSON object"
         file.write_text("[1, 2]")

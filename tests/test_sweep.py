@@ -434,6 +434,7 @@ def sweep_cli(argv, monkeypatch, capsys):
     "args,message",
     [
         (["--out", "{file}"], "--out {file}: {file} is not a directory"),
+        (["--out", "/proc/sweep"], "--out /proc/sweep: cannot create it ("),
         (
             ["--axis", "paper/conditions/galore,full", "--baseline", "nope"],
             "--baseline nope is not a grid point (galore, full)",
@@ -452,6 +453,7 @@ def sweep_cli(argv, monkeypatch, capsys):
     ],
     ids=[
         "out-is-a-file",
+        "out-cannot-be-made",
         "baseline-off-grid",
         "unknown-key",
         "negative-seed",
@@ -481,7 +483,7 @@ def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypa
     resumed as this grid's; one line names its run dir and the settings that differ, before any
     run starts or ``sweep.json`` is rewritten. With the same settings it is reused, and with
     other settings its results do not depend on (micro-batches, checkpoints, logging) too;
-    ``--report-only`` reports the runs as they are."""
+    ``--report-only`` reports the runs as they are, and leaves ``sweep.json`` as it is."""
     out = tmp_path / "sweep"
     status = "completed" if state == "completed" else "interrupted"
     run = make_run(out, "tiny-seed0", status, [30, 20], checkpoint=state == "resumable")
@@ -511,11 +513,14 @@ def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypa
         assert code == 0 and "tiny-seed0: completed, skipped" in text and started == [], err
     else:
         assert [a[-1] for a in started] == ["--resume"], err
+    grid = (out / "sweep.json").read_text()
     code, text, err, started = sweep_cli(
         [*argv, "--set", "train.lr=0.001", "--report-only"], monkeypatch, capsys
     )
     assert started == [] and "- tiny: " in text and not any("differs" in line for line in err), err
     assert ("- tiny: seed 0: ppl 20.000" in text) == (state == "completed"), text
+    # The record of the grid as it ran is left as it was (a report wrote its own --set there).
+    assert (out / "sweep.json").read_text() == grid and "train.micro_batch_size=4" in grid
 
 
 PLOTS_IN_A_NOTEBOOK = textwrap.dedent("""

@@ -19,7 +19,7 @@ import sys
 
 from train.errors import UserError, cli, io_operation
 from train.plots import figure
-from train.rundir import METRICS, SUMMARY, RunDir, check_directory_path
+from train.rundir import METRICS, SUMMARY, RunDir, check_directory_path, make_directory
 from train.store.reading import tokenizer_key
 
 
@@ -203,8 +203,8 @@ def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None, f
     text = "\n".join(lines + ([""] + notes if notes else [])) + "\n"
     out_dir = out_dir or run_dirs[0].parent
     report = {"target_ppl": target, "runs": rows, "not_comparable": refusals, "warnings": warnings}
+    make_directory(out_dir, "--out", "making the comparison's directory")
     with io_operation("writing the comparison to", out_dir):
-        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "compare.md").write_text(text)
         (out_dir / "compare.json").write_text(json.dumps(report, indent=2))
         _plot(runs, target, out_dir / "compare.png")
@@ -253,8 +253,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
-        if args.out is not None:
+        if args.out is not None:  # refused before the runs are read and their warnings given
             check_directory_path(args.out, "--out")
+            make_directory(args.out, "--out", "making the comparison's directory")
         text = compare(args.runs, args.out, args.force)
         print(text, end="")
         return 0

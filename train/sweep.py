@@ -46,7 +46,7 @@ from train.arguments import add_config_arguments
 from train.compare import eval_rows, evaluation, overlaps, problems, reach
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import figure
-from train.rundir import RunDir, check_directory_path
+from train.rundir import RunDir, check_directory_path, make_directory
 
 
 @dataclass(frozen=True)
@@ -618,11 +618,11 @@ def _sweep(args, out: pathlib.Path) -> int:
     grid_points(runs, args.baseline)
     if not args.report_only:  # a report reads the runs as they are, on any machine
         check_reuse(out, runs, run_configs(args.base, runs, args.overrides))
-    grid = {"base": str(args.base), "axes": args.axis, "seeds": seeds, "sets": args.overrides}
-    with io_operation("writing the sweep's grid to", out):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep.json").write_text(json.dumps(grid, indent=2))
-    if not args.report_only:
+    make_directory(out, "--out", "making the sweep's directory")
+    if not args.report_only:  # the grid as it was run: a report alone leaves it as it is
+        grid = {"base": str(args.base), "axes": args.axis, "seeds": seeds, "sets": args.overrides}
+        with io_operation("writing the sweep's grid to", out):
+            (out / "sweep.json").write_text(json.dumps(grid, indent=2))
         try:
             outcomes = run_grid(args.base, runs, out, args.overrides)
         except SweepStopped as e:
