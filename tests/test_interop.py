@@ -997,6 +997,11 @@ def test_evaluate_errors_name_the_problem(tmp_path, capsys):
     assert evaluation.main(["--run-dir", str(typo), "--ppl-files", f"t={good}"]) == 2
     err = capsys.readouterr().err.strip()
     assert f"run dir {typo}: no such directory" in err and not typo.exists(), err
+    # A file given as the run dir, or a directory as a task file, is said to be one.
+    assert evaluation.main(["--run-dir", str(good), "--ppl-files", f"t={good}"]) == 2
+    assert f"run dir {good}: not a directory" in capsys.readouterr().err
+    assert evaluation.main(["--hf", str(tmp_path), "--tasks", f"t={tmp_path}"]) == 2
+    assert f"task file {tmp_path} is a directory" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------ lm-evaluation-harness

@@ -603,15 +603,19 @@ def test_config_files_that_cannot_be_read_are_one_clear_line(tmp_path, capsys):
     assert load_config(sections).optimizer == load_config(TINY).optimizer
 
 
-@pytest.mark.parametrize("kind", ["a file", "under a file"])
+@pytest.mark.parametrize("kind", ["a file", "under a file", "a link to nothing"])
 def test_a_run_dir_that_cannot_be_one_is_a_clear_error(kind, tmp_path, capsys):
+    """A dangling link was said to be 'File exists' (mkdir's refusal)."""
     from train.__main__ import main
 
     (tmp_path / "f").write_text("")
-    run_dir = tmp_path / "f" if kind == "a file" else tmp_path / "f" / "run"
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    run_dir = {"a file": tmp_path / "f", "under a file": tmp_path / "f" / "run"}.get(kind, tmp_path / "link")
     code = main(["--config", TINY, "--run-dir", str(run_dir), "--quiet"])
     lines = capsys.readouterr().err.strip().splitlines()
-    message = "is a file, not a directory" if kind == "a file" else "as a run dir: Not a directory"
+    message = {"a file": "is a file, not a directory", "under a file": "as a run dir: Not a directory"}.get(
+        kind, "is a link to nothing, not a directory"
+    )
     assert code == 2 and len(lines) == 1 and message in lines[0] and str(run_dir) in lines[0], lines
 
 

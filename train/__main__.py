@@ -22,7 +22,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "alignment).",
     )
     add_config_arguments(parser)
-    parser.add_argument("--run-dir", default=None, help="output directory (default runs/<config name>)")
+    parser.add_argument(
+        "--run-dir", default=None, help="output directory (default runs/<config name>, several joined by -)"
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     return parser.parse_args(argv)

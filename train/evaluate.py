@@ -171,6 +171,8 @@ def text_perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
 def read_task(path: str) -> list[dict]:
     """The examples of a JSONL task; a ``UserError`` naming the file, line and problem."""
     p = pathlib.Path(path)
+    if p.is_dir():
+        raise UserError(f"task file {path} is a directory (one JSONL file per task)")
     if not p.is_file():
         raise UserError(f"task file not found: {path}")
     try:
@@ -400,7 +402,8 @@ def evaluate(args) -> dict:
     if args.hf and args.step is not None:
         raise UserError("--step picks a checkpoint of --run-dir; an --hf directory has one set of weights")
     if args.run_dir and not pathlib.Path(args.run_dir).is_dir():  # before --out is made in it
-        raise UserError(f"run dir {args.run_dir}: no such directory")
+        there = pathlib.Path(args.run_dir).exists()
+        raise UserError(f"run dir {args.run_dir}: {'not a directory' if there else 'no such directory'}")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     texts, tasks = parse_named(args.ppl_files, "--ppl-files"), parse_named(args.tasks, "--tasks")
@@ -463,8 +466,16 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--target-delimiter", default=" ", help="put between context and choice (default: a space)"
     )
-    parser.add_argument("--seq-len", type=int, default=None, help="default: the run's train.seq_len")
-    parser.add_argument("--batch-size", type=int, default=32, help="rows per step, over all devices")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens a window predicts (default: the run's train.seq_len; with --hf, the model's "
+        "max_position_embeddings, at most 2048)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="rows per step, over all devices (default 32)"
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,

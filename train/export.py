@@ -340,7 +340,7 @@ def main(argv=None) -> int:
         "--tokenizer", default=None, help="the run's tokenizer (.model, tokenizer.json), if it moved"
     )
     parser.add_argument(
-        "--max-shard-gb", type=float, default=5.0, help="largest weights file (GB, 10^9 bytes)"
+        "--max-shard-gb", type=float, default=5.0, help="largest weights file (GB, 10^9 bytes; default 5)"
     )
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     args = parser.parse_args(argv)

@@ -386,8 +386,9 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         run_dir = self.path.parent
-        if run_dir.exists() and not run_dir.is_dir():
-            raise UserError(f"run dir {run_dir} is a file, not a directory; choose another --run-dir")
+        if (run_dir.exists() or run_dir.is_symlink()) and not run_dir.is_dir():  # a file, a dangling link
+            what = "a link to nothing" if not run_dir.exists() else "a file"
+            raise UserError(f"run dir {run_dir} is {what}, not a directory; choose another --run-dir")
         operation = "opening the run dir's lock file in" if run_dir.is_dir() else "creating the run dir"
         try:
             with io_operation(operation, run_dir):
