@@ -330,7 +330,10 @@ def report(
         (out / "report.json").write_text(json.dumps(result, indent=2))
         (out / "report.md").write_text(markdown(result))
         seeds = {point: len(done[point]) for point in points}
-        plot(out / "report.png", curves, seeds, {point: rows[point]["timed"] for point in points})
+        if any(curves.values()):
+            plot(out / "report.png", curves, seeds, {point: rows[point]["timed"] for point in points})
+        else:  # no completed run: no empty axes (nor an earlier report's curves)
+            (out / "report.png").unlink(missing_ok=True)
     return result
 
 
