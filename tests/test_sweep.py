@@ -554,3 +554,17 @@ def test_plots_leave_the_processes_matplotlib_as_it_was(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["svg", "False"], proc.stdout
+
+
+def test_a_plot_without_matplotlib_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    """Without matplotlib (the Quick start's ``pip install -e .``) a run's curves, like every
+    other plot, are not drawn and one line says so and how to get them (they went unsaid)."""
+    from train.rundir import RunDir, plot_curves
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # its import raises ImportError
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    assert plot_curves(RunDir(run)) is None and not (run / "curves.png").exists()
+    said = capsys.readouterr().out
+    assert said == "matplotlib is not installed; no curves.png (pip install 'moara-jax[plot]')\n", said

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def figure(what: str, quiet: bool = False, **kwargs):
+def figure(what: str, **kwargs):
     """A ``matplotlib.figure.Figure`` (``kwargs`` are its own, e.g. ``figsize``; constrained
     layout), or None (with a line saying ``what`` is not written) when matplotlib is not installed.
 
@@ -14,7 +14,6 @@ def figure(what: str, quiet: bool = False, **kwargs):
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        if not quiet:
-            print(f"matplotlib is not installed; no {what} (pip install 'moara-jax[plot]')")
+        print(f"matplotlib is not installed; no {what} (pip install 'moara-jax[plot]')")
         return None
     return Figure(layout="constrained", **kwargs)

@@ -435,7 +435,7 @@ class RunLock:
 
 def plot_curves(run: RunDir) -> pathlib.Path | None:
     """``curves.png``: training loss and eval ppl against step (when matplotlib is installed)."""
-    fig = figure(CURVES, quiet=True, figsize=(11, 4))
+    fig = figure(CURVES, figsize=(11, 4))
     if fig is None:
         return None
     with io_operation("writing the plot", run / CURVES):
