@@ -15,6 +15,7 @@ import contextlib
 import json
 import pathlib
 import re
+import stat
 from typing import Any
 
 import jax
@@ -191,6 +192,11 @@ def write_hf_dir(
     hf_config.save_pretrained(str(directory))
     _add_legacy_keys(directory / "config.json", cfg, stored)
     transformers.GenerationConfig(**ids).save_pretrained(str(directory))
+    # safetensors writes its files 0600 (made as temporary files): the weights take the mode the
+    # umask gave config.json, so whoever may read the config may read the model.
+    mode = stat.S_IMODE((directory / "config.json").stat().st_mode)
+    for name in names:
+        (directory / name).chmod(mode)
     files = names + ([INDEX] if len(names) > 1 else []) + ["config.json", "generation_config.json"]
     return {"files": files, "tensors": len(plan), "bytes": total}
 

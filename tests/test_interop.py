@@ -112,14 +112,22 @@ def test_a_save_over_another_leaves_only_its_weights_and_both_readers_read_them(
     """Saves of other shardings into one directory, one after the other: each removes the
     earlier one's weights (as ``save_pretrained`` does), so this loader and transformers read the
     last. Beside a model.safetensors, an index is what transformers passes over: so does this
-    loader. Token ids not given are written as none, in both configs."""
+    loader. Token ids not given are written as none, in both configs. The weights' mode is the
+    config's."""
     cfg = models.get_config("llama2-tiny")
     first, second, third = (random_params(cfg, seed) for seed in (0, 1, 2))
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 9))
     for params, shard in ((first, 60_000), (second, 10**9), (third, 60_000)):
-        written = write_hf_dir(tmp_path, cfg, params, max_shard_bytes=shard)
+        umask = os.umask(0o022)  # (whatever the machine's: the config readable by all)
+        try:
+            written = write_hf_dir(tmp_path, cfg, params, max_shard_bytes=shard)
+        finally:
+            os.umask(umask)
         weights = sorted(p.name for p in tmp_path.iterdir() if "safetensors" in p.name)
         assert weights == sorted(f for f in written["files"] if "safetensors" in f)
+        # Every file readable as the config is (safetensors made the weights 0600).
+        modes = {f: (tmp_path / f).stat().st_mode & 0o777 for f in written["files"]}
+        assert set(modes.values()) == {modes["config.json"]} and modes["config.json"] & 0o044, modes
         loaded = models.load_hf_params(tmp_path, cfg)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
