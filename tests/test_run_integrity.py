@@ -126,6 +126,42 @@ def test_verification_names_each_kind_of_damage(finished_run, tmp_path):
         read_params(run, 4)  # none before it
 
 
+@pytest.mark.slow
+def test_a_checkpoint_removed_while_it_is_read_is_read_again_or_named(finished_run, tmp_path, monkeypatch):
+    """A run still training removes its older checkpoints (``checkpoint.keep``), one perhaps while
+    export or evaluation reads it (orbax then raised, and tensorstore's callbacks printed hundreds
+    of lines): the newest is read again; one asked for by step, or removed at every try, is one
+    line saying what happened."""
+    from train import checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    read, removed, budget = checkpoint._read_checkpoint_params, [], [1]
+
+    def removed_under_it(manager, run_dir, step, *args):
+        if len(removed) < budget[0]:
+            shutil.rmtree(run / "checkpoints" / str(step))
+            removed.append(step)
+            raise ValueError(f'NOT_FOUND: Error opening "zarr" driver: checkpoints/{step}/state')
+        return read(manager, run_dir, step, *args)
+
+    monkeypatch.setattr(checkpoint, "_read_checkpoint_params", removed_under_it)
+    step, params = checkpoint.read_params(run)
+    assert removed == [8] and step == 6 and params
+    budget[0] = 2
+    with pytest.raises(UserError) as refused:
+        checkpoint.read_params(run, 6)
+    assert removed == [8, 6] and str(refused.value) == (
+        f"checkpoint {(run / 'checkpoints' / '6').resolve()} was removed while it was read (the run is "
+        "still training, and checkpoint.keep removed it): pass the --step of one it keeps"
+    )
+    shutil.copytree(finished_run / "checkpoints", run / "checkpoints", dirs_exist_ok=True)
+    budget[0] = 2 + checkpoint.READ_TRIES
+    with pytest.raises(UserError, match=r"checkpoints/4 was removed while it was read .*: read it again$"):
+        checkpoint.read_params(run)
+    assert removed == [8, 6, 8, 6, 4]
+
+
 @pytest.mark.parametrize("checksums", [True, False])
 def test_a_damaged_checkpoint_metadata_file_is_not_dumped_in_the_log(
     checksums, finished_run, tmp_path, caplog

@@ -402,6 +402,9 @@ def abstract_with_shardings(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+READ_TRIES = 3  # reads of the newest checkpoint, each removed while it was read, before giving up
+
+
 def read_params(
     run_dir: pathlib.Path, step: int | None = None, shardings=None, expected=None
 ) -> tuple[int, dict]:
@@ -411,53 +414,76 @@ def read_params(
     ``model.json`` makes them (``models.abstract_params``), checked against the stored ones
     before anything is read. Returns ``(step, params)`` in the checkpoint's dtypes.
 
+    A run still training removes its older checkpoints (``checkpoint.keep``), one perhaps while
+    it is read: the newest is then read again (up to :data:`READ_TRIES` times).
+
     Raises:
-      UserError: no checkpoint, no checkpoint of that step, one that fails verification, or
-        one whose parameters are not of ``expected``'s shapes.
+      UserError: no checkpoint, no checkpoint of that step, one that fails verification, one
+        whose parameters are not of ``expected``'s shapes, or one removed while it was read.
     """
     run = RunDir(run_dir)
     ckpt_dir = run.checkpoints.resolve()
     if not ckpt_dir.is_dir():
         raise UserError(f"{run_dir} holds no {CHECKPOINTS}/ (not a run dir, or no checkpoint was saved)")
-    handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
-    manager = ocp.CheckpointManager(ckpt_dir, item_handlers=handlers)
-    try:
-        steps = sorted(manager.all_steps())
-        if not steps:
-            raise UserError(f"{ckpt_dir} holds no checkpoint")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise UserError(f"{ckpt_dir} has no checkpoint of step {step} (it has steps {steps})")
-        reason = _verify(ckpt_dir / str(step), run.checksums / f"{step}.json")
-        if reason is not None:
-            older = [s for s in steps if s < step]
-            other = f"; --step {older[-1]} reads the one before" if older else ""
-            raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}{other}")
-        meta = stored_state(ckpt_dir / str(step))["params"]
-        found = None if expected is None else _first_difference(meta, expected)
-        if found is not None:
-            raise UserError(
-                f"checkpoint {ckpt_dir / str(step)} does not hold the parameters its run dir describes "
-                f"({MODEL}, or {CONFIG} without one) ({found}): the model was described otherwise "
-                "since it was written (edited, another run's, or another version of moara-jax)"
-            )
-        if shardings is None:
-            cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-            shardings = jax.tree.map(lambda _: cpu, meta)
-        abstract = {
-            "params": jax.tree.map(
-                lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), meta, shardings
-            )
-        }
-        args = ocp.args.PyTreeRestore(
-            item=abstract,
-            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
-            partial_restore=True,
+    _drop_failed_read_leftovers()  # of a read whose checkpoint is removed under it
+    for attempt in range(1, READ_TRIES + 1):
+        chosen = step
+        handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+        manager = ocp.CheckpointManager(ckpt_dir, item_handlers=handlers)
+        try:
+            steps = sorted(manager.all_steps())
+            if not steps:
+                raise UserError(f"{ckpt_dir} holds no checkpoint")
+            chosen = steps[-1] if step is None else step
+            if chosen not in steps:
+                raise UserError(f"{ckpt_dir} has no checkpoint of step {chosen} (it has steps {steps})")
+            return chosen, _read_checkpoint_params(manager, run, chosen, steps, shardings, expected)
+        except UserError:
+            raise
+        except Exception:  # orbax's and tensorstore's errors of files gone, whatever their type
+            if chosen is None or (ckpt_dir / str(chosen)).is_dir():
+                raise
+            if step is not None or attempt == READ_TRIES:
+                again = "read it again" if step is None else "pass the --step of one it keeps"
+                raise UserError(
+                    f"checkpoint {ckpt_dir / str(chosen)} was removed while it was read (the run is "
+                    f"still training, and checkpoint.keep removed it): {again}"
+                ) from None
+        finally:
+            manager.close()
+    raise AssertionError("each try returns or raises")
+
+
+def _read_checkpoint_params(manager, run: RunDir, step: int, steps: list[int], shardings, expected) -> dict:
+    """:func:`read_params`' read of checkpoint ``step`` (of ``steps``) once it is chosen."""
+    ckpt_dir = run.checkpoints.resolve()
+    reason = _verify(ckpt_dir / str(step), run.checksums / f"{step}.json")
+    if reason is not None and (ckpt_dir / str(step)).is_dir():
+        older = [s for s in steps if s < step]
+        other = f"; --step {older[-1]} reads the one before" if older else ""
+        raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}{other}")
+    meta = stored_state(ckpt_dir / str(step))["params"]
+    found = None if expected is None else _first_difference(meta, expected)
+    if found is not None:
+        raise UserError(
+            f"checkpoint {ckpt_dir / str(step)} does not hold the parameters its run dir describes "
+            f"({MODEL}, or {CONFIG} without one) ({found}): the model was described otherwise "
+            "since it was written (edited, another run's, or another version of moara-jax)"
         )
-        restored = manager.restore(step, args=ocp.args.Composite(state=args))
-    finally:
-        manager.close()
-    return step, restored.state["params"]
+    if shardings is None:
+        cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        shardings = jax.tree.map(lambda _: cpu, meta)
+    abstract = {
+        "params": jax.tree.map(
+            lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), meta, shardings
+        )
+    }
+    args = ocp.args.PyTreeRestore(
+        item=abstract,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+        partial_restore=True,
+    )
+    return manager.restore(step, args=ocp.args.Composite(state=args)).state["params"]
 
 
 def stored_state(path: pathlib.Path) -> dict:
