@@ -1035,8 +1035,9 @@ def test_a_qwen2_export_puts_a_tokenizer_transformers_would_rebuild_apart(run, t
     Qwen's normalizer and pre-tokenizer in place of the file's: the export of a qwen2.5 run on a
     sentencepiece model wrote none and the harness failed (an IndexError). Its files now go to
     ``tokenizer/``, which the harness takes as ``tokenizer=`` and ``train.evaluate --hf`` finds:
-    the same scores. The run's ``data.tokenizer`` is relative to where it started; export and
-    evaluate find it from another directory (they looked for it there)."""
+    the same scores. Moved up beside ``config.json``, ``train.evaluate --hf`` warns that the
+    harness would read them otherwise. The run's ``data.tokenizer`` is relative to where it
+    started; export and evaluate find it from another directory (they looked for it there)."""
     shutil.copy(run["tokenizer"], tmp_path / "sp.model")
     relative = os.path.relpath(tmp_path / "sp.model", ROOT)  # the trainer runs from ROOT (run_cli)
     sets = [s for s in run["sets"] if not s.startswith("data.tokenizer=")]
@@ -1062,6 +1063,17 @@ def test_a_qwen2_export_puts_a_tokenizer_transformers_would_rebuild_apart(run, t
     assert_same_scores(harness_scores(out, task, tmp_path / "harness", monkeypatch, tokenizer=apart), want)
     run_dir = ["--run-dir", str(tmp_path / "qwen"), "--seq-len", "256", "--tasks", f"{NAME}={task}"]
     assert_same_scores(evaluate_scores(run_dir, tmp_path / "run"), want, tol=1e-4)
+    # The same files moved up beside config.json: AutoTokenizer (the harness) would rebuild them
+    # as Qwen2Tokenizer; evaluate --hf, reading the file, says its scores are not the harness's.
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    for f in apart.iterdir():
+        shutil.copy(f, moved / f.name)
+    shutil.rmtree(moved / "tokenizer")
+    argv = ["--hf", str(moved), "--tasks", f"{NAME}={task}", "--out", str(tmp_path / "m")]
+    warned = rf"^{re.escape(str(moved))}: transformers.AutoTokenizer, which lm-evaluation-harness"
+    with pytest.warns(UserWarning, match=warned):
+        assert evaluation.main(argv) == 0
     # data.tokenizer=DIR reads them there too (continued pretraining of the export); an export over
     # DIR would then remove the tokenizer it reads: refused, nothing touched.
     from train.sources import make_tokenizer

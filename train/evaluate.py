@@ -29,6 +29,7 @@ import pathlib
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 import jax
@@ -306,7 +307,9 @@ def _hf_tokenizer(directory: pathlib.Path, override: str | None):
     if override:
         return tokenizer_option(override)
     if (directory / "tokenizer.json").is_file():
-        return make_tokenizer(str(directory / "tokenizer.json"))
+        tok = make_tokenizer(str(directory / "tokenizer.json"))
+        _warn_if_the_harness_reads_it_otherwise(tok, directory)
+        return tok
     for name in ("spiece.model", "tokenizer.model"):
         if (directory / name).is_file():
             return _converted(directory) or make_tokenizer(str(directory / name))
@@ -316,6 +319,28 @@ def _hf_tokenizer(directory: pathlib.Path, override: str | None):
         f"{directory} holds no tokenizer (tokenizer.json, spiece.model or tokenizer.model): pass "
         "--tokenizer PATH (or bytes)"
     )
+
+
+def _warn_if_the_harness_reads_it_otherwise(tok, directory: pathlib.Path) -> None:
+    """A warning where ``AutoTokenizer`` (what lm-evaluation-harness reads) encodes otherwise
+    than the directory's ``tokenizer.json`` says: transformers reads some model types' tokenizers
+    with a class of its own (``qwen2``: ``Qwen2Tokenizer``, with Qwen's pre-tokenizer in place of
+    the file's), and the harness would score other ids than this evaluation."""
+    try:
+        from train.export import autotokenizer_difference
+
+        differs = autotokenizer_difference(tok, directory)
+    except Exception:  # noqa: BLE001 - transformers missing, or no tokenizer it can build there
+        return
+    if differs is not None:
+        warnings.warn(
+            f"{directory}: transformers.AutoTokenizer, which lm-evaluation-harness reads, encodes "
+            f"{differs!r} otherwise than its tokenizer.json, which this evaluation reads (this model "
+            "type's own tokenizer class replaces the file's rules): the harness would score other "
+            "tokens; put the tokenizer files in a directory of their own and pass it to both "
+            "(--tokenizer here, tokenizer= in the harness's --model_args), as train.export does",
+            stacklevel=2,
+        )
 
 
 def _converted(directory: pathlib.Path):

@@ -70,7 +70,7 @@ def write_tokenizer(tok, out: pathlib.Path, max_length: int) -> tuple[list[str],
     files, why = _write_tokenizer_files(tok, out, max_length)
     if not files:
         return [], f"none written ({why})"
-    differs = _first_difference(tok, out)
+    differs = autotokenizer_difference(tok, out)
     if differs is None:
         return files, f"{', '.join(files)} (transformers.AutoTokenizer loads them and encodes as the run did)"
     for name in files:
@@ -78,7 +78,7 @@ def write_tokenizer(tok, out: pathlib.Path, max_length: int) -> tuple[list[str],
     apart = out / TOKENIZER_SUBDIR
     apart.mkdir()
     files, _ = _write_tokenizer_files(tok, apart, max_length)
-    if _first_difference(tok, apart) is not None:
+    if autotokenizer_difference(tok, apart) is not None:
         shutil.rmtree(apart)
         return [], f"none written (transformers would encode {differs!r} otherwise than the run did)"
     return [f"{TOKENIZER_SUBDIR}/{name}" for name in files], (
@@ -94,8 +94,9 @@ def _write_tokenizer_files(tok, out: pathlib.Path, max_length: int) -> tuple[lis
     return _write_sentencepiece(tok, out, max_length)
 
 
-def _first_difference(tok, out: pathlib.Path) -> str | None:
-    """The first probe text that ``AutoTokenizer`` on ``out`` encodes otherwise than ``tok``."""
+def autotokenizer_difference(tok, out: pathlib.Path) -> str | None:
+    """The first probe text that ``AutoTokenizer`` on ``out`` encodes otherwise than ``tok`` (a
+    tokenizer of this package's, read from files there), or None."""
     hf = _transformers().AutoTokenizer.from_pretrained(str(out))
     probes = list(PROBES)
     if isinstance(tok, HFTokenizer):  # special tokens inside a text are matched whole by both
