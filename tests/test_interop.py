@@ -21,6 +21,7 @@ import lm_harness
 import ml_dtypes
 import numpy as np
 import pytest
+import yaml
 from helpers import cpu_devices
 from lm_harness import NAME, assert_same_scores, evaluate_scores, harness_cli_scores, harness_scores
 from test_train import run_cli
@@ -403,7 +404,12 @@ def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(run, exported)
     assert (hf_tok.eos_token_id, hf_tok.bos_token_id) == (1, None)
     generation = json.loads((exported / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 1 and generation["pad_token_id"] == 0
-    assert json.loads((exported / "training_run.json").read_text())["step"] == 4
+    provenance = json.loads((exported / "training_run.json").read_text())
+    seq_len = yaml.safe_load((run["dir"] / "config.yaml").read_text())["train"]["seq_len"]
+    assert provenance["step"] == 4 and provenance["seq_len"] == seq_len, provenance
+    # A model card saying how to load both: the tokenizer from the directory itself.
+    card = (exported / "README.md").read_text()
+    assert "at step 4" in card and 'AutoTokenizer.from_pretrained("DIR")' in card, card
 
 
 @pytest.mark.slow
@@ -1055,6 +1061,14 @@ def test_a_qwen2_export_puts_a_tokenizer_transformers_would_rebuild_apart(run, t
         "tokenizer_config.json",
     ]
     assert not (out / "tokenizer.json").exists()
+    # The model card says where the tokenizer is: AutoTokenizer on the directory itself finds no
+    # tokenizer files there, and (Qwen2Tokenizer) encodes every text as nothing, with no error.
+    card = (out / "README.md").read_text()
+    assert (
+        'AutoTokenizer.from_pretrained("DIR/tokenizer")' in card
+        and "pretrained=DIR,tokenizer=DIR/tokenizer" in card
+    )
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).encode("hello 12345") == []
     ours, hf = SentencePieceTokenizer(str(tmp_path / "sp.model")), transformers.AutoTokenizer
     for text in ["the quick brown fox 12 jumps", "  lazy\tdog  ", ""]:
         assert hf.from_pretrained(str(apart)).encode(text) == ours.encode(text)

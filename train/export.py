@@ -280,6 +280,7 @@ def export(
             written = _write_model(out, run, model_cfg, tok, step, params, dtype, max_shard_bytes)
             seq_len = run.setting("train", "seq_len") or model_cfg.max_position_embeddings
             tokenizer_files, tokenizer_note = write_tokenizer(tok, out, int(seq_len))
+            _write_card(out, model_cfg.name, run, step, tokenizer_files, tokenizer_note)
     except IOFault as e:
         raise e.with_note("the export there is incomplete: run the same command with --overwrite") from None
     return {
@@ -308,9 +309,45 @@ def _write_model(
         )
     except ImportError as e:
         raise UserError(str(e)) from None
-    provenance = {"run_dir": str(run.path.resolve()), "step": step, "model": model_cfg.name}
+    seq_len = run.setting("train", "seq_len")
+    provenance = {
+        "run_dir": str(run.path.resolve()),
+        "step": step,
+        "model": model_cfg.name,
+        "seq_len": seq_len,
+    }
     (out / "training_run.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return written
+
+
+def _write_card(out: pathlib.Path, name: str, run: RunDir, step: int, files: list[str], note: str) -> None:
+    """``README.md``: where the model came from and how to load it and its tokenizer, which may
+    be in ``tokenizer/`` (there ``AutoTokenizer`` on the directory itself reads no tokenizer
+    files, and gives one that encodes every text as nothing, without an error)."""
+    apart = any(f.startswith(f"{TOKENIZER_SUBDIR}/") for f in files)
+    where = f'"DIR/{TOKENIZER_SUBDIR}"' if apart else '"DIR"'
+    lines = [
+        f"# {name}, pretrained with moara-jax",
+        "",
+        f"Exported by `python -m train.export` from the run dir `{run.path.resolve()}` at step {step}",
+        "(`training_run.json`).",
+        "",
+        "```python",
+        "import transformers  # DIR: this directory",
+        "",
+        'model = transformers.AutoModelForCausalLM.from_pretrained("DIR")',
+    ]
+    if files:
+        lines += [f"tokenizer = transformers.AutoTokenizer.from_pretrained({where})"]
+    lines += ["```", "", f"Tokenizer: {note}."]
+    if apart:
+        lines += [
+            "",
+            f'The tokenizer is in `{TOKENIZER_SUBDIR}/`: `AutoTokenizer.from_pretrained("DIR")` finds no '
+            "tokenizer files and returns a tokenizer that encodes every text as no ids. "
+            f"lm-evaluation-harness: `--model_args pretrained=DIR,tokenizer=DIR/{TOKENIZER_SUBDIR}`.",
+        ]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def _pad_id(tok) -> int | None:
