@@ -993,6 +993,11 @@ def test_evaluate_errors_name_the_problem(tmp_path, capsys):
         (["--hf", str(tmp_path), "--tasks", f"a/b={bad}"], "name 'a/b' must be letters"),
         (["--hf", str(tmp_path), "--tasks", f"latin={latin}"], "is not UTF-8 text"),
         (["--hf", str(tmp_path), "--tasks", f"t={bad},t={latin}"], "the name 't' is given twice"),
+        # '+' joins texts, not tasks: offered for --ppl-files only
+        (
+            ["--hf", str(tmp_path), "--ppl-files", f"t={good},t={good}"],
+            "given twice (join files under one name with '+')",
+        ),
         (
             ["--hf", str(tmp_path), "--tasks", f"{bad},{tmp_path / 'bad.txt'}"],
             "the name 'bad' is given twice",
@@ -1005,6 +1010,7 @@ def test_evaluate_errors_name_the_problem(tmp_path, capsys):
         assert evaluation.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+        assert "--tasks" not in argv or "'+'" not in err, err
     # A run dir that is not there is said so, and nothing is made in its place (its default --out,
     # eval/ under it, was made first, and the error named missing files).
     typo = tmp_path / "typo"

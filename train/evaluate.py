@@ -296,7 +296,8 @@ def parse_named(text: str | None, what: str) -> dict[str, list[str]]:
                 "needs a name: NAME=PATH)"
             )
         if name in out:
-            raise UserError(f"{what}: the name {name!r} is given twice (join files under one name with '+')")
+            join = " (join files under one name with '+')" if what == "--ppl-files" else ""
+            raise UserError(f"{what}: the name {name!r} is given twice{join}")
         out[name] = paths_list
     return out
 
