@@ -132,7 +132,10 @@ def test_a_checkpoint_removed_while_it_is_read_is_read_again_or_named(finished_r
     export or evaluation reads it (orbax then raised, and tensorstore's callbacks printed hundreds
     of lines): the newest is read again; one asked for by step, or removed at every try, is one
     line saying what happened."""
+    import threading
+
     from train import checkpoint
+    from train.rundir import RunLock
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -160,6 +163,29 @@ def test_a_checkpoint_removed_while_it_is_read_is_read_again_or_named(finished_r
     with pytest.raises(UserError, match=r"checkpoints/4 was removed while it was read .*: read it again$"):
         checkpoint.read_params(run)
     assert removed == [8, 6, 8, 6, 4]
+
+    # orbax removes a checkpoint's files first, its directory last: a read fails while the
+    # directory is still there. Under a run training (its lock held) it is given time to go;
+    # with no run training, a checkpoint that fails to read is damaged: its own error.
+    shutil.copytree(finished_run / "checkpoints", run / "checkpoints", dirs_exist_ok=True)
+    removed.clear()
+
+    def going_under_it(manager, run_dir, step, *args):
+        if not removed:
+            step_dir = run / "checkpoints" / str(step)
+            removed.append(step)
+            (step_dir / "_CHECKPOINT_METADATA").unlink()
+            threading.Timer(0.3, shutil.rmtree, [step_dir]).start()
+            raise ValueError(f'NOT_FOUND: Error opening "zarr" driver: checkpoints/{step}/state')
+        return read(manager, run_dir, step, *args)
+
+    monkeypatch.setattr(checkpoint, "_read_checkpoint_params", going_under_it)
+    with RunLock(run):
+        assert checkpoint.read_params(run)[0] == 6 and removed == [8]
+    shutil.copytree(finished_run / "checkpoints", run / "checkpoints", dirs_exist_ok=True)
+    removed.clear()
+    with pytest.raises(ValueError, match="NOT_FOUND"):
+        checkpoint.read_params(run)  # no run holds the lock: not waited for
 
 
 @pytest.mark.parametrize("checksums", [True, False])

@@ -20,6 +20,7 @@ import pathlib
 import re
 import shutil
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -28,7 +29,7 @@ import orbax.checkpoint as ocp
 
 from train.distributed import any_process, errors_shared, multi_process
 from train.errors import HeldFaults, IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
-from train.rundir import CHECKPOINTS, CONFIG, MODEL, RunDir, write_atomically
+from train.rundir import CHECKPOINTS, CONFIG, MODEL, RunDir, RunLock, write_atomically
 
 # What orbax logs, on finding a checkpoint's _CHECKPOINT_METADATA damaged, before the file's
 # content: the checkpoint's verification names the file (then it is moved aside), or, with no
@@ -403,6 +404,22 @@ def abstract_with_shardings(tree, shardings):
 
 
 READ_TRIES = 3  # reads of the newest checkpoint, each removed while it was read, before giving up
+REMOVAL_WAIT_S = 5.0  # how long a checkpoint that failed to read may take to go, under a run training
+
+
+def _removed_under_read(step_dir: pathlib.Path, run: RunDir) -> bool:
+    """Whether a checkpoint whose read failed is one its run removes: gone, or going under a run
+    still training (its lock held), whose ``checkpoint.keep`` removes the older checkpoints.
+    orbax removes a checkpoint's files first and its directory last, so a read fails while the
+    directory is still there: it is given :data:`REMOVAL_WAIT_S` to go."""
+    if not step_dir.is_dir():
+        return True
+    if not RunLock.held(run.path):
+        return False
+    deadline = time.monotonic() + REMOVAL_WAIT_S
+    while step_dir.is_dir() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not step_dir.is_dir()
 
 
 def read_params(
@@ -441,7 +458,7 @@ def read_params(
         except UserError:
             raise
         except Exception:  # orbax's and tensorstore's errors of files gone, whatever their type
-            if chosen is None or (ckpt_dir / str(chosen)).is_dir():
+            if chosen is None or not _removed_under_read(ckpt_dir / str(chosen), run):
                 raise
             if step is not None or attempt == READ_TRIES:
                 again = "read it again" if step is None else "pass the --step of one it keeps"
@@ -458,7 +475,9 @@ def _read_checkpoint_params(manager, run: RunDir, step: int, steps: list[int], s
     """:func:`read_params`' read of checkpoint ``step`` (of ``steps``) once it is chosen."""
     ckpt_dir = run.checkpoints.resolve()
     reason = _verify(ckpt_dir / str(step), run.checksums / f"{step}.json")
-    if reason is not None and (ckpt_dir / str(step)).is_dir():
+    if reason is not None and _removed_under_read(ckpt_dir / str(step), run):
+        raise FileNotFoundError(ckpt_dir / str(step))  # read_params reads the newest again
+    if reason is not None:
         older = [s for s in steps if s < step]
         other = f"; --step {older[-1]} reads the one before" if older else ""
         raise UserError(f"checkpoint {ckpt_dir / str(step)} fails verification: {reason}{other}")

@@ -418,6 +418,21 @@ class RunLock:
             raise
         return self
 
+    @staticmethod
+    def held(run_dir) -> bool:
+        """Whether a process holds the lock of ``run_dir`` now (a run in it is training)."""
+        try:
+            f = open(pathlib.Path(run_dir) / LOCK)  # noqa: SIM115 - closed below
+        except OSError:  # no lock file: no run has held it
+            return False
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            f.close()  # (releases a lock taken here)
+        return False
+
     def release(self) -> None:
         if self.file is not None:
             # Closing the descriptor releases the flock. Closing flushes what a write left in the
