@@ -12,6 +12,7 @@ SVD. Between refreshes the basis is kept in the state.
 from __future__ import annotations
 
 import contextvars
+import re
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -277,13 +278,19 @@ class grouped_rank_warnings:  # noqa: N801 - used as a function, ``with grouped_
             _warn_clipped(paths, shape, requested, rank, module)
 
 
+def _numbers_as_numbers(text: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
 def _warn_clipped(paths: list, shape: tuple[int, ...], requested: int, rank: int, module: str | None) -> None:
     what = f"module {module!r} at " if module else ""
-    where = _path_str(paths[0])
-    if len(paths) == 2:
-        where = f"2 matrices ({where} and {_path_str(paths[1])})"
-    elif len(paths) > 2:
-        where = f"{len(paths)} matrices ({where}, ..., {_path_str(paths[-1])})"
+    # First and last by their numbers (layers_2 before layers_10, where a tree sorts its keys as text).
+    names = sorted(map(_path_str, paths), key=_numbers_as_numbers)
+    where = names[0]
+    if len(names) == 2:
+        where = f"2 matrices ({where} and {names[1]})"
+    elif len(names) > 2:
+        where = f"{len(names)} matrices ({where}, ..., {names[-1]})"
     warn(
         f"projection rank {requested} for {what}{where} (Flax shape {shape}) exceeds "
         f"min(fan_in, fan_out) = {rank}; clipped to {rank}",

@@ -620,20 +620,21 @@ def test_rank_clipping_warns_once_for_the_matrices_clipped_alike(host):
             "mlp": {"down_proj": {"kernel": jnp.ones((40, 6))}},
             "self_attn": {"q_proj": {"kernel": jnp.ones((6, 6))}, "k_proj": {"kernel": jnp.ones((6, 6))}},
         }
-        for i in range(4)
+        for i in range(12)
     }
-    layers["layers_3"]["mlp"]["down_proj"]["kernel"] = jnp.ones((40, 7))
+    layers["layers_11"]["mlp"]["down_proj"]["kernel"] = jnp.ones((40, 7))
     hosts = {"q_galore": mj.QGaLore(basis_bits=None, weight_bits=None)}
     tx = mj.moara_adamw(0.1, r_base=4, block_size=2, host=hosts.get(host, host))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tx.init(layers)
     clipped = sorted(str(w.message) for w in caught if "clipped" in str(w.message))
-    first, last = (f"['layers_{i}']['mlp']['down_proj']['kernel']" for i in (0, 2))
+    # First and last by number: layers_10 comes after layers_9 (the tree's order is the text's).
+    first, last = (f"['layers_{i}']['mlp']['down_proj']['kernel']" for i in (0, 10))
     assert clipped == [
-        f"projection rank 8 for module 'down' at 3 matrices ({first}, ..., {last}) (Flax shape "
+        f"projection rank 8 for module 'down' at 11 matrices ({first}, ..., {last}) (Flax shape "
         "(40, 6)) exceeds min(fan_in, fan_out) = 6; clipped to 6",
-        "projection rank 8 for module 'down' at ['layers_3']['mlp']['down_proj']['kernel'] (Flax "
+        "projection rank 8 for module 'down' at ['layers_11']['mlp']['down_proj']['kernel'] (Flax "
         "shape (40, 7)) exceeds min(fan_in, fan_out) = 7; clipped to 7",
     ], clipped
 
