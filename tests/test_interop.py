@@ -413,6 +413,21 @@ def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(run, exported)
 
 
 @pytest.mark.slow
+def test_an_export_over_a_model_repository_keeps_its_readme(run, exported, tmp_path):
+    """``--overwrite`` into a directory whose README.md is the user's (a model repository's card)
+    keeps it; an earlier export's card is written anew."""
+    out = tmp_path / "repo"
+    out.mkdir()
+    (out / "README.md").write_text("# my model\n\nmy own card\n")
+    argv = ["--run-dir", str(run["dir"]), "--out", str(out), "--overwrite"]
+    assert exporting.main(argv) == 0
+    assert (out / "README.md").read_text() == "# my model\n\nmy own card\n"
+    (out / "README.md").write_text((exported / "README.md").read_text().replace("at step 4", "at step 2"))
+    assert exporting.main(argv) == 0
+    assert (out / "README.md").read_text() == (exported / "README.md").read_text()
+
+
+@pytest.mark.slow
 def test_export_takes_an_older_step_and_refuses_bad_requests(run, exported, capsys):
     from train.checkpoint import read_params
 

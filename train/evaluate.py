@@ -304,7 +304,8 @@ def parse_named(text: str | None, what: str) -> dict[str, list[str]]:
 
 def _hf_tokenizer(directory: pathlib.Path, override: str | None):
     """The tokenizer of a model directory: its ``tokenizer.json`` (what ``AutoTokenizer``, and so
-    lm-evaluation-harness, reads), else its sentencepiece model."""
+    lm-evaluation-harness, reads, through the class ``tokenizer_config.json`` or the model type
+    names: a warning where that encodes otherwise), else its sentencepiece model."""
     if override:
         return tokenizer_option(override)
     if (directory / "tokenizer.json").is_file():
@@ -324,9 +325,10 @@ def _hf_tokenizer(directory: pathlib.Path, override: str | None):
 
 def _warn_if_the_harness_reads_it_otherwise(tok, directory: pathlib.Path) -> None:
     """A warning where ``AutoTokenizer`` (what lm-evaluation-harness reads) encodes otherwise
-    than the directory's ``tokenizer.json`` says: transformers reads some model types' tokenizers
-    with a class of its own (``qwen2``: ``Qwen2Tokenizer``, with Qwen's pre-tokenizer in place of
-    the file's), and the harness would score other ids than this evaluation."""
+    than the directory's ``tokenizer.json`` says: transformers builds the tokenizer with the class
+    ``tokenizer_config.json`` or the model type names (``qwen2``: ``Qwen2Tokenizer``, with Qwen's
+    pre-tokenizer in place of the file's), and the harness would score other ids than this
+    evaluation."""
     try:
         from train.export import autotokenizer_difference
 
@@ -336,10 +338,12 @@ def _warn_if_the_harness_reads_it_otherwise(tok, directory: pathlib.Path) -> Non
     if differs is not None:
         warnings.warn(
             f"{directory}: transformers.AutoTokenizer, which lm-evaluation-harness reads, encodes "
-            f"{differs!r} otherwise than its tokenizer.json, which this evaluation reads (this model "
-            "type's own tokenizer class replaces the file's rules): the harness would score other "
-            "tokens; put the tokenizer files in a directory of their own and pass it to both "
-            "(--tokenizer here, tokenizer= in the harness's --model_args), as train.export does",
+            f"{differs!r} otherwise than its tokenizer.json, which this evaluation reads (the "
+            "tokenizer class its tokenizer_config.json or model type names replaces the file's "
+            "rules): the harness would score other tokens. To score the file's in both, put "
+            "tokenizer.json in a directory of its own with a tokenizer_config.json whose "
+            "tokenizer_class is PreTrainedTokenizerFast (as train.export writes them) and pass it "
+            "to both (--tokenizer here, tokenizer= in the harness's --model_args)",
             stacklevel=2,
         )
 

@@ -320,14 +320,18 @@ def _write_model(
     return written
 
 
+CARD_TITLE = "pretrained with moara-jax"  # the end of the card's first line: an export's card
+
+
 def _write_card(out: pathlib.Path, name: str, run: RunDir, step: int, files: list[str], note: str) -> None:
-    """``README.md``: where the model came from and how to load it and its tokenizer, which may
-    be in ``tokenizer/`` (there ``AutoTokenizer`` on the directory itself reads no tokenizer
-    files, and gives one that encodes every text as nothing, without an error)."""
+    """``README.md`` (unless one not written by an export is there): where the model came from
+    and how to load it and its tokenizer, which may be in ``tokenizer/`` (there ``AutoTokenizer``
+    on the directory itself reads no tokenizer files: for ``qwen2``, without an error, a
+    tokenizer that encodes every text as nothing)."""
     apart = any(f.startswith(f"{TOKENIZER_SUBDIR}/") for f in files)
     where = f'"DIR/{TOKENIZER_SUBDIR}"' if apart else '"DIR"'
     lines = [
-        f"# {name}, pretrained with moara-jax",
+        f"# {name}, {CARD_TITLE}",
         "",
         f"Exported by `python -m train.export` from the run dir `{run.path.resolve()}` at step {step}",
         "(`training_run.json`).",
@@ -347,7 +351,10 @@ def _write_card(out: pathlib.Path, name: str, run: RunDir, step: int, files: lis
             "tokenizer files and returns a tokenizer that encodes every text as no ids. "
             f"lm-evaluation-harness: `--model_args pretrained=DIR,tokenizer=DIR/{TOKENIZER_SUBDIR}`.",
         ]
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    card = out / "README.md"
+    if card.is_file() and not card.read_text(errors="replace").partition("\n")[0].endswith(CARD_TITLE):
+        return  # the user's own (a model card of theirs): it stays
+    card.write_text("\n".join(lines) + "\n")
 
 
 def _pad_id(tok) -> int | None:
