@@ -261,7 +261,7 @@ def test_a_post_processor_eos_ends_each_document_once(tmp_path):
         ]
         stream = opened.splits[split]
         np.testing.assert_array_equal(stream.read(0, stream.tokens), want)
-    stream, count = token_stream([str(data)], tok)
+    stream, count, _ = token_stream([str(data)], tok)
     assert count.documents == len(docs) and list(stream) == [t for d in docs for t in hf.encode(d)]
     assert np.count_nonzero(stream == tok.eos_id) == len(docs)
 

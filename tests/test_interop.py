@@ -815,8 +815,9 @@ def test_a_diverged_models_text_perplexity_is_capped_as_the_training_curves(tmp_
 @pytest.mark.parametrize("batch_size", [4, 1])
 def test_evaluate_matches_hand_computed_scores(tmp_path, batch_size):
     """A tiny model and the byte tokenizer: each choice's log-likelihood and the perplexity of a
-    text file, computed here from the logits with the rules spelled out. At batch size 1 more
-    batches are in flight than ``Scorer`` reads back at once: each score still lands on its row."""
+    text file (per token, byte and word), computed here from the logits with the rules spelled
+    out. At batch size 1 more batches are in flight than ``Scorer`` reads back at once: each score
+    still lands on its row."""
     cfg = models.get_config("llama2-tiny")
     params = random_params(cfg, seed=3)
     write_hf_dir(tmp_path / "m", cfg, params)
@@ -861,6 +862,16 @@ def test_evaluate_matches_hand_computed_scores(tmp_path, batch_size):
     count = sum(len(w) - 1 for w in windows if len(w) >= 2)
     assert report["perplexity"]["fox"]["tokens"] == count
     assert report["perplexity"]["fox"]["ppl"] == pytest.approx(np.exp(-total / count), rel=1e-5)
+    # Per byte and per word of the text (what models of other tokenizers compare on).
+    # The text's whole loss (its 136 tokens, EOS included, at the mean of the 131 scored: the first
+    # of each window is not) per byte and per word of it.
+    fox, words = report["perplexity"]["fox"], len(text.read_text().split())
+    assert (fox["bytes"], fox["words"]) == (len(text.read_bytes()), words) == (135, 27), fox
+    assert fox["text_tokens"] == len(stream) == 136 and count == 131
+    nll = -total / count * 136
+    assert fox["bits_per_byte"] == pytest.approx(nll / 135 / np.log(2), rel=1e-5)
+    assert fox["byte_perplexity"] == pytest.approx(np.exp(nll / 135), rel=1e-5)
+    assert fox["word_perplexity"] == pytest.approx(np.exp(nll / 27), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -127,10 +127,11 @@ def packed_rows(stream: np.ndarray, window: int) -> list[tuple[np.ndarray, np.nd
     return rows
 
 
-def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, Counts]:
-    """Every document's tokens followed by EOS, as one stream; and the documents read and the
-    records skipped (``Counts``)."""
-    counts = Counts()
+def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, Counts, dict[str, int]]:
+    """Every document's tokens followed by EOS, as one stream; the documents read and the
+    records skipped (``Counts``); and the texts' size (``bytes``: UTF-8; ``words``: separated by
+    whitespace), which per-token figures of different tokenizers compare on."""
+    counts, size = Counts(), {"bytes": 0, "words": 0}
     for p in paths:
         check_file(pathlib.Path(p))
     parts, batch = [], []
@@ -142,27 +143,41 @@ def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, Counts]:
     for text in file_documents(paths, counts):
         batch.append(text)
         counts.documents += 1
+        size["bytes"] += len(text.encode("utf-8"))
+        size["words"] += len(text.split())
         if len(batch) == 256:
             flush()
     flush()
-    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), counts
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), counts, size
 
 
 def text_perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
     """Perplexity of the texts of ``paths`` (capped at ``exp(50)`` as the training curve's, so a
     diverged model's loss stays a number; ``skipped``: the records that held no text, by reason,
-    as a token store counts them)."""
-    stream, counts = token_stream(paths, tokenizer)
+    as a token store counts them).
+
+    Per token, models of different tokenizers do not compare; per byte and per word of the texts
+    they do: the mean loss of the scored tokens times the texts' tokens (``text_tokens``, each
+    document's EOS included; the first of each window is not scored) per UTF-8 byte gives
+    ``bits_per_byte`` and ``byte_perplexity``, per whitespace-separated word ``word_perplexity``
+    (lm-evaluation-harness' definitions; its rolling windows score every token of a document
+    apart, and not its EOS, so its figures differ by what those tokens add)."""
+    stream, counts, size = token_stream(paths, tokenizer)
     rows = packed_rows(stream, scorer.max_len)
     if not rows:
         raise UserError(f"{', '.join(paths)}: no tokens to score")
-    total = float(scorer.score(rows).sum())
     count = int(sum(len(w) for _, w in rows))
-    loss = -total / count
+    loss = -float(scorer.score(rows).sum()) / count
+    nll = loss * len(stream)  # the texts' whole, at the scored tokens' mean
     return {
         "ppl": perplexity(loss),
         "loss": loss,
         "tokens": count,
+        "text_tokens": len(stream),
+        **size,
+        "bits_per_byte": nll / size["bytes"] / math.log(2) if size["bytes"] else None,
+        "byte_perplexity": perplexity(nll / size["bytes"]) if size["bytes"] else None,
+        "word_perplexity": perplexity(nll / size["words"]) if size["words"] else None,
         "documents": counts.documents,
         "skipped": counts.skipped,
         "windows": len(rows),
@@ -408,9 +423,10 @@ def load_model(args, mesh) -> tuple[models.ModelConfig, dict, object, int, str]:
 def markdown(report: dict) -> str:
     lines = [f"# Evaluation of {report['model']}", "", f"seq_len {report['seq_len']}", ""]
     if report["perplexity"]:
-        lines += ["| text | tokens | loss | ppl |", "|---|---:|---:|---:|"]
+        lines += ["| text | tokens | loss | ppl | bits per byte |", "|---|---:|---:|---:|---:|"]
         for name, r in report["perplexity"].items():
-            lines.append(f"| {name} | {r['tokens']:,} | {r['loss']:.4f} | {r['ppl']:.2f} |")
+            bpb = "-" if r["bits_per_byte"] is None else f"{r['bits_per_byte']:.4f}"
+            lines.append(f"| {name} | {r['tokens']:,} | {r['loss']:.4f} | {r['ppl']:.2f} | {bpb} |")
         lines.append("")
         for name, r in report["perplexity"].items():
             if r["skipped"]:
