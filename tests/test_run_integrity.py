@@ -169,13 +169,15 @@ def test_a_checkpoint_removed_while_it_is_read_is_read_again_or_named(finished_r
     # with no run training, a checkpoint that fails to read is damaged: its own error.
     shutil.copytree(finished_run / "checkpoints", run / "checkpoints", dirs_exist_ok=True)
     removed.clear()
+    timers: list[threading.Timer] = []  # each removal, joined before the next case
 
     def going_under_it(manager, run_dir, step, *args):
         if not removed:
             step_dir = run / "checkpoints" / str(step)
             removed.append(step)
             (step_dir / "_CHECKPOINT_METADATA").unlink()
-            threading.Timer(0.3, shutil.rmtree, [step_dir]).start()
+            timers.append(threading.Timer(0.3, shutil.rmtree, [step_dir]))
+            timers[-1].start()
             raise ValueError(f'NOT_FOUND: Error opening "zarr" driver: checkpoints/{step}/state')
         return read(manager, run_dir, step, *args)
 
@@ -186,6 +188,23 @@ def test_a_checkpoint_removed_while_it_is_read_is_read_again_or_named(finished_r
     removed.clear()
     with pytest.raises(ValueError, match="NOT_FOUND"):
         checkpoint.read_params(run)  # no run holds the lock: not waited for
+    timers[-1].join()
+
+    # The same where verification finds the files missing: under the lock, the newest read again;
+    # without it, the checkpoint is damaged.
+    monkeypatch.setattr(checkpoint, "_read_checkpoint_params", read)
+    for held in (True, False):
+        shutil.copytree(finished_run / "checkpoints", run / "checkpoints", dirs_exist_ok=True)
+        (run / "checkpoints" / "8" / "_CHECKPOINT_METADATA").unlink()
+        if held:
+            timers.append(threading.Timer(0.3, shutil.rmtree, [run / "checkpoints" / "8"]))
+            timers[-1].start()
+            with RunLock(run):
+                assert checkpoint.read_params(run)[0] == 6
+            timers[-1].join()
+        else:
+            with pytest.raises(UserError, match="fails verification: files missing: _CHECKPOINT_METADATA"):
+                checkpoint.read_params(run)
 
 
 @pytest.mark.parametrize("checksums", [True, False])

@@ -432,7 +432,8 @@ def read_params(
     before anything is read. Returns ``(step, params)`` in the checkpoint's dtypes.
 
     A run still training removes its older checkpoints (``checkpoint.keep``), one perhaps while
-    it is read: the newest is then read again (up to :data:`READ_TRIES` times).
+    it is read: the newest is then read again (up to :data:`READ_TRIES` times). While its lock is
+    held, a read that fails waits up to :data:`REMOVAL_WAIT_S` to see whether the checkpoint goes.
 
     Raises:
       UserError: no checkpoint, no checkpoint of that step, one that fails verification, one

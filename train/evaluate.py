@@ -26,6 +26,7 @@ import functools
 import json
 import math
 import pathlib
+import re
 import sys
 import tempfile
 import time
@@ -129,8 +130,9 @@ def packed_rows(stream: np.ndarray, window: int) -> list[tuple[np.ndarray, np.nd
 
 def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, Counts, dict[str, int]]:
     """Every document's tokens followed by EOS, as one stream; the documents read and the
-    records skipped (``Counts``); and the texts' size (``bytes``: UTF-8; ``words``: separated by
-    whitespace), which per-token figures of different tokenizers compare on."""
+    records skipped (``Counts``); and the texts' size (``bytes``: UTF-8; ``words``: the pieces
+    whitespace separates, as lm-evaluation-harness counts them), which figures of different
+    tokenizers compare on."""
     counts, size = Counts(), {"bytes": 0, "words": 0}
     for p in paths:
         check_file(pathlib.Path(p))
@@ -144,7 +146,7 @@ def token_stream(paths: list[str], tokenizer) -> tuple[np.ndarray, Counts, dict[
         batch.append(text)
         counts.documents += 1
         size["bytes"] += len(text.encode("utf-8"))
-        size["words"] += len(text.split())
+        size["words"] += len(re.split(r"\s+", text))  # lm-evaluation-harness' count (its edges count)
         if len(batch) == 256:
             flush()
     flush()
@@ -157,8 +159,9 @@ def text_perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
     as a token store counts them).
 
     Per token, models of different tokenizers do not compare; per byte and per word of the texts
-    they do: the mean loss of the scored tokens times the texts' tokens (``text_tokens``, each
-    document's EOS included; the first of each window is not scored) per UTF-8 byte gives
+    they do: the mean loss of the scored tokens times the texts' tokens (``text_tokens``, the
+    tokenizer's special tokens and each document's EOS included; the first of each window is not
+    scored) per UTF-8 byte gives
     ``bits_per_byte`` and ``byte_perplexity``, per whitespace-separated word ``word_perplexity``
     (lm-evaluation-harness' definitions; its rolling windows score every token of a document
     apart, and not its EOS, so its figures differ by what those tokens add)."""

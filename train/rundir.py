@@ -429,6 +429,8 @@ class RunLock:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
+        except OSError:  # a filesystem without locks (ENOLCK): nothing known to hold it
+            return False
         finally:
             f.close()  # (releases a lock taken here)
         return False
