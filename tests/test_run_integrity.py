@@ -817,7 +817,7 @@ def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys, damage)
     """``python -m train.compare`` on an ``--out`` that is a file or cannot be made (it was a
     traceback), or on a damaged run dir (a
     summary that is no JSON object, an evaluation row without its time): exit 2 and one line
-    naming the file and what is wrong, the file left as it was."""
+    naming the file and what is wrong, the file left as it was, and no --out directory made."""
     from train.compare import main
 
     base, other = fake_run(tmp_path, "base"), fake_run(tmp_path, "other")
@@ -836,10 +836,13 @@ def test_compare_bad_input_is_one_line_naming_the_file(tmp_path, capsys, damage)
         file.write_text(file.read_text() + '{"step": 15, "eval_ppl": 50}\n')
         message = f'{file}: the row {{"step": 15, "eval_ppl": 50}} has no number wall_s'
     before = file.read_text()
+    if damage in ("summary is a list", "eval row without wall_s"):
+        out = tmp_path / "new" / "out"  # made for the comparison, left as it was by the refusal
     code = main([str(base), str(other), "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {message}"), err
     assert file.read_text() == before
+    assert damage == "out is a file" or not (tmp_path / "new").exists()
 
 
 def test_banner_warns_when_the_embedding_and_head_hold_most_parameters(tmp_path):

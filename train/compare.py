@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import sys
 
 from train.errors import UserError, cli, io_operation
@@ -253,10 +254,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
+        # The first directory of --out that is not there yet: one a refusal then leaves as it was.
+        made = [p for p in ([args.out, *args.out.parents] if args.out is not None else []) if not p.exists()]
         if args.out is not None:  # refused before the runs are read and their warnings given
             check_directory_path(args.out, "--out")
             make_directory(args.out, "--out", "making the comparison's directory")
-        text = compare(args.runs, args.out, args.force)
+        try:
+            text = compare(args.runs, args.out, args.force)
+        except UserError:
+            if made and not any(p.is_file() for p in made[-1].rglob("*")):
+                shutil.rmtree(made[-1])
+            raise
         print(text, end="")
         return 0
 
