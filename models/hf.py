@@ -204,6 +204,11 @@ def _sliding_layers(hf_config) -> list[int]:
     return list(range(start, hf_config.num_hidden_layers))
 
 
+def unsupported_family(kind: str) -> str:
+    """The refusal of an HF ``model_type`` of no family this library has."""
+    return f"unsupported HF model_type {kind!r} (supported: {', '.join(FAMILIES)})"
+
+
 def config_from_hf(hf_config, **overrides) -> ModelConfig:
     """A :class:`ModelConfig` from a ``transformers`` config (Llama, Qwen2, Qwen3, DeepseekV2),
     or from its dict (``config.json``'s content, with its ``model_type``)."""
@@ -219,7 +224,7 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
             raise ValueError(f"config_from_hf: {config_error_line(e)}") from None
     kind = hf_config.model_type
     if kind not in FAMILIES:
-        raise ValueError(f"unsupported HF model_type {kind!r} (supported: {', '.join(FAMILIES)})")
+        raise ValueError(unsupported_family(kind))
     quantized = getattr(hf_config, "quantization_config", None)
     if quantized:
         method = quantized.get("quant_method") if isinstance(quantized, Mapping) else None

@@ -32,6 +32,7 @@ from models.hf import (
     stored_name,
     to_hf_config,
     unexpected_keys,
+    unsupported_family,
 )
 from models.model import abstract_params
 
@@ -246,9 +247,7 @@ def read_hf_config(directory, **overrides) -> ModelConfig:
     except (ValueError, AttributeError, OSError):
         kind = None  # (transformers says what is wrong with the file)
     if isinstance(kind, str) and kind not in FAMILIES:
-        raise ValueError(
-            f"{directory}/config.json: unsupported HF model_type {kind!r} (supported: {', '.join(FAMILIES)})"
-        )
+        raise ValueError(f"{directory}/config.json: {unsupported_family(kind)}")
     try:
         hf_config = transformers.AutoConfig.from_pretrained(str(directory))
     except (KeyError, OSError) as e:

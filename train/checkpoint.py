@@ -493,11 +493,7 @@ def _read_checkpoint_params(manager, run: RunDir, step: int, steps: list[int], s
     if shardings is None:
         cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
         shardings = jax.tree.map(lambda _: cpu, meta)
-    abstract = {
-        "params": jax.tree.map(
-            lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), meta, shardings
-        )
-    }
+    abstract = {"params": abstract_with_shardings(meta, shardings)}
     args = ocp.args.PyTreeRestore(
         item=abstract,
         restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),

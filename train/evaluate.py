@@ -161,10 +161,10 @@ def text_perplexity(scorer: Scorer, paths: list[str], tokenizer) -> dict:
     Per token, models of different tokenizers do not compare; per byte and per word of the texts
     they do: the mean loss of the scored tokens times the texts' tokens (``text_tokens``, the
     tokenizer's special tokens and each document's EOS included; the first of each window is not
-    scored) per UTF-8 byte gives
-    ``bits_per_byte`` and ``byte_perplexity``, per whitespace-separated word ``word_perplexity``
-    (lm-evaluation-harness' definitions; its rolling windows score every token of a document
-    apart, and not its EOS, so its figures differ by what those tokens add)."""
+    scored) per UTF-8 byte gives ``bits_per_byte`` and ``byte_perplexity``, per word (as the
+    harness counts them) ``word_perplexity`` (lm-evaluation-harness' definitions; its rolling
+    windows score every token of a document apart, and not its EOS, so its figures differ by
+    what those tokens add)."""
     stream, counts, size = token_stream(paths, tokenizer)
     rows = packed_rows(stream, scorer.max_len)
     if not rows:

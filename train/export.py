@@ -277,8 +277,11 @@ def export(
     make_directory(out, "--out", "exporting to")
     try:
         with io_operation("exporting to", out):
-            written = _write_model(out, run, model_cfg, tok, step, params, dtype, max_shard_bytes)
-            seq_len = run.setting("train", "seq_len") or model_cfg.max_position_embeddings
+            trained_len = run.setting("train", "seq_len")
+            written = _write_model(
+                out, run, model_cfg, tok, step, params, dtype, max_shard_bytes, trained_len
+            )
+            seq_len = trained_len or model_cfg.max_position_embeddings
             tokenizer_files, tokenizer_note = write_tokenizer(tok, out, int(seq_len))
             _write_card(out, model_cfg.name, run, step, tokenizer_files, tokenizer_note)
     except IOFault as e:
@@ -293,9 +296,10 @@ def export(
 
 
 def _write_model(
-    out: pathlib.Path, run: RunDir, model_cfg, tok, step: int, params, dtype, max_shard_bytes: int
+    out: pathlib.Path, run: RunDir, model_cfg, tok, step: int, params, dtype, max_shard_bytes: int, seq_len
 ):
-    """The weights, configs and provenance (an earlier export's weights and tokenizer removed)."""
+    """The weights, configs and provenance (an earlier export's weights and tokenizer removed;
+    ``seq_len``: the run's ``train.seq_len``)."""
     for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
         stale.unlink()  # --overwrite: no weights or tokenizer file of an earlier export may stay
     for name in TOKENIZER_FILES:
@@ -309,7 +313,6 @@ def _write_model(
         )
     except ImportError as e:
         raise UserError(str(e)) from None
-    seq_len = run.setting("train", "seq_len")
     provenance = {
         "run_dir": str(run.path.resolve()),
         "step": step,
@@ -328,6 +331,9 @@ def _write_card(out: pathlib.Path, name: str, run: RunDir, step: int, files: lis
     and how to load it and its tokenizer, which may be in ``tokenizer/`` (there ``AutoTokenizer``
     on the directory itself reads no tokenizer files: for ``qwen2``, without an error, a
     tokenizer that encodes every text as nothing)."""
+    card = out / "README.md"
+    if card.is_file() and not card.read_text(errors="replace").partition("\n")[0].endswith(CARD_TITLE):
+        return  # the user's own (a model card of theirs): it stays
     apart = any(f.startswith(f"{TOKENIZER_SUBDIR}/") for f in files)
     where = f'"DIR/{TOKENIZER_SUBDIR}"' if apart else '"DIR"'
     lines = [
@@ -351,9 +357,6 @@ def _write_card(out: pathlib.Path, name: str, run: RunDir, step: int, files: lis
             "tokenizer files and returns a tokenizer that encodes every text as no ids. "
             f"lm-evaluation-harness: `--model_args pretrained=DIR,tokenizer=DIR/{TOKENIZER_SUBDIR}`.",
         ]
-    card = out / "README.md"
-    if card.is_file() and not card.read_text(errors="replace").partition("\n")[0].endswith(CARD_TITLE):
-        return  # the user's own (a model card of theirs): it stays
     card.write_text("\n".join(lines) + "\n")
 
 

@@ -98,7 +98,7 @@ def split_heads(model_cfg, mesh) -> str | None:
     gathers them; ``None`` when every head stays on one device."""
     tensor = mesh.shape["tensor"]
     heads = model_cfg.num_attention_heads
-    kv = model_cfg.num_key_value_heads or heads
+    kv = model_cfg.kv_heads
     if model_cfg.model_type == "deepseek_v2":  # MLA: a query head's width, and each head's value
         widths = (model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim, model_cfg.v_head_dim)
     else:
