@@ -30,6 +30,7 @@ from _args import check_out  # noqa: E402
 from step_anatomy import _bytes  # noqa: E402
 
 from train import loop  # noqa: E402
+from train import setup as setting  # noqa: E402
 from train.config import load_config  # noqa: E402
 from train.sharding import ACTIVATION_RULES  # noqa: E402
 
@@ -53,7 +54,7 @@ def step_collectives(config: str, sets: list[str], mesh: tuple[int, int, int], r
     the activation rules or none."""
     data, fsdp, tensor = mesh
     cfg = load_config(config, [*sets, f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"])
-    setup = loop.make_setup(cfg, True, loop.Clock())
+    setup = setting.make_setup(cfg, True, setting.Clock())
     state = jax.eval_shape(setup.init, jax.random.PRNGKey(0))
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
     step = loop.jit_train_step(setup, ACTIVATION_RULES if rules else ())

@@ -710,15 +710,15 @@ def test_init_from_is_checked_before_any_data_work_and_warns_of_byte_ids(
     import shutil
     import warnings
 
-    from train import loop
+    from train import setup as setting
     from train.config import load_config
 
-    monkeypatch.setattr(loop, "build_data", lambda *a, **k: pytest.fail("the data was built first"))
+    monkeypatch.setattr(setting, "build_data", lambda *a, **k: pytest.fail("the data was built first"))
     tiny = str(ROOT / "configs" / "tiny.yaml")
 
     def setup(*sets):
         cfg = load_config(tiny, ["model.name=null", *sets])
-        return loop.make_setup(cfg, quiet=True, clock=loop.Clock())
+        return setting.make_setup(cfg, quiet=True, clock=setting.Clock())
 
     big = tmp_path / "big.model"
     train_sentencepiece(tmp_path / "big", vocab_size=64)

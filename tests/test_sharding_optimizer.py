@@ -153,6 +153,7 @@ SPREAD = textwrap.dedent("""
     from jax.sharding import Mesh, PartitionSpec as P
     from moara_jax import _bases, _projection
     from train import loop
+    from train import setup as setting
     from train.config import load_config
 
     factored = []  # the leading size of each batch handed to the SVD, as traced
@@ -217,7 +218,7 @@ SPREAD = textwrap.dedent("""
     # and 2 down matrices, one of each per device on 8 devices.
     for sets in (["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]):
         cfg = load_config("configs/tiny.yaml", sets)
-        setup = loop.make_setup(cfg, True, loop.Clock())
+        setup = setting.make_setup(cfg, True, setting.Clock())
         state = jax.eval_shape(setup.init, jax.random.PRNGKey(0))  # (sizing the state traces a refresh)
         batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.train.seq_len + 1), jnp.int32)
         factored.clear()

@@ -808,11 +808,11 @@ def test_labels_command_prints_the_optimizer_view():
     decays = {line.split()[0]: line.split()[-1] for line in decays[2:-1]}
     assert {decays[k] for k in decays if "norm" in k} == {"no"}
     assert {decays[k] for k in decays if "norm" not in k} == {"yes"} and len(decays) > 8
-    from train.loop import _describe_optimizer  # the run's banner says it too
+    from train.setup import describe_optimizer  # the run's banner says it too
 
-    assert _describe_optimizer(load_config(paper, on)).endswith(", weight decay 0.1 on all")
-    assert _describe_optimizer(load_config(TINY, ["optimizer.name=adamw"])) == "adamw"
-    profiling = _describe_optimizer(load_config(TINY, ["mode=profile"]))  # not the run's moara
+    assert describe_optimizer(load_config(paper, on)).endswith(", weight decay 0.1 on all")
+    assert describe_optimizer(load_config(TINY, ["optimizer.name=adamw"])) == "adamw"
+    profiling = describe_optimizer(load_config(TINY, ["mode=profile"]))  # not the run's moara
     assert profiling.startswith("galore profiling (uniform ranks, no decomposition), r_base 16, T ")
     assert "block" not in profiling and "moara" not in profiling
     # The tokenizer's vocabulary where it can be read (bytes: 257), padded by an override.
@@ -830,20 +830,20 @@ def test_a_new_state_is_the_seeded_init_and_its_parameters_compile_apart_from_th
     import chex
     import jax
 
-    from train import loop
+    from train import setup as setting
 
     sets = ["train.seed=3", "data.tokenizer=bytes"]
     galore, moara = (
-        loop.make_setup(load_config(TINY, [*sets, f"optimizer.name={name}"]), True, loop.Clock())
+        setting.make_setup(load_config(TINY, [*sets, f"optimizer.name={name}"]), True, setting.Clock())
         for name in ("galore", "moara")
     )
     key = jax.random.PRNGKey(3)
     assert galore.param_init().lower(key).as_text() == moara.param_init().lower(key).as_text()
     assert jax.jit(galore.init).lower(key).as_text() != jax.jit(moara.init).lower(key).as_text()
     made = []  # the programs restore_or_init makes the parameters with
-    param_init = loop.Setup.param_init
-    monkeypatch.setattr(loop.Setup, "param_init", lambda self: made.append(param_init(self)) or made[-1])
-    start = loop.restore_or_init(moara, None, resume=False, main=True)
+    param_init = setting.Setup.param_init
+    monkeypatch.setattr(setting.Setup, "param_init", lambda self: made.append(param_init(self)) or made[-1])
+    start = setting.restore_or_init(moara, None, resume=False, main=True)
     assert len(made) == 1 and start.step == 0 and start.resumed_from is None
     chex.assert_trees_all_equal(start.state, jax.jit(moara.init)(key))
 

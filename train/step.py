@@ -293,3 +293,9 @@ def mean_nll(eval_step, params, batches) -> float:
     waits on the device once."""
     sums = jax.device_get([eval_step(params, b, w) for b, w in batches])
     return float(sum(float(x) for x, _ in sums) / sum(float(n) for _, n in sums))
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Whether every entry of every array in ``tree`` is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
