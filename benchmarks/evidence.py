@@ -1239,43 +1239,72 @@ def spearman(a: list[str], b: list[str]) -> float:
 
 def profile_report(run_dir: pathlib.Path) -> str:
     """``S_tau`` per module type of a profiling run against the paper's Table 5
-    (``tab:profiling_length``), and its allocation against the default one (donors q, k; receiver
-    down) that the +Rank and Full runs use."""
-    alignment = json.loads((run_dir / ALIGNMENT).read_text())
-    allocation = json.loads((run_dir / ALLOCATION).read_text())
-    s_tau = alignment["s_tau"]
-    ours = sorted(s_tau, key=s_tau.get, reverse=True)
+    (``tab:profiling_length``), over every recording (the paper's ``S_p``) and over those after
+    the first basis (made from step 1's gradient, at the initial weights; ``profile.from_step``
+    = ``update_proj_gap``), with the allocation each gives against the default one (donors q, k;
+    receiver down) that the +Rank and Full runs use."""
+    from train import profile as profiling
+    from train.config import load_config
+
+    run = RunDir(run_dir)
+    rec = profiling.recordings(run)
+    cfg = load_config(run.config_file)
+    gap, steps = cfg.optimizer.update_proj_gap, rec.steps
+    views = [(f"all {len(steps)} recordings (steps {steps[0]} to {steps[-1]})", 0)]
+    later = [s for s in steps if s > gap]
+    if later and steps[0] <= gap:
+        views.append((f"the {len(later)} after the first basis (steps {later[0]} to {later[-1]})", gap))
     paper = sorted(PAPER_S_TAU, key=PAPER_S_TAU.get, reverse=True)
-    steps = alignment["steps"]
+    tables = []
+    for _, from_step in views:
+        s_tau = rec.s_tau(from_step)
+        tables.append((s_tau, sorted(s_tau, key=s_tau.get, reverse=True)))
+    head = " | ".join(f"{'all' if f == 0 else f'after step {f}'} | S_tau" for _, f in views)
     lines = [
         f"# Profiling run {run_dir.name}",
         "",
-        f"`S_tau` per module type: the mean of `S(W, t) = cos(G, G_recon)` over the type's matrices "
-        f"and the {len(steps)} recorded steps ({steps[0]} to {steps[-1]}), block size "
-        f"{alignment['block_size']}, rank {alignment['r_base']}; highest first, against the paper's "
-        "Table 5 (`tab:profiling_length`: Llama 2 350M, 1k-step profile).",
+        "`S_tau` per module type: the mean of `S(W, t) = cos(G, G_recon)` over the type's matrices "
+        f"and the recorded steps, block size {cfg.optimizer.block_size}, rank {cfg.optimizer.r_base}, "
+        f"a new basis every {gap} steps; over "
+        + " and over ".join(what for what, _ in views)
+        + "; highest first, against the paper's Table 5 (`tab:profiling_length`: Llama 2 350M, "
+        "1k-step profile). Each basis ages until the next, and the alignment falls with it; the "
+        "first is made from the first step's gradient, at the initial weights.",
         "",
-        "| rank | this run | S_tau | paper | paper S_tau |",
-        "|---:|---|---:|---|---:|",
+        f"| rank | {head} | paper | paper S_tau |",
+        "|---:|" + "---|---:|" * len(views) + "---|---:|",
     ]
-    for i, (a, b) in enumerate(zip(ours, paper, strict=False)):
-        lines.append(f"| {i + 1} | {a} | {s_tau[a]:.4f} | {b} | {PAPER_S_TAU[b]:.3f} |")
-    common = [m for m in ours if m in PAPER_S_TAU]
-    rho = spearman(common, [m for m in paper if m in common]) if len(common) > 1 else None
-    default = allocation["donors"] == ["q", "k"] and allocation["receivers"] == ["down"]
-    lines += [
-        "",
-        f"- Lowest: `{ours[-1]}` (the paper: `{paper[-1]}`); the paper's order "
-        + ("holds exactly" if ours == paper else "differs")
-        + (f"; Spearman rank correlation {rho:.3f}." if rho is not None else "."),
-        f"- Allocation (`allocation.json`): donors {allocation['donors']} -> receivers "
-        f"{allocation['receivers']}, ranks {allocation['ranks']}.",
-        "- It is "
-        + ("the same as" if default else "not")
-        + " the default allocation (q, k -> down) that the +Rank and Full runs of this experiment use"
-        + ("." if default else "; a run with it: `--set optimizer.rank_allocation=PATH/allocation.json`."),
-    ]
+    for i, name in enumerate(paper):
+        cells = " | ".join(f"{order[i]} | {s_tau[order[i]]:.4f}" for s_tau, order in tables)
+        lines.append(f"| {i + 1} | {cells} | {name} | {PAPER_S_TAU[name]:.3f} |")
+    lines.append("")
+    for (what, from_step), (s_tau, order) in zip(views, tables, strict=True):
+        common = [m for m in order if m in PAPER_S_TAU]
+        rho = spearman(common, [m for m in paper if m in common]) if len(common) > 1 else None
+        allocation = profiling.choose_allocation(s_tau, cfg)
+        default = allocation["donors"] == ["q", "k"] and allocation["receivers"] == ["down"]
+        lines += [
+            f"- Over {what}: lowest `{order[-1]}` (the paper: `{paper[-1]}`); the paper's order "
+            + ("holds exactly" if order == paper else "differs")
+            + (f"; Spearman rank correlation {rho:.3f}." if rho is not None else "."),
+            f"  Allocation: donors {allocation['donors']} -> receivers {allocation['receivers']}, "
+            f"ranks {allocation['ranks']}: "
+            + ("the default (q, k -> down), the +Rank and Full runs'" if default else "not the default")
+            + (
+                " (the run's own `allocation.json`)."
+                if from_step == cfg.profile.from_step
+                else f" (`python -m train.profile {_from_root(run_dir)} --from-step {from_step}`)."
+            ),
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _from_root(path: pathlib.Path) -> pathlib.Path:
+    """``path`` relative to the repository root where it lies under it."""
+    try:
+        return path.resolve().relative_to(CODE)
+    except ValueError:
+        return path
 
 
 def shared_device(out: pathlib.Path, runs: list) -> frozenset[str]:

@@ -740,13 +740,13 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
             "seq",
             {"evaluation": (64, 2, 8)},
             "seq evaluates other validation windows than base (train.seq_len 64 vs 32, "
-            "eval_batches x batch_size 16 vs 16)",
+            "windows 16 vs 16: train.eval_batches x batch_size, or the whole split where it holds fewer)",
         ),
         (
             "all",
             {"evaluation": (32, 100000, 8)},
             "all evaluates other validation windows than base (train.seq_len 32 vs 32, "
-            "eval_batches x batch_size 800000 vs 16)",
+            "windows 800000 vs 16: train.eval_batches x batch_size, or the whole split where it holds fewer)",
         ),
     ):
         other = fake_run(tmp_path, name, **kw)

@@ -514,9 +514,14 @@ def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypa
     else:
         assert [a[-1] for a in started] == ["--resume"], err
     grid = (out / "sweep.json").read_text()
-    code, text, err, started = sweep_cli(
-        [*argv, "--set", "train.lr=0.001", "--report-only"], monkeypatch, capsys
+    # --report-only reads no --set, and says so (it reported the runs of lr 0.01 as they were).
+    said = (
+        rf"^--report-only reads no --set \(train.steps=2 train.lr=0.001\): the report is of the runs in {out}"
     )
+    with pytest.warns(UserWarning, match=said):
+        code, text, err, started = sweep_cli(
+            [*argv, "--set", "train.lr=0.001", "--report-only"], monkeypatch, capsys
+        )
     assert started == [] and "- tiny: " in text and not any("differs" in line for line in err), err
     assert ("- tiny: seed 0: ppl 20.000" in text) == (state == "completed"), text
     # The record of the grid as it ran is left as it was (a report wrote its own --set there).

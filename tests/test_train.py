@@ -228,6 +228,17 @@ def test_profile_writes_allocation_that_training_reads(tmp_path):
     assert allocation["ranks"][receiver] == 2 * 16 and allocation["ranks"]["q"] == 8
     assert sum(allocation["ranks"].values()) == 7 * 16
     assert (tmp_path / "prof" / "alignment.png").stat().st_size > 0
+    # The bases (a refresh every 5 steps): steps 2 and 4 under step 1's, 6 to 10 under step 6's;
+    # read again without the first's, S_tau is the later recordings' mean.
+    by_basis = alignment["s_tau_by_basis"]
+    assert {k: v["recordings"] for k, v in by_basis.items()} == {"1": 2, "6": 3}
+    from train import profile as profiling
+
+    assert profiling.main([str(tmp_path / "prof"), "--from-step", "5"]) == 0
+    again = json.loads((tmp_path / "prof" / "from-step-5" / "alignment.json").read_text())
+    for label, values in alignment["trajectories"].items():
+        assert again["s_tau"][label] == pytest.approx(np.mean(values[2:]))
+        assert by_basis["6"]["s_tau"][label] == pytest.approx(np.mean(values[2:]))
     path = tmp_path / "prof" / "allocation.json"
     run_cli(tmp_path / "use", *FAST, "train.steps=2", f"optimizer.rank_allocation={path}")
     used = json.loads((tmp_path / "use" / "summary.json").read_text())["ranks"]["per_module"]

@@ -120,7 +120,8 @@ def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
         if mine and first and mine != first:
             refusals.append(
                 f"{run['name']} evaluates other validation windows than {runs[0]['name']} (train.seq_len "
-                f"{mine[0]} vs {first[0]}, eval_batches x batch_size {mine[1]} vs {first[1]})"
+                f"{mine[0]} vs {first[0]}, windows {mine[1]} vs {first[1]}: train.eval_batches x "
+                "batch_size, or the whole split where it holds fewer)"
             )
     kinds = {run["summary"].get("device_kind") for run in runs} - {None}
     if len(kinds) > 1:

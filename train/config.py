@@ -154,6 +154,9 @@ class ProfileSection:
     ema: float = 0.9
     donors: list = field(default_factory=lambda: ["q", "k"])
     num_receivers: int = 1
+    # S_tau averages the recordings after this step (0: all of them, the paper's S_p); those up
+    # to it are kept and plotted. update_proj_gap leaves out the first basis's (train.profile).
+    from_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -372,6 +375,12 @@ def validate(cfg: RunConfig) -> None:
         _need(p.every <= profiled, f"profile.every ({p.every}) must be <= the profiled steps ({profiled})")
         _need(p.num_receivers >= 1, f"profile.num_receivers must be >= 1, got {p.num_receivers}")
         _need(0 <= p.ema < 1, f"profile.ema must be in [0, 1), got {p.ema}")
+        last = profiled - profiled % p.every  # the last recording
+        _need(
+            0 <= p.from_step < last,
+            f"profile.from_step must be in [0, {last}) (the profile's last recording is at step "
+            f"{last}), got {p.from_step}",
+        )
         unknown = [x for x in p.donors if x not in MODULE_TYPES]
         _need(bool(p.donors) and not unknown, f"profile.donors must be module types {list(MODULE_TYPES)}")
         _need(len(set(p.donors)) == len(p.donors), f"profile.donors: repeated module types in {p.donors}")

@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 
 from train.arguments import add_config_arguments
@@ -621,6 +622,12 @@ def _sweep(args, out: pathlib.Path) -> int:
     grid_points(runs, args.baseline)
     if not args.report_only:  # a report reads the runs as they are, on any machine
         check_reuse(out, runs, run_configs(args.base, runs, args.overrides))
+    elif args.overrides:
+        warnings.warn(
+            f"--report-only reads no --set ({' '.join(args.overrides)}): the report is of the runs "
+            f"in {out} as they were made",
+            stacklevel=2,
+        )
     make_directory(out, "--out", "making the sweep's directory")
     if not args.report_only:  # the grid as it was run: a report alone leaves it as it is
         grid = {"base": str(args.base), "axes": args.axis, "seeds": seeds, "sets": args.overrides}
