@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -208,7 +209,7 @@ def test_report_statistics_on_hand_made_runs(tmp_path):
     assert full["steps_to_target"]["mean"] == pytest.approx(70 / 3)
     assert full["time_to_target_s"]["mean"] == pytest.approx((20 + 60 + 20) / 3)
     assert [s["steps"] for s in full["seeds"]] == [20, 30, 20]
-    assert result["excluded"] == [{"run": "galore-seed2", "status": "failed"}]
+    assert result["excluded"] == [{"run": "galore-seed2", "status": "diverged"}]  # (no stop_reason)
     text = (tmp_path / "report.md").read_text()
     # point | runs | final ppl, p | steps, reduction, per seed | time (s), reduction, per seed
     # (p: of the 10 splits of the five final ppl into 3 and 2, only the observed one has means 3 apart)
@@ -221,7 +222,7 @@ def test_report_statistics_on_hand_made_runs(tmp_path):
         "| full | 3 (3 reached, 3 timed) | 18.000 ± 1.000 | 0.10 | 20 | +33.3% | 23 ± 6 | 26.7 | +11.1% "
         "| 33.3 ± 23.1 |" in text
     )
-    assert "- galore-seed2: failed" in text
+    assert "- galore-seed2: diverged" in text
     assert "- galore: seed 0: ppl 20.000, 30 steps, 30.0 s; seed 1: ppl 22.000, target not reached" in text
     assert (tmp_path / "report.png").stat().st_size > 0
     with pytest.raises(UserError, match="--baseline nope is not a grid point"):
@@ -392,6 +393,42 @@ def test_report_baseline_seeds_that_end_at_other_steps_still_give_a_target(tmp_p
     assert result["points"]["galore"]["mean_curve"]["steps_to_target"] == 30
     assert result["points"]["full"]["mean_curve"]["steps_to_target"] == 20
     assert result["points"]["full"]["step_reduction_pct"] == pytest.approx(100 / 3)
+    # Said as what it is: not the seeds' mean final ppl (15.0 at step 30 and 14.0 at step 40).
+    text = (tmp_path / "report.md").read_text()
+    assert text.startswith(
+        "Target: the mean eval ppl of `galore` at step 30, the last its seeds all evaluated (they end "
+        "at steps 30, 40) = 15.500"
+    ), text
+    assert result["warnings"] == [
+        "the seeds of galore end at different steps (30, 40): their train.steps, and so their "
+        "learning-rate schedules, differ"
+    ]
+    assert "train.steps, and so their learning-rate schedules, differ" in text
+
+
+def test_runs_that_stopped_before_their_first_evaluation_say_why(tmp_path, capsys):
+    """A run the divergence guard stopped at its first steps: the sweep's report lists it with its
+    status and reason (it said "failed, no evaluation"), and compare says it has no eval ppl, even
+    with --force (it said "no metrics.jsonl")."""
+    from train.compare import compare
+
+    runs = sweep.expand(PAPER, ["conditions/galore,full"], [0])
+    make_run(tmp_path, "galore-seed0", "completed", [30, 20])
+    hot = make_run(tmp_path, "full-seed0")
+    (hot / "metrics.jsonl").unlink()
+    why = "loss 9.1 > 3 x the best 2.5 at step 4"
+    (hot / "summary.json").write_text(json.dumps({"status": "diverged", "stop_reason": why}))
+    sweep.report(tmp_path, runs)
+    assert f"- full-seed0: diverged ({why}), no evaluation" in (tmp_path / "report.md").read_text()
+    for force in (False, True):
+        with pytest.raises(
+            UserError,
+            match=re.escape(
+                f"{hot}: the run stopped (diverged: {why}) before its first evaluation: no eval ppl to "
+                "compare, even with --force"
+            ),
+        ):
+            compare([tmp_path / "galore-seed0", hot], tmp_path / "out", force=force)
 
 
 def test_report_without_a_completed_baseline_gives_the_final_ppl_and_says_so(tmp_path):

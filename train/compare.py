@@ -43,14 +43,23 @@ def run_names(run_dirs: list[pathlib.Path]) -> list[str]:
 
 def load_run(run_dir: pathlib.Path, name: str | None = None) -> dict:
     run = RunDir(run_dir)
-    if not run.metrics_file.is_file():
-        raise UserError(f"no {METRICS} in {run_dir}")
-    evals = eval_rows(run)
-    if not evals:
-        raise UserError(f"{run_dir} has no evaluation rows")
     summary = run.summary()
     if summary is None and run.summary_file.is_file():
         raise UserError(f"{run.summary_file} is not a JSON object of a run's summary: the run dir is damaged")
+    evals = eval_rows(run) if run.metrics_file.is_file() else []
+    if not evals:
+        status = (summary or {}).get("status")
+        if status not in (None, "completed"):  # e.g. diverged at its first steps: nothing to compare
+            why = (summary or {}).get("stop_reason")
+            raise UserError(
+                f"{run_dir}: the run stopped ({status}{f': {why}' if why else ''}) before its first "
+                "evaluation: no eval ppl to compare, even with --force"
+            )
+        raise UserError(
+            f"no {METRICS} in {run_dir}"
+            if not run.metrics_file.is_file()
+            else f"{run_dir} has no evaluation rows"
+        )
     summary = summary or {}
     status = summary.get("status", f"running or killed (no {SUMMARY})")
     return {

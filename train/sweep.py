@@ -13,13 +13,13 @@ run's config is loaded and checked before the first run starts.
 A run that fails or diverges is reported and left out of the statistics, never averaged.
 
 The report (``report.md``, ``report.json``, ``report.png``): per grid point, the mean and
-standard deviation over seeds of the final eval ppl, and the p-value of an exact permutation test
+sample standard deviation over seeds of the final eval ppl, and the p-value of an exact permutation test
 of its mean against the baseline's (``permutation_p``); the steps and wall-clock time at which the
 point's mean curve (eval ppl averaged over its seeds at each evaluation) reaches the baseline
-point's mean final ppl, and the reductions against the baseline in % from them; the mean and
-standard deviation of the same figures over the seeds that reach the target on their own (a seed
-whose final ppl lies above the target never does: about half the baseline's seeds), and each
-seed's; eval-ppl curves with a band of one standard deviation over seeds, against steps and
+point's mean final ppl (the first evaluation at or below it), and the reductions against the
+baseline in % from them; the mean and standard deviation of the same figures over the seeds that
+reach the target on their own (about half the baseline's seeds do not, the target being their
+mean), and each seed's; eval-ppl curves with a band of one standard deviation over seeds, against steps and
 against wall-clock. Until the baseline has a completed run the report gives the final ppl
 alone and says so. The wall-clock figures come only from runs that had the machine to
 themselves: runs that ran at the same time on one host are flagged and count in no time (nor
@@ -319,9 +319,18 @@ def report(
     rows = {point: _point_row(done[point], curves[point], target) for point in points}
     _compare_to_baseline(rows, baseline)
     refusals, warnings = problems(summaries) if summaries else ([], [])
+    ends = {point: sorted({r["evals"][-1]["step"] for r in done[point]}) for point in points}
+    warnings += [
+        f"the seeds of {point} end at different steps ({', '.join(map(str, ends[point]))}): their "
+        "train.steps, and so their learning-rate schedules, differ"
+        for point in points
+        if len(ends[point]) > 1
+    ]
     result = {
         "baseline": baseline,
         "target_ppl": target,
+        "target_step": curves[baseline][-1]["step"] if curves[baseline] else None,
+        "baseline_final_steps": ends[baseline],
         "timing_device": timing,
         "points": rows,
         "excluded": excluded,
@@ -348,6 +357,10 @@ def _completed(out: pathlib.Path, runs: list[Run], points: list[str]) -> tuple[d
         status = run_dir.state()
         evals = eval_rows(run_dir)
         if status != "completed" or not evals:
+            if status == "failed":  # what stopped it: nan or diverged, and why
+                summary = run_dir.summary() or {}
+                why = summary.get("stop_reason")
+                status = f"{summary.get('status')} ({why})" if why else str(summary.get("status"))
             excluded.append({"run": run.name, "status": status if evals else f"{status}, no evaluation"})
             continue
         done[run.point].append({"run": run.name, "seed": run.seed, "evals": evals})
@@ -465,8 +478,13 @@ def _pm(s: dict, fmt: str = ".2f") -> str:
 
 def markdown(result: dict) -> str:
     pct = lambda v: "-" if v is None else f"{v:+.1f}%"  # noqa: E731
+    ends = result["baseline_final_steps"]
     target = (
         f"Target: the mean final eval ppl of `{result['baseline']}` = {result['target_ppl']:.3f}"
+        if result["target_ppl"] is not None and len(ends) == 1
+        else f"Target: the mean eval ppl of `{result['baseline']}` at step {result['target_step']}, the "
+        f"last its seeds all evaluated (they end at steps {', '.join(map(str, ends))}) = "
+        f"{result['target_ppl']:.3f}"
         if result["target_ppl"] is not None
         else f"No target: the baseline `{result['baseline']}` has no completed run yet, so steps and "
         "time to target are not computed (final ppl only)"
@@ -475,10 +493,12 @@ def markdown(result: dict) -> str:
     lines = [
         target,
         "",
-        "Steps and time to the target are where a point's mean curve (its eval ppl averaged over "
-        "its seeds at each evaluation) reaches it; the reductions come from them. The per-seed "
-        "columns are the mean ± std over the seeds that reach the target on their own (`runs`: "
-        "how many did; a seed whose final ppl is above the target never does). Times come from "
+        "Steps and time (`wall_s`) to the target are those of the first evaluation at which a "
+        "point's mean curve (its eval ppl averaged over its seeds at each evaluation) is at or "
+        "below it, with no interpolation between evaluations; the reductions come from them. The "
+        "per-seed columns are the mean ± std (the sample standard deviation, n - 1, as everywhere "
+        "here) over the seeds that reach the target on their own, each at its first evaluation at "
+        "or below it (`runs`: how many did). Times come from "
         "the runs that had the machine to themselves alone (`timed`): a run that shared it with "
         "another ran slower for it, by an amount nothing here measures. The mean curve's time at "
         "a step is the mean wall-clock of the point's timed seeds there. `p`: whether the final ppl "
