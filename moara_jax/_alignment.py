@@ -77,13 +77,44 @@ def matrix_alignment(
     ``(L, fan_in, fan_out)`` give an array of ``L`` cosines. The bases come from ``opt_state`` (the
     ones used for the last update); ``matrix_axes`` is the optimizer's (:class:`MatrixAxes`)."""
     bases = _bases_and_sides(opt_state)
+    blocks = _magnitude_blocks(opt_state)
     out = {}
     for path, g in jax.tree_util.tree_flatten_with_path(matrix_view(grads, matrix_axes))[0]:
         key = jax.tree_util.keystr(unboxed(path))
         if key in bases:
+            _check_blocks(key, g.shape[FAN_IN_AXIS], blocks.get(key), block_size)
             basis, side_of = bases[key]
             out[key] = alignment(g, reconstruct(g, basis, block_size, side_of(g.shape)))
     return out
+
+
+def _magnitude_blocks(opt_state: Any) -> dict[str, int]:
+    """``{path: blocks along fan_in}`` of each matrix whose updates the state decomposes (it
+    holds their block magnitudes' moments, ``mag_mu``)."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        names = [getattr(k, "name", None) for k in path]
+        if "mag_mu" in names and getattr(x, "ndim", 0) >= 2:
+            out[jax.tree_util.keystr(unboxed(path[names.index("mag_mu") + 1 :]))] = x.shape[FAN_IN_AXIS]
+    return out
+
+
+def _check_blocks(key: str, fan_in: int, blocks: int | None, block_size: int | None) -> None:
+    """Refuses a ``block_size`` that is not the optimizer's, where the state says it decomposed:
+    without one the reconstruction would project ``G`` on a basis of the directions ``V``."""
+    if blocks is None:
+        return
+    if block_size is None:
+        raise ValueError(
+            f"the state decomposes the updates of {key} ({blocks} block magnitudes along its fan_in "
+            f"of {fan_in}), so its basis is of the directions V: pass block_size, the optimizer's"
+        )
+    if -(-fan_in // block_size) != blocks:
+        raise ValueError(
+            f"block_size={block_size} splits the fan_in of {key} ({fan_in}) into "
+            f"{-(-fan_in // block_size)} blocks, but the state holds {blocks} block magnitudes: "
+            "pass the optimizer's block_size"
+        )
 
 
 def module_alignment(
@@ -103,7 +134,9 @@ def module_alignment(
       block_size: decompose before projecting (``G_recon = Rep_B(M) * (P P^T V)``), else
         ``P P^T G``. The state of an optimizer that decomposes (``scale_by_moara``,
         ``moara_adamw`` with ``decompose``) holds bases of the directions ``V``: pass its
-        ``block_size`` (the paper's profiling runs vanilla GaLore, whose bases are of ``G``).
+        ``block_size`` (a ``ValueError`` without it, or with one that splits a matrix into
+        other blocks than the state's magnitudes; the paper's profiling runs vanilla GaLore,
+        whose bases are of ``G``, and takes either).
       label_fn: path -> module type.
       matrix_axes: the optimizer's ``matrix_axes``, if it was given one (:class:`MatrixAxes`).
 

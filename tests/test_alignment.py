@@ -39,6 +39,38 @@ def test_module_alignment_matches_manual_cosines():
     assert all(0 < s <= 1 for s in with_blocks.values())
 
 
+def test_the_state_of_a_decomposing_optimizer_needs_its_block_size():
+    """Its bases are of the directions V: without ``block_size`` the reconstruction projected G on
+    them and gave another S with no word, and another block size was taken too. Both are
+    refused; vanilla GaLore's state (bases of G) takes either, as the paper's profile does."""
+    rng = np.random.default_rng(1)
+    params = {"q_proj": {"kernel": jnp.zeros((2, 32, 16))}, "down_proj": {"kernel": jnp.zeros((16, 32))}}
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+    tx = mj.moara_adamw(0.01, r_base=8, block_size=8)
+    _, state = tx.update(grads, tx.init(params), params)
+    with pytest.raises(
+        ValueError,
+        match=r"the state decomposes the updates of \['down_proj'\]\['kernel'\] "
+        r"\(2 block magnitudes along its fan_in of 16\), so its basis is of the directions V: "
+        r"pass block_size, the optimizer's",
+    ):
+        mj.module_alignment(grads, state)
+    with pytest.raises(
+        ValueError,
+        match=r"block_size=4 splits the fan_in of \['down_proj'\]\['kernel'\] \(16\) "
+        r"into 4 blocks, but the state holds 2 block magnitudes",
+    ):
+        mj.module_alignment(grads, state, block_size=4)
+    got = mj.module_alignment(grads, state, block_size=8)
+    # What it is: S of Rep_B(M) * (P P^T V) with the state's bases, by hand for down_proj.
+    g = grads["down_proj"]["kernel"]
+    basis = mj.projection_bases(state)["['down_proj']['kernel']"]
+    np.testing.assert_allclose(got["down"], float(mj.alignment(g, mj.reconstruct(g, basis, 8))), rtol=1e-5)
+    plain = mj.moara_adamw(0.01, r_base=8, block_size=8, decompose=False)
+    _, state = plain.update(grads, plain.init(params), params)
+    assert set(mj.module_alignment(grads, state)) == set(mj.module_alignment(grads, state, block_size=4))
+
+
 @pytest.mark.slow
 def test_alignment_grows_with_rank():
     rng = np.random.default_rng(1)

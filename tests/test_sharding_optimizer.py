@@ -35,11 +35,9 @@ SCRIPT = textwrap.dedent("""
     def run(params, grads):
         shardings = jax.tree.map(state_sharding, jax.eval_shape(tx.init, params))
         state = jax.jit(tx.init, out_shardings=shardings)(params)
-        # LDAdam makes its bases and moments anew each step, and XLA's propagation picks their
-        # layout: pin the state's shardings (the trainer does for every host). For LDAdam this
-        # run then checks the numbers only.
-        pin = dict(out_shardings=(None, shardings)) if sys.argv[1] == "ldadam" else {}
-        update = jax.jit(tx.update, **pin)
+        # No out_shardings: the update gives each leaf back sharded as it came in (LDAdam, which
+        # makes its bases and moments anew each step, gave them the layout XLA's propagation chose).
+        update = jax.jit(tx.update)
         out = []
         for g in grads:
             u, new = update(g, state, params)

@@ -58,6 +58,7 @@ from moara_jax._projection import (
     step_key,
     transport,
 )
+from moara_jax._sharding import as_before
 from moara_jax._validate import check_adam, dtype_arg
 from moara_jax.hosts._base import Host, StageOptions, is_zero, real_number
 
@@ -214,7 +215,8 @@ def ldadam(
             for k_, v in zip(new, (q.astype(p.dtype), mu, nu, mag_mu, mag_nu, e), strict=True):
                 new[k_].append(v)
         new_state = LDAdamState(count_inc, *(treedef.unflatten(new[k]) for k in new))
-        return jax.tree.unflatten(treedef, out), new_state
+        # Every leaf is made anew (a new basis, moments transported onto it): placed as it came.
+        return jax.tree.unflatten(treedef, out), as_before(new_state, state)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
