@@ -70,8 +70,11 @@ def _axes(value: Any, ndim: int, what: str, where: str) -> tuple[int, ...]:
     except TypeError:
         axes = ()
     if not axes or not all(-ndim <= a < ndim for a in axes):
+        # A spec given for a module applies to every leaf under it: its bias too.
+        hint = "; to give it to the kernel alone, put it under the 'kernel' key" if ndim < 3 else ""
         raise ValueError(
-            f"matrix_axes of {where}: {what}={value!r} must name one or more of its {ndim} axes (integers)"
+            f"matrix_axes of {where}: {what}={value!r} must name one or more of its {ndim} axes "
+            f"(integers){hint}"
         )
     return tuple(a % ndim for a in axes)
 

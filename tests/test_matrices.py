@@ -269,6 +269,19 @@ def test_bad_matrix_axes_name_the_leaf_and_the_problem(spec, message):
         mj.matrix_view(params, {"q": spec, "b": None})
 
 
+def test_a_module_spec_that_reaches_its_bias_points_to_the_kernel():
+    """Flax's attention (``query``: a ``kernel`` (E, H, D) and a ``bias`` (H, D)): a spec given for
+    the module reaches its bias, whose 2 axes it cannot name; the error says where to put it."""
+    params = {"query": {"kernel": jnp.ones((E, H, D)), "bias": jnp.ones((H, D))}}
+    with pytest.raises(
+        ValueError,
+        match=r"\['query'\]\['bias'\]: fan_in=-3 must name one or more of its 2 axes \(integers\); to give "
+        r"it to the kernel alone, put it under the 'kernel' key",
+    ):
+        mj.matrix_view(params, {"query": QKV})
+    assert mj.matrix_view(params, {"query": {"kernel": QKV}})["query"]["kernel"].shape == (E, H * D)
+
+
 def test_matrix_axes_on_a_vector_a_misspelt_path_or_a_bad_entry_is_refused():
     params = {"q": jnp.ones((E, H, D)), "b": jnp.ones(E)}
     with pytest.raises(
