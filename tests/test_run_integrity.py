@@ -651,6 +651,9 @@ def test_a_completed_run_resumed_to_go_on_is_not_completed_until_it_ends(tmp_pat
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["status"], summary["steps"]) == ("completed", 10)
     assert len(summary["sessions"]) == 2  # the first session's, kept through the kill, and this one
+    # The change stays on record (config.yaml now says 10), for compare and sweep to say.
+    step = int(resumed.stdout.split("resuming from step ")[1].split()[0])
+    assert summary["changed_on_resume"] == [{"step": step, "changes": ["train.steps: 400 -> 10"]}]
     assert (run / "summary.completed-4.json").read_text() == completed
 
 
@@ -754,6 +757,18 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
             compare([base, other], tmp_path / "out")
         text = compare([base, other], tmp_path / "out", force=True)
         assert f"not comparable (--force): {why}" in text
+    # A run resumed with other settings: comparable, with a warning that stays in the report.
+    changed = fake_run(tmp_path, "changed")
+    summary = json.loads((changed / "summary.json").read_text())
+    summary["changed_on_resume"] = [{"step": 5, "changes": ["train.lr: 0.01 -> 0.02"]}]
+    (changed / "summary.json").write_text(json.dumps(summary))
+    capsys.readouterr()
+    text = compare([base, changed], tmp_path / "out")
+    said = (
+        "changed was resumed at step 5 with other settings (train.lr: 0.01 -> 0.02): its steps before "
+        "and after ran under each"
+    )
+    assert said in text and f"warning: {said}" in capsys.readouterr().err
     # The same tokenizer under another file name: the same tokens, comparable.
     renamed = fake_run(tmp_path, "renamed")
     summary = json.loads((renamed / "summary.json").read_text())

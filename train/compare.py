@@ -140,6 +140,11 @@ def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
     for an, bn in overlaps(runs):
         warnings.append(f"{an} and {bn} ran at the same time: their wall-clock times may be contended")
     for run in runs:
+        for resumed in run["summary"].get("changed_on_resume") or []:
+            warnings.append(
+                f"{run['name']} was resumed at step {resumed.get('step')} with other settings "
+                f"({', '.join(resumed.get('changes', []))}): its steps before and after ran under each"
+            )
         sessions = len(run["summary"].get("sessions", []))
         if sessions > 1:
             warnings.append(

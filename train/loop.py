@@ -13,6 +13,7 @@ Phases 1 to 3 are ``train.setup``'s; this module runs them and holds 4 and 5.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ def train_and_evaluate(cfg: RunConfig, run_dir, resume: bool = False, quiet: boo
 def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> dict:
     clock = Clock()
     say = print if main and not quiet else silent
+    changes: list[str] = []
     if run.has_checkpoints():
         if not resume:
             raise UserError(
@@ -110,6 +112,8 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             )
     ckpt = Checkpointer(run, cfg.checkpoint.keep, cfg.checkpoint.every, enabled=main)
     start = restore_or_init(setup, ckpt, resume, main, say)
+    if changes and start.resumed_from is not None:  # kept in summary.json (changed_on_resume)
+        start = dataclasses.replace(start, changed=tuple(changes))
     if start.step == setup.total_steps and run.status() == "completed":
         ckpt.close()
         if main:
@@ -497,6 +501,9 @@ def _report_stop(outcome: Outcome, ckpt: Checkpointer) -> None:
 def make_summary(setup: Setup, run: RunDir, start: Start, loop: StepLoop, outcome: Outcome, clock) -> dict:
     cfg, stop = setup.cfg, outcome.stop
     earlier = run.sessions() if start.resumed_from is not None else []
+    changed = (run.summary() or {}).get("changed_on_resume", []) if start.resumed_from is not None else []
+    if start.changed:
+        changed = [*changed, {"step": start.resumed_from, "changes": list(start.changed)}]
     return {
         "status": outcome.status,
         "stop_reason": stop.reason if stop else (str(outcome.fault) if outcome.fault else None),
@@ -521,6 +528,7 @@ def make_summary(setup: Setup, run: RunDir, start: Start, loop: StepLoop, outcom
         "device_kind": jax.devices()[0].device_kind,
         "mesh": dict(setup.mesh.shape),
         "sessions": earlier + [[clock.started_at, time.time(), socket.gethostname()]],
+        "changed_on_resume": changed,  # each resume that changed settings: its step and changes
     }
 
 

@@ -181,6 +181,7 @@ class Start:
     step: int
     resumed_from: int | None  # the checkpoint's step
     extra: dict  # what the checkpoint saved beside the state: iterator, guard, recorder
+    changed: tuple[str, ...] = ()  # the settings a resume changed (``key: old -> new``)
 
 
 def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, say=print) -> Start:
