@@ -1249,9 +1249,9 @@ def profile_report(run_dir: pathlib.Path) -> str:
     run = RunDir(run_dir)
     rec = profiling.recordings(run)
     cfg = load_config(run.config_file)
-    gap, steps = cfg.optimizer.update_proj_gap, rec.steps
+    gap, steps = profiling.refresh_gap(cfg), rec.steps
     views = [(f"all {len(steps)} recordings (steps {steps[0]} to {steps[-1]})", 0)]
-    later = [s for s in steps if s > gap]
+    later = [s for s in steps if gap and s > gap]
     if later and steps[0] <= gap:
         views.append((f"the {len(later)} after the first basis (steps {later[0]} to {later[-1]})", gap))
     paper = sorted(PAPER_S_TAU, key=PAPER_S_TAU.get, reverse=True)
@@ -1265,7 +1265,7 @@ def profile_report(run_dir: pathlib.Path) -> str:
         "",
         "`S_tau` per module type: the mean of `S(W, t) = cos(G, G_recon)` over the type's matrices "
         f"and the recorded steps, block size {cfg.optimizer.block_size}, rank {cfg.optimizer.r_base}, "
-        f"a new basis every {gap} steps; over "
+        + (f"a new basis every {gap} steps; over " if gap else "over ")
         + " and over ".join(what for what, _ in views)
         + "; highest first, against the paper's Table 5 (`tab:profiling_length`: Llama 2 350M, "
         "1k-step profile). Each basis ages until the next, and the alignment falls with it; the "

@@ -77,6 +77,14 @@ def test_the_outputs_say_where_the_first_basis_chose_other_receivers(tmp_path, c
     assert got["allocation"]["receivers"] == ["down"] and got["allocation"]["ranks"]["down"] == 32
     assert json.loads((tmp_path / "alignment.json").read_text())["note"] is None
     assert capsys.readouterr().out.startswith("S_tau after step 200 (lowest first): down 0.8500")
+    # A host whose bases move at every step (OSD) or on intervals of their own (Q-GaLore) has no
+    # windows of one basis: none are given, and no note.
+    for host in ("osd", "q_galore", "ldadam", "subtrack_pp"):
+        got = profiling.write_outputs(rec, tmp_path, load_config(TINY, [*PROFILE, f"optimizer.host={host}"]))
+        alignment = json.loads((tmp_path / "alignment.json").read_text())
+        assert alignment["s_tau_by_basis"] is None and alignment["note"] is None
+        assert got["allocation"]["receivers"] == ["gate"]
+    capsys.readouterr()
     # Where the first basis orders the types as the later ones do, there is nothing to note.
     profiling.write_outputs(recorder(LATER, LATER), tmp_path, load_config(TINY, PROFILE))
     assert json.loads((tmp_path / "alignment.json").read_text())["note"] is None

@@ -79,6 +79,17 @@ class AlignmentRecorder:
         return {k: float(np.mean([self.values[k][i] for i in kept])) for k in paper_order(self.values)}
 
 
+# The hosts that remake every basis each optimizer.update_proj_gap steps, the first at step 1:
+# Q-GaLore lengthens a matrix's interval as its bases settle, and OSD, LDAdam and SubTrack++ move
+# their bases at every step, so their recordings do not fall into windows of one basis.
+PERIODIC_HOSTS = ("galore", "fira")
+
+
+def refresh_gap(cfg: RunConfig) -> int | None:
+    """Steps between the profile's basis refreshes, where its host refreshes on a fixed period."""
+    return cfg.optimizer.update_proj_gap if cfg.optimizer.host in PERIODIC_HOSTS else None
+
+
 def basis_step(step: int, gap: int) -> int:
     """The step whose gradient made the basis that step ``step`` projects with (a refresh every
     ``gap`` steps, the first at step 1)."""
@@ -114,7 +125,7 @@ def choose_allocation(s_tau: dict[str, float], cfg: RunConfig) -> dict:
 def write_outputs(rec: AlignmentRecorder, run_dir: pathlib.Path, cfg: RunConfig) -> dict:
     """``alignment.json``, ``allocation.json`` and ``alignment.png`` of a profile's recordings in
     ``run_dir``; prints ``S_tau``, the allocation and the first basis's note (:func:`first_basis_note`)."""
-    from_step, gap = cfg.profile.from_step, cfg.optimizer.update_proj_gap
+    from_step, gap = cfg.profile.from_step, refresh_gap(cfg)
     s_tau = rec.s_tau(from_step)
     if not s_tau:
         raise UserError(
@@ -127,8 +138,9 @@ def write_outputs(rec: AlignmentRecorder, run_dir: pathlib.Path, cfg: RunConfig)
         "steps": rec.steps,
         "from_step": from_step,
         "s_tau": s_tau,
-        "update_proj_gap": gap,
-        "s_tau_by_basis": {str(k): v for k, v in rec.by_basis(gap).items()},
+        "update_proj_gap": cfg.optimizer.update_proj_gap,
+        # (None for a host whose bases do not refresh on a fixed period: PERIODIC_HOSTS)
+        "s_tau_by_basis": {str(k): v for k, v in rec.by_basis(gap).items()} if gap else None,
         "trajectories": {k: rec.values[k] for k in s_tau},
         "ema": {k: rec.smoothed[k] for k in s_tau},
         "ema_decay": rec.ema,
@@ -153,7 +165,9 @@ def first_basis_note(rec: AlignmentRecorder, cfg: RunConfig, receivers: list[str
     """Where ``S_tau`` holds recordings made under the first basis (from the first step's
     gradient, at the initial weights) and the recordings under later bases alone would choose
     other receivers, a line saying so and how to leave them out; else None."""
-    gap, from_step = cfg.optimizer.update_proj_gap, cfg.profile.from_step
+    gap, from_step = refresh_gap(cfg), cfg.profile.from_step
+    if gap is None:
+        return None
     first = [s for s in rec.steps if from_step < s <= gap]
     later = rec.s_tau(max(from_step, gap))
     if not first or not later:
@@ -171,7 +185,7 @@ def first_basis_note(rec: AlignmentRecorder, cfg: RunConfig, receivers: list[str
     )
 
 
-def _plot(rec: AlignmentRecorder, path: pathlib.Path, from_step: int, gap: int) -> None:
+def _plot(rec: AlignmentRecorder, path: pathlib.Path, from_step: int, gap: int | None) -> None:
     """Each module type's recorded ``S`` (what ``S_tau`` averages), the refreshes of the basis as
     dotted lines and the steps ``from_step`` leaves out shaded."""
     fig = figure(ALIGNMENT_PLOT, figsize=(7, 4))
@@ -180,11 +194,11 @@ def _plot(rec: AlignmentRecorder, path: pathlib.Path, from_step: int, gap: int) 
     ax = fig.subplots()
     for label in paper_order(rec.values):
         ax.plot(rec.steps, rec.values[label], marker=".", label=label)
-    for refresh in range(gap + 1, rec.steps[-1] + 1, gap):
+    for refresh in range(gap + 1, rec.steps[-1] + 1, gap) if gap else ():
         ax.axvline(refresh, color="0.6", linestyle=":", linewidth=1)
     if from_step:
         ax.axvspan(0, from_step, color="0.9", zorder=0)
-    ax.set_xlabel("step (dotted: a new basis)")
+    ax.set_xlabel("step (dotted: a new basis)" if gap else "step")
     ax.set_ylabel("S: cos(G, G_recon), mean over the matrices")
     left_out = f"; S_tau from the steps after {from_step}" if from_step else ""
     ax.set_title(f"alignment per module type{left_out}", fontsize=10)
