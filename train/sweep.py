@@ -341,7 +341,8 @@ def report(
         (out / "report.md").write_text(markdown(result))
         seeds = {point: len(done[point]) for point in points}
         if any(curves.values()):
-            plot(out / "report.png", curves, seeds, {point: rows[point]["timed"] for point in points})
+            timed = {point: rows[point]["timed"] for point in points}
+            plot(out / "report.png", curves, seeds, timed, target)
         else:  # no completed run: no empty axes (nor an earlier report's curves)
             (out / "report.png").unlink(missing_ok=True)
     return result
@@ -567,9 +568,10 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path: pathlib.Path, curves: dict, seeds: dict, timed: dict) -> None:
+def plot(path: pathlib.Path, curves: dict, seeds: dict, timed: dict, target: float | None = None) -> None:
     """Each point's mean curve (``curves``, over its ``seeds``) with its band, against steps and
-    against the wall-clock of its ``timed`` seeds (none: not drawn), labelled with both numbers."""
+    against the wall-clock of its ``timed`` seeds (none: not drawn), labelled with both numbers;
+    the target ppl as a dashed line."""
     fig = figure("report.png", figsize=(12, 4.5))
     if fig is None:
         return
@@ -594,6 +596,8 @@ def plot(path: pathlib.Path, curves: dict, seeds: dict, timed: dict) -> None:
                 alpha=0.2,
             )
     for ax, label in zip(axes, ("step", "wall-clock (s, mean over the timed seeds)"), strict=True):
+        if target is not None and ax.has_data():
+            ax.axhline(target, color="0.3", linestyle="--", linewidth=1, label=f"target {target:.3f}")
         ax.set_xlabel(label)
         ax.set_ylabel("eval ppl (mean ± std over seeds)")
         ax.set_yscale("log")
