@@ -82,34 +82,43 @@ def matrix_alignment(
     for path, g in jax.tree_util.tree_flatten_with_path(matrix_view(grads, matrix_axes))[0]:
         key = jax.tree_util.keystr(unboxed(path))
         if key in bases:
-            _check_blocks(key, g.shape[FAN_IN_AXIS], blocks.get(key), block_size)
+            if key in blocks:
+                _check_blocks(key, g.shape[FAN_IN_AXIS], blocks[key], block_size)
             basis, side_of = bases[key]
             out[key] = alignment(g, reconstruct(g, basis, block_size, side_of(g.shape)))
     return out
 
 
-def _magnitude_blocks(opt_state: Any) -> dict[str, int]:
+def _magnitude_blocks(opt_state: Any) -> dict[str, int | None]:
     """``{path: blocks along fan_in}`` of each matrix whose updates the state decomposes (it
-    holds their block magnitudes' moments, ``mag_mu``)."""
+    holds their block magnitudes' moments, ``mag_mu``; None where they are 8-bit codes)."""
     out = {}
     for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
         names = [getattr(k, "name", None) for k in path]
-        if "mag_mu" in names and getattr(x, "ndim", 0) >= 2:
-            out[jax.tree_util.keystr(unboxed(path[names.index("mag_mu") + 1 :]))] = x.shape[FAN_IN_AXIS]
+        if "mag_mu" not in names or not getattr(x, "ndim", 0):
+            continue
+        rest = path[names.index("mag_mu") + 1 :]
+        if rest and isinstance(rest[-1], jax.tree_util.FlattenedIndexKey):  # 8-bit (Q-GaLore): codes
+            out.setdefault(jax.tree_util.keystr(unboxed(rest[:-1])), None)  # decomposed, count unknown
+        elif x.ndim >= 2:
+            out[jax.tree_util.keystr(unboxed(rest))] = x.shape[FAN_IN_AXIS]
     return out
 
 
 def _check_blocks(key: str, fan_in: int, blocks: int | None, block_size: int | None) -> None:
     """Refuses a ``block_size`` that is not the optimizer's, where the state says it decomposed:
     without one the reconstruction would project ``G`` on a basis of the directions ``V``."""
-    if blocks is None:
-        return
     if block_size is None:
         raise ValueError(
-            f"the state decomposes the updates of {key} ({blocks} block magnitudes along its fan_in "
-            f"of {fan_in}), so its basis is of the directions V: pass block_size, the optimizer's"
+            f"the state decomposes the updates of {key} "
+            + (
+                f"({blocks} block magnitudes along its fan_in of {fan_in})"
+                if blocks
+                else "(it holds block magnitudes)"
+            )
+            + ", so its basis is of the directions V: pass block_size, the optimizer's"
         )
-    if -(-fan_in // block_size) != blocks:
+    if blocks is not None and -(-fan_in // block_size) != blocks:
         raise ValueError(
             f"block_size={block_size} splits the fan_in of {key} ({fan_in}) into "
             f"{-(-fan_in // block_size)} blocks, but the state holds {blocks} block magnitudes: "
@@ -134,9 +143,9 @@ def module_alignment(
       block_size: decompose before projecting (``G_recon = Rep_B(M) * (P P^T V)``), else
         ``P P^T G``. The state of an optimizer that decomposes (``scale_by_moara``,
         ``moara_adamw`` with ``decompose``) holds bases of the directions ``V``: pass its
-        ``block_size`` (a ``ValueError`` without it, or with one that splits a matrix into
-        other blocks than the state's magnitudes; the paper's profiling runs vanilla GaLore,
-        whose bases are of ``G``, and takes either).
+        ``block_size`` (a ``ValueError`` without it, or with one that gives a matrix another
+        number of blocks than the state's magnitudes, where the state says how many; the
+        paper's profiling runs vanilla GaLore, whose bases are of ``G``, and takes either).
       label_fn: path -> module type.
       matrix_axes: the optimizer's ``matrix_axes``, if it was given one (:class:`MatrixAxes`).
 

@@ -66,6 +66,17 @@ def test_the_state_of_a_decomposing_optimizer_needs_its_block_size():
     g = grads["down_proj"]["kernel"]
     basis = mj.projection_bases(state)["['down_proj']['kernel']"]
     np.testing.assert_allclose(got["down"], float(mj.alignment(g, mj.reconstruct(g, basis, 8))), rtol=1e-5)
+    # Q-GaLore keeps the magnitudes' moments as 8-bit codes, whose shape does not tell the blocks:
+    # block_size is still required.
+    big = {"q_proj": {"kernel": jnp.zeros((2, 256, 256))}}
+    g8 = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), big)
+    q8 = mj.moara_adamw(0.01, r_base=16, block_size=16, host="q_galore", rank_allocation=False)
+    _, state8 = q8.update(g8, q8.init(big), big)
+    with pytest.raises(
+        ValueError, match=r"decomposes the updates of \['q_proj'\]\['kernel'\] \(it holds block"
+    ):
+        mj.module_alignment(g8, state8)
+    assert set(mj.module_alignment(g8, state8, block_size=16)) == {"q"}
     plain = mj.moara_adamw(0.01, r_base=8, block_size=8, decompose=False)
     _, state = plain.update(grads, plain.init(params), params)
     assert set(mj.module_alignment(grads, state)) == set(mj.module_alignment(grads, state, block_size=4))

@@ -532,6 +532,10 @@ _FIXED_ON_RESUME = (
     "train.grad_clip",
     "train.param_dtype",
 )
+# What a run's results do not depend on: how it is split over devices and micro-batches, and what
+# it records and saves along the way. A sweep restarted with other values of these goes on, and a
+# resume that changes them alone leaves no changed_on_resume record.
+OPERATIONAL = ("mesh", "checkpoint", "metrics", "xla", "train.micro_batch_size", "train.log_every")
 # A profiling run's records: how often and how smoothly it records (profile.steps may change, as
 # train.steps may; the donors and receivers only read the records at the end).
 _FIXED_ON_PROFILE_RESUME = ("profile.every", "profile.ema")
@@ -551,7 +555,7 @@ _FREE_ON_RESUME = (
 # checkpoint refuses other tokens) and does not read init_from (the model is the run's
 # model.json). Only a resume: the sweep's reuse of finished runs, which restores nothing, keeps
 # comparing them.
-_MOVABLE_ON_RESUME = (
+MOVABLE_ON_RESUME = (
     "data.paths",
     "data.validation_paths",
     "data.tokenizer",
@@ -625,7 +629,7 @@ def check_resumable(saved: dict, new: dict) -> list[str]:
             f"--resume: the run's {CONFIG} differs in model.init_from ({was!r} -> {now!r}): keep it "
             "(its directory need not be there: a resume takes the model from the run's model.json)"
         )
-    changed = changed_settings(saved, new, fixed, ignoring=_MOVABLE_ON_RESUME)
+    changed = changed_settings(saved, new, fixed, ignoring=MOVABLE_ON_RESUME)
     if changed:
         raise UserError(
             f"--resume: the run's {CONFIG} differs in settings a resume cannot change ({', '.join(changed)})"

@@ -6,8 +6,8 @@ the allocation file a training run reads.
 
 Each basis ages until the next refresh, and the alignment falls with it; the first basis comes
 from the first step's gradient, at the initial weights. Its recordings can order the module types
-otherwise than every later basis's (Llama 2 60M: ``mlp.down`` best aligned but one under it,
-lowest under the next), so the outputs give ``S_tau`` per basis too, and a note where leaving the
+otherwise than every later basis's (Llama 2 60M: ``mlp.down`` best aligned under it, lowest
+under the next), so the outputs give ``S_tau`` per basis too, and a note where leaving the
 first basis out would choose other receivers. ``python -m train.profile RUN_DIR --from-step N``
 reads a finished profile's recordings again with another ``from_step``.
 """
@@ -79,10 +79,11 @@ class AlignmentRecorder:
         return {k: float(np.mean([self.values[k][i] for i in kept])) for k in paper_order(self.values)}
 
 
-# The hosts that remake every basis each optimizer.update_proj_gap steps, the first at step 1:
-# Q-GaLore lengthens a matrix's interval as its bases settle, and OSD, LDAdam and SubTrack++ move
-# their bases at every step, so their recordings do not fall into windows of one basis.
-PERIODIC_HOSTS = ("galore", "fira")
+# The hosts whose bases change every optimizer.update_proj_gap steps, the first made at step 1
+# (SubTrack++ moves its bases by a geodesic step there): Q-GaLore lengthens a matrix's interval as
+# its bases settle, and OSD and LDAdam move their bases at every step, so their recordings do not
+# fall into windows of one basis.
+PERIODIC_HOSTS = ("galore", "fira", "subtrack_pp")
 
 
 def refresh_gap(cfg: RunConfig) -> int | None:

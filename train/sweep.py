@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from train.arguments import add_config_arguments
 from train.compare import eval_rows, evaluation, overlaps, problems, reach
+from train.config import OPERATIONAL
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import figure
 from train.rundir import RunDir, check_directory_path, make_directory
@@ -105,11 +106,6 @@ def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[st
         except UserError as e:
             raise UserError(f"{run.name}: {e}") from None
     return configs
-
-
-# What a run's results do not depend on: how it is split over devices and micro-batches, and what
-# it records and saves along the way. A sweep restarted with other values of these goes on.
-OPERATIONAL = ("mesh", "checkpoint", "metrics", "xla", "train.micro_batch_size", "train.log_every")
 
 
 def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, dict]) -> None:
