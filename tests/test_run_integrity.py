@@ -733,6 +733,13 @@ def fake_run(
     return run
 
 
+def with_summary(run: pathlib.Path, **fields) -> pathlib.Path:
+    """``run`` with ``fields`` set in its ``summary.json``."""
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, **fields}))
+    return run
+
+
 def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path, capsys):
     base = fake_run(tmp_path, "base")
     for name, kw, why in (
@@ -758,10 +765,9 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
         text = compare([base, other], tmp_path / "out", force=True)
         assert f"not comparable (--force): {why}" in text
     # A run resumed with other settings: comparable, with a warning that stays in the report.
-    changed = fake_run(tmp_path, "changed")
-    summary = json.loads((changed / "summary.json").read_text())
-    summary["changed_on_resume"] = [{"step": 5, "changes": ["train.lr: 0.01 -> 0.02"]}]
-    (changed / "summary.json").write_text(json.dumps(summary))
+    changed = with_summary(
+        fake_run(tmp_path, "changed"), changed_on_resume=[{"step": 5, "changes": ["train.lr: 0.01 -> 0.02"]}]
+    )
     capsys.readouterr()
     text = compare([base, changed], tmp_path / "out")
     said = (
@@ -813,9 +819,7 @@ def test_compare_names_runs_apart_refuses_one_given_twice_and_warns_of_resumed_t
     assert json.loads((tmp_path / "out" / "compare.json").read_text())["runs"][0]["run"] == "baseline"
     with pytest.raises(UserError, match=r"galore-seed0 is given twice"):
         compare([first, tmp_path / "a" / ".." / "a" / "galore-seed0"], tmp_path / "out")
-    summary = json.loads((other / "summary.json").read_text())
-    summary["sessions"] = [[20, 25, "host"], [40, 50, "host"]]
-    (other / "summary.json").write_text(json.dumps(summary))
+    with_summary(other, sessions=[[20, 25, "host"], [40, 50, "host"]])
     capsys.readouterr()
     text = compare([first, other], tmp_path / "out")
     resumed = (

@@ -572,13 +572,18 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def under(key: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether the dotted ``key`` is one of ``prefixes`` or lies under one (``train`` holds
+    ``train.lr``)."""
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
 def changed_settings(
     saved: dict, new: dict, among: tuple[str, ...] | None = None, ignoring: tuple[str, ...] = ()
 ) -> list[str]:
     """``key: old -> new`` for each setting of ``new`` (a mapping) that differs from a run's
     ``saved`` config, among the keys under ``among`` (None: all) but those under ``ignoring``,
     leaving out how the model computes (``_FREE_ON_RESUME``)."""
-    under = lambda k, keys: any(k == f or k.startswith(f + ".") for f in keys)  # noqa: E731
     # A key the saved config lacks was added since, with a default that does what runs did before
     # (optimizer.weight_decay_mask: all): a run saved then resumes.
     old_flat, new_flat = _flatten(to_dict(RunConfig())) | _flatten(saved or {}), _flatten(new)

@@ -25,7 +25,7 @@ import moara_jax as mj
 import models
 from train import profile as profiling
 from train.checkpoint import Checkpointer
-from train.config import MOVABLE_ON_RESUME, OPERATIONAL, RunConfig, to_dict
+from train.config import MOVABLE_ON_RESUME, OPERATIONAL, RunConfig, to_dict, under
 from train.distributed import StopSignals, any_process, differs_from_first, errors_shared, first_error
 from train.errors import IOFault, UserError, io_operation
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
@@ -114,7 +114,7 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
     start = restore_or_init(setup, ckpt, resume, main, say)
     # Kept in summary.json (changed_on_resume): the changes its results depend on, not where its
     # files are, how it is split or what it records (OPERATIONAL).
-    kept = [c for c in changes if not _under(c.split(":")[0], OPERATIONAL + MOVABLE_ON_RESUME)]
+    kept = [c for c in changes if not under(c.split(":")[0], OPERATIONAL + MOVABLE_ON_RESUME)]
     if kept and start.resumed_from is not None:
         start = dataclasses.replace(start, changed=tuple(kept))
     if start.step == setup.total_steps and run.status() == "completed":
@@ -135,10 +135,6 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
     with StopSignals() as signals:
         outcome = loop.run(start.state, start.step, signals)
         return finish(setup, run, ckpt, start, loop, outcome, main, clock)
-
-
-def _under(key: str, prefixes: tuple[str, ...]) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
 def _is_main_process() -> bool:
