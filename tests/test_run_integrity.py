@@ -823,8 +823,8 @@ def test_compare_names_runs_apart_refuses_one_given_twice_and_warns_of_resumed_t
     capsys.readouterr()
     text = compare([first, other], tmp_path / "out")
     resumed = (
-        "moara-seed0 ran in 2 sessions (resumed): its wall-clock time counts each restart's restore "
-        "and compilation"
+        "moara-seed0 ran in 2 sessions (resumed): its wall-clock time counts each session's compilation "
+        "(not its restore)"
     )
     assert f"warning: {resumed}" in capsys.readouterr().err and f"- warning: {resumed}" in text
 

@@ -213,6 +213,8 @@ def test_profile_writes_allocation_that_training_reads(tmp_path):
     )
     allocation = json.loads((tmp_path / "prof" / "allocation.json").read_text())
     alignment = json.loads((tmp_path / "prof" / "alignment.json").read_text())
+    summary = json.loads((tmp_path / "prof" / "summary.json").read_text())  # FAST's moara ran as galore
+    assert (summary["mode"], summary["optimizer"], summary["host"]) == ("profile", "galore", "galore")
     from test_metrics_writers import read_events
 
     events = read_events(tmp_path / "prof")  # S_tau per module and the training scalars

@@ -5,8 +5,8 @@ reductions in %; ``compare.md`` and ``compare.png`` (eval ppl vs steps and vs wa
 Runs that did not complete (interrupted, diverged, NaN, still running), or whose tokenizer or
 validation data differ from the first run's, are refused: their numbers do not compare.
 ``--force`` compares them anyway and marks them. Wall-clock figures from different devices, from
-runs that overlapped in time (sharing the machine), or from resumed runs (each restart's restore
-and compilation counted) are reported with a warning. A run is named by its directory's name, or
+runs that overlapped in time (sharing the machine), or from resumed runs (each session's
+compilation counted) are reported with a warning. A run is named by its directory's name, or
 by as many of its last path parts as tell it from the others."""
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def problems(runs: list[dict]) -> tuple[list[str], list[str]]:
         if sessions > 1:
             warnings.append(
                 f"{run['name']} ran in {sessions} sessions (resumed): its wall-clock time counts each "
-                "restart's restore and compilation"
+                "session's compilation (not its restore)"
             )
     return refusals, sorted(set(warnings))
 

@@ -514,7 +514,8 @@ def make_summary(setup: Setup, run: RunDir, start: Start, loop: StepLoop, outcom
         "mode": cfg.mode,
         "steps": outcome.steps,
         "model": setup.model_cfg.name,
-        "optimizer": cfg.optimizer.name,
+        # what ran: a profile runs its host with uniform ranks and no decomposition (GaLore's way)
+        "optimizer": "galore" if setup.profiling else cfg.optimizer.name,
         "host": None if cfg.optimizer.name == "adamw" else cfg.optimizer.host,
         "wall_s": loop.writer.wall(),
         "final_eval_loss": loop.last_eval,
