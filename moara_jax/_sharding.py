@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.experimental.shard_alike import shard_alike
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -366,20 +365,25 @@ def follow_params(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def as_before(new_state, state):
+def as_before(new_state, state, keep):
     """Under a trace, each leaf of ``new_state`` sharded as the same leaf of ``state``, the state
-    that came in (``shard_alike``), for a transform that makes its state anew each step (LDAdam's
-    bases and moments): on Auto axes nothing else says where such a leaf goes, and XLA's
-    propagation chose another layout (LDAdam on a ``fsdp x tensor`` mesh: half again the
-    state's bytes per device, and ``jax.jit(tx.update)`` compiled twice). State updated from
-    its old value keeps its layout without it (the tie there cost the trainer's sharded step 2%
-    more bytes through collectives). Eager: as computed."""
+    that came in, for a transform that makes its state anew each step (LDAdam's bases and
+    moments): on Auto axes nothing else says where such a leaf goes, and XLA's propagation chose
+    another layout (LDAdam on a ``fsdp x tensor`` mesh: half again the state's bytes per device,
+    and ``jax.jit(tx.update)`` compiled twice). The tie is an elementwise
+    ``select(keep, new, old)``, whose operands and result propagation places alike; ``keep`` is
+    a traced scalar true at every step (XLA cannot fold it away), so the values are ``new``'s.
+    (``jax.experimental.shard_alike``, which says the same, is gone from JAX 0.11.) State
+    updated from its old value keeps its layout without it (a tie there cost the trainer's
+    sharded step 2% more bytes through collectives). Eager: as computed."""
     if _concrete(new_state):
         return new_state
 
     def tie(new, old):
         same = getattr(new, "shape", None) == getattr(old, "shape", None) and getattr(new, "ndim", 0)
-        return shard_alike(new, old)[0] if same and isinstance(new, jax.core.Tracer) else new
+        if not (same and isinstance(new, jax.core.Tracer)):
+            return new
+        return jax.lax.select(keep, new, old.astype(new.dtype))
 
     return jax.tree.map(tie, new_state, state)
 

@@ -158,14 +158,18 @@ def test_train_step_in_chunks_equals_the_whole_sequence_step():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), p_c, p)
 
 
-def test_loss_chunk_is_a_model_override_of_a_run(tmp_path):
+def test_loss_chunk_is_a_model_override_of_a_run():
     assert model_config(load_config(TINY, ["model.overrides.loss_chunk=32"]), 256).loss_chunk == 32
     assert model_config(load_config(TINY), 256).loss_chunk == 0
-    # A framework key: free over a Hugging Face directory's model, as remat is.
+    with pytest.raises(ValueError, match="loss_chunk must be a non-negative integer"):
+        models.get_config("tiny", loss_chunk=-1)
+
+
+def test_loss_chunk_is_free_over_a_hugging_face_model(tmp_path):
+    """A framework key: free over a Hugging Face directory's model, as remat is."""
+    pytest.importorskip("transformers")  # write_hf_dir writes the config through it
     cfg = models.get_config("tiny", vocab_size=256)
     models.write_hf_dir(tmp_path / "m", cfg, models.init_params(cfg, jax.random.PRNGKey(0)))
     sets = [f"model.init_from={tmp_path / 'm'}", "model.overrides={loss_chunk: 16, remat: full}"]
     run_model = model_config(load_config(TINY, sets), 256)
     assert (run_model.loss_chunk, run_model.remat, run_model.hidden_size) == (16, "full", cfg.hidden_size)
-    with pytest.raises(ValueError, match="loss_chunk must be a non-negative integer"):
-        models.get_config("tiny", loss_chunk=-1)

@@ -215,8 +215,9 @@ def ldadam(
             for k_, v in zip(new, (q.astype(p.dtype), mu, nu, mag_mu, mag_nu, e), strict=True):
                 new[k_].append(v)
         new_state = LDAdamState(count_inc, *(treedef.unflatten(new[k]) for k in new))
-        # Every leaf is made anew (a new basis, moments transported onto it): placed as it came.
-        return jax.tree.unflatten(treedef, out), as_before(new_state, state)
+        # Every leaf is made anew (a new basis, moments transported onto it): placed as it came
+        # (count_inc > 0 at every step, safe_increment saturates).
+        return jax.tree.unflatten(treedef, out), as_before(new_state, state, count_inc > 0)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
