@@ -60,7 +60,11 @@ def decompose_along(
     n = g.shape[axis]
     g32 = g.astype(jnp.float32)
     blocks = _blocked(g32, block_size, axis)
-    mag = jnp.sqrt(jnp.sum(jnp.square(blocks), axis=axis + 1))
+    squares = jnp.sum(jnp.square(blocks), axis=axis + 1)
+    # sqrt's derivative at 0 is inf (inf * 0 = NaN under jax.grad): a zero block's norm is a 0
+    # whose derivative is 0, the values unchanged.
+    nonzero = squares > 0
+    mag = jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, squares, 1.0)), 0.0)
     # The quotients on the unpadded gradient, each magnitude repeated over its block: a padded
     # direction would be cropped by a copy of its own (XLA does not fuse that slice into the
     # projection that reads it).

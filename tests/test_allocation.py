@@ -72,6 +72,9 @@ def test_budget_is_preserved(r_base, n_donors, n_receivers, data):
     ranks = mj.allocate_ranks(r_base, types, donors, receivers, delta)
     assert sum(ranks.values()) == len(types) * r_base
     assert all(ranks[d] == r_base - delta for d in donors)
+    # each receiver gains an equal share, delta |D| / |R|; the other types keep r_base
+    assert all(ranks[r] * n_receivers == r_base * n_receivers + delta * n_donors for r in receivers)
+    assert all(ranks[t] == r_base for t in types if t not in donors + receivers)
 
 
 def test_allocation_errors_name_the_problem():
@@ -154,7 +157,9 @@ def test_moara_adamw_takes_explicit_mla_donors_and_custom_labels():
         mj.moara_adamw(0.01, r_base=16, block_size=8, donors=("q_bb",))
     # With its own label function, the types it names are the ones allocation sees.
     labels = lambda path: "attn" if "attn" in jax.tree_util.keystr(path) else "mlp"  # noqa: E731
-    mj.moara_adamw(0.01, r_base=16, block_size=8, donors=("attn",), receivers=("mlp",), label_fn=labels)
+    tx = mj.moara_adamw(0.01, r_base=16, block_size=8, donors=("attn",), receivers=("mlp",), label_fn=labels)
+    # the five attention matrices donate 8 each; the one mlp matrix receives 8 (rank 24)
+    assert sorted(shape[-1] for shape in _basis_shapes(jax.eval_shape(tx.init, mla))) == [8] * 5 + [24]
 
 
 def _labels_by_path(tree):

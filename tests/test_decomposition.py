@@ -131,6 +131,16 @@ def test_alignment_is_cosine_per_matrix_and_zero_safe():
 def test_jit_and_grad_of_decomposition_are_finite_at_zero():
     f = jax.jit(lambda x: jnp.sum(mj.block_recompose(*mj.block_decompose(x, 2), 2)))
     assert np.isfinite(float(f(jnp.zeros((2, 4)))))
+    # Rep(M) * V = G * M / (M + eps): its gradient is 0 at a zero block (sqrt's derivative at 0
+    # gave NaN) and about 1 elsewhere.
+    x = jnp.zeros((2, 4)).at[0, :2].set(jnp.array([3.0, 4.0]))
+    grad = jax.jit(jax.grad(f))(x)
+    np.testing.assert_array_equal(grad[1], 0.0)
+    np.testing.assert_array_equal(grad[0, 2:], 0.0)
+    np.testing.assert_allclose(grad[0, :2], 1.0, atol=1e-6)
+    mag_grad = jax.grad(lambda x: jnp.sum(mj.block_decompose(x, 2)[0]))(x)
+    np.testing.assert_allclose(mag_grad[0, :2], [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_array_equal(mag_grad[1], 0.0)
 
 
 def test_padded_direction_is_computed_at_the_gradient_size():

@@ -458,13 +458,22 @@ def test_float16_parameters_step_as_float32_ones_do(name):
             u, state = tx.update(cast(g), state, p)
             p = optax.apply_updates(p, u)
             got[dtype].append(jax.tree.map(lambda x: np.asarray(x, np.float64), u))
-    # float16 rounds the gradients (2**-11 relative) ahead of the bases' SVD and Adam's first,
-    # sign-like steps, and Q-GaLore's grids round coarser: the updates differ by up to 12% at
-    # the first step; moments flushed to zero made them 4 to 11 times too large.
+    # Measured (2026-11-28): the norm's AdamW update within 4.3e-4 of float32's on every host
+    # (float16's 2**-11 rounding). The matrix's: float16 rounds the gradients ahead of the first
+    # basis's SVD and Adam's first, sign-like step, 1.0e-2 to 6.2e-2 at step 0 and at most 7.4e-3
+    # after; Q-GaLore's int8 bases amplify the rounding, 10% to 12% at every step (with float32
+    # parameters and only the gradients rounded to float16, 2.9% to 11%). Moments flushed to zero
+    # made the updates 4 to 11 times too large.
+    kernel_bounds = (0.2, 0.2) if name == "q_galore" else (0.1, 0.02)
     for step, (half, full) in enumerate(zip(got[jnp.float16], got[jnp.float32], strict=True)):
-        for a, b in zip(jax.tree.leaves(half), jax.tree.leaves(full), strict=True):
-            err = np.linalg.norm(a - b) / np.linalg.norm(b)
-            assert err < 0.2, (name, step, err)
+        err = {
+            jax.tree_util.keystr(path): np.linalg.norm(a - np.asarray(b)) / np.linalg.norm(b)
+            for (path, a), b in zip(
+                jax.tree_util.tree_leaves_with_path(half), jax.tree.leaves(full), strict=True
+            )
+        }
+        assert err["['norm']['scale']"] < 1e-3, (name, step, err)
+        assert err["['self_attn']['q_proj']['kernel']"] < kernel_bounds[min(step, 1)], (name, step, err)
 
 
 @pytest.mark.parametrize("name", ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"])
