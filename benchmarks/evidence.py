@@ -1274,9 +1274,13 @@ def profile_report(run_dir: pathlib.Path) -> str:
         f"| rank | {head} | paper | paper S_tau |",
         "|---:|" + "---|---:|" * len(views) + "---|---:|",
     ]
-    for i, name in enumerate(paper):
-        cells = " | ".join(f"{order[i]} | {s_tau[order[i]]:.4f}" for s_tau, order in tables)
-        lines.append(f"| {i + 1} | {cells} | {name} | {PAPER_S_TAU[name]:.3f} |")
+    # A model of other module types (MLA's, say) has another number of rows than the paper's 7.
+    for i in range(max(len(paper), *(len(order) for _, order in tables))):
+        cells = " | ".join(
+            f"{order[i]} | {s_tau[order[i]]:.4f}" if i < len(order) else " | " for s_tau, order in tables
+        )
+        theirs = f"{paper[i]} | {PAPER_S_TAU[paper[i]]:.3f}" if i < len(paper) else " | "
+        lines.append(f"| {i + 1} | {cells} | {theirs} |")
     lines.append("")
     for (what, from_step), (s_tau, order) in zip(views, tables, strict=True):
         common = [m for m in order if m in PAPER_S_TAU]

@@ -98,6 +98,22 @@ def test_the_committed_profile_orders_the_modules_as_the_paper_once_the_first_ba
     assert (ROOT / "benchmarks" / "results" / "wiki60m" / "profile.md").read_text() == text
 
 
+def test_a_profile_of_more_module_types_than_the_papers_seven_is_reported_whole(tmp_path):
+    """A model with another number of module types (MLA's eight, say) gets a row for each; the
+    paper's columns end at its seven."""
+    run = tmp_path / "profile-seed0"
+    shutil.copytree(ROOT / "benchmarks" / "results" / "wiki60m" / "profile-seed0", run)
+    alignment = json.loads((run / "alignment.json").read_text())
+    for field in ("trajectories", "ema"):
+        alignment[field]["extra"] = [v / 2 for v in alignment[field]["v"]]
+    (run / "alignment.json").write_text(json.dumps(alignment))
+    text = evidence.profile_report(run)
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r[1] for r in rows] == ["o", "down", "v", "up", "gate", "q", "k", "extra"]
+    assert rows[-1][5:] == ["", " |"] and rows[-2][5] == "down"
+    assert "receivers ['extra']" in text
+
+
 def test_estimates_scale_the_fixed_part_and_the_steps_of_finished_runs():
     kind = ("train", "galore", "galore", False, "uniform")
     other = ("profile", "galore", "galore", False, "uniform")
