@@ -47,6 +47,23 @@ def _unblocked(x: jnp.ndarray, n: int, axis: int) -> jnp.ndarray:
     return jax.lax.slice_in_dim(merged, 0, n, axis=axis)
 
 
+@jax.custom_jvp
+def _sqrt(x: jnp.ndarray) -> jnp.ndarray:
+    """``sqrt``, whose derivative at 0 is taken as 0, not inf (``inf * 0`` made a zero block's
+    gradient NaN under ``jax.grad``). Only the derivative is another: the values and the program
+    jit compiles without differentiation are sqrt's (a ``where`` about the norm changed XLA's
+    fusion of the block sums, and their rounding)."""
+    return jnp.sqrt(x)
+
+
+@_sqrt.defjvp
+def _sqrt_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    y = jnp.sqrt(x)
+    positive = x > 0
+    return y, jnp.where(positive, t / (2.0 * jnp.where(positive, y, 1.0)), 0.0)
+
+
 def decompose_along(
     g: jnp.ndarray, block_size: int, axis: int, eps: float = DEFAULT_EPS
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -60,11 +77,7 @@ def decompose_along(
     n = g.shape[axis]
     g32 = g.astype(jnp.float32)
     blocks = _blocked(g32, block_size, axis)
-    squares = jnp.sum(jnp.square(blocks), axis=axis + 1)
-    # sqrt's derivative at 0 is inf (inf * 0 = NaN under jax.grad): a zero block's norm is a 0
-    # whose derivative is 0, the values unchanged.
-    nonzero = squares > 0
-    mag = jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, squares, 1.0)), 0.0)
+    mag = _sqrt(jnp.sum(jnp.square(blocks), axis=axis + 1))
     # The quotients on the unpadded gradient, each magnitude repeated over its block: a padded
     # direction would be cropped by a copy of its own (XLA does not fuse that slice into the
     # projection that reads it).
