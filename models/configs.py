@@ -13,6 +13,10 @@ DTYPES = ("float32", "bfloat16", "float16")  # of the parameters and the computa
 ATTENTION_IMPLS = (None, "xla", "cudnn")  # None: cuDNN where it applies on a CUDA GPU, else XLA
 
 
+# DeepSeek-V2's MLA dimensions: needed there (with q_lora_rank optional), unused elsewhere.
+MLA_DIMENSIONS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only model. Field names follow ``transformers``' configs.
@@ -60,10 +64,13 @@ class ModelConfig:
 
     def __post_init__(self):
         self._check_fields()
+        self._check_unused()
         self._check_heads()
         if self.model_type == "deepseek_v2":
             self._check_mla()
         self._check_rope_scaling()
+        if self.rope_scaling is not None:  # hashable, as a jit static argument must be
+            object.__setattr__(self, "rope_scaling", RopeScaling(self.rope_scaling))
 
     def _check_fields(self) -> None:
         """Each field's type and range, alone."""
@@ -99,7 +106,7 @@ class ModelConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{f} must be a positive integer or null, got {v!r}")
         for f, what, ok in (
-            ("rope_theta", "positive", lambda v: v > 0),
+            ("rope_theta", "positive finite", lambda v: 0 < v < math.inf),
             ("rms_norm_eps", "positive", lambda v: v > 0),
             ("initializer_range", "non-negative", lambda v: v >= 0),
         ):
@@ -135,9 +142,16 @@ class ModelConfig:
                 f"num_key_value_heads ({self.kv_heads})"
             )
 
+    def _check_unused(self) -> None:
+        """A field the family does not read is refused, not ignored."""
+        candidates = ("head_dim",) if self.model_type == "deepseek_v2" else ("q_lora_rank", *MLA_DIMENSIONS)
+        unused = [f for f in candidates if getattr(self, f) is not None]
+        if unused:
+            raise ValueError(f"{self.model_type} does not use {', '.join(unused)} (set to null)")
+
     def _check_mla(self) -> None:
         """DeepSeek-V2's MLA: its dimensions given, plain RoPE, a key and value per head."""
-        for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        for f in MLA_DIMENSIONS:
             if not getattr(self, f):
                 raise ValueError(f"deepseek_v2 needs {f}")
         if self.rope_scaling:  # HF's yarn scaling also changes MLA's softmax scale
@@ -156,9 +170,18 @@ class ModelConfig:
         kind = rope_scaling_type(self.rope_scaling)
         if kind not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
+        # Keys the model does not read are refused (an export would carry them to transformers,
+        # which may read them otherwise, e.g. partial_rotary_factor).
+        needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        known = {"rope_type", "type", *(needed if kind == "llama3" else ())}
+        unknown = sorted(set(self.rope_scaling or {}) - known)
+        if unknown:
+            raise ValueError(
+                f"rope_scaling of type {kind!r} takes {sorted(known)}, not {unknown} "
+                "(RoPE's base is rope_theta)"
+            )
         if kind == "llama3":
             # All four, as transformers requires them (an export without them would not load).
-            needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
             missing = [k for k in needed if k not in self.rope_scaling]
             if missing:
                 raise ValueError(f"rope_scaling of type 'llama3' needs {missing}")
@@ -179,6 +202,23 @@ class ModelConfig:
 
     def replace(self, **overrides) -> ModelConfig:
         return replace_config(self, **overrides)
+
+
+class RopeScaling(dict):
+    """A ``rope_scaling`` mapping that is hashable and read-only, so that a :class:`ModelConfig`
+    holding one is a static argument of ``jax.jit``; a ``dict`` still (JSON, ``==`` a dict)."""
+
+    def __hash__(self):
+        return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("a ModelConfig's rope_scaling is read-only: use cfg.replace(rope_scaling=...)")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self):  # pickles and copies as a plain dict would, then read-only again
+        return (RopeScaling, (dict(self),))
 
 
 def rope_scaling_type(scaling: dict | None) -> str:

@@ -82,11 +82,17 @@ def _as_numpy(x: Any) -> np.ndarray:
 def _loaded(key: str, x: Any) -> np.ndarray:
     """``_as_numpy`` of state-dict entry ``key``, a dtype numpy has not refused naming it."""
     try:
-        return _as_numpy(x)
+        arr = _as_numpy(x)
     except ValueError as e:
         raise ValueError(
             f"from_hf: {key!r} is {e}; the weights must be float16, bfloat16, float32 or float64"
         ) from None
+    if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
+        # an integer tensor (a quantized checkpoint's) would be cast to float as if it were weights
+        raise ValueError(
+            f"from_hf: {key!r} is {arr.dtype}; the weights must be float16, bfloat16, float32 or float64"
+        )
+    return arr
 
 
 # A checkpoint of the base model (``LlamaModel``: no LM head) names its tensors without the
@@ -212,6 +218,11 @@ def unsupported_family(kind: str) -> str:
 def config_from_hf(hf_config, **overrides) -> ModelConfig:
     """A :class:`ModelConfig` from a ``transformers`` config (Llama, Qwen2, Qwen3, DeepseekV2),
     or from its dict (``config.json``'s content, with its ``model_type``)."""
+    if not isinstance(hf_config, Mapping) and not hasattr(hf_config, "model_type"):
+        raise ValueError(
+            f"config_from_hf takes a transformers config or a config.json dict, got {hf_config!r} "
+            "(a directory or file: models.read_hf_config)"
+        )
     if isinstance(hf_config, Mapping):
         import transformers
 

@@ -444,6 +444,76 @@ def test_config_errors_name_the_problem():
         models.from_hf(models.get_config("tiny"), {})
 
 
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def test_a_config_with_rope_scaling_is_a_static_argument_of_jit():
+    """A Llama 3 config (rope_scaling set) is hashable, as jit's static arguments must be (its
+    dict made jax.jit(forward, static_argnums=0) fail); it reads, serializes and compares as a dict."""
+    import copy
+    import json
+    import pickle
+
+    cfg = models.get_config("llama3.2-tiny", rope_scaling=dict(LLAMA3))
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    logits = jax.jit(models.forward, static_argnums=0)(cfg, params, tokens)
+    np.testing.assert_array_equal(logits, models.forward(cfg, params, tokens))
+    assert (
+        cfg.rope_scaling == LLAMA3
+        and json.loads(json.dumps(dataclasses.asdict(cfg)["rope_scaling"])) == LLAMA3
+    )
+    assert hash(cfg) == hash(models.get_config("llama3.2-tiny", rope_scaling=dict(LLAMA3)))
+    assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg)
+    with pytest.raises(TypeError, match="read-only"):
+        cfg.rope_scaling["factor"] = 8.0
+
+
+@pytest.mark.parametrize(
+    "preset, overrides, message",
+    [
+        (
+            "llama3.2-tiny",
+            {"rope_scaling": {**LLAMA3, "partial_rotary_factor": 0.5}},
+            "not ['partial_rotary_factor']",
+        ),
+        ("llama2-tiny", {"rope_scaling": {"rope_type": "default", "factor": 8.0}}, "not ['factor']"),
+        ("llama2-tiny", {"rope_theta": float("inf")}, "rope_theta must be a positive finite number"),
+        ("deepseek-v2-tiny", {"head_dim": 8}, "deepseek_v2 does not use head_dim"),
+        (
+            "llama2-tiny",
+            {"kv_lora_rank": 16, "qk_rope_head_dim": 3},
+            "llama does not use kv_lora_rank, qk_rope",
+        ),
+        ("qwen3-tiny", {"q_lora_rank": 8}, "qwen3 does not use q_lora_rank"),
+    ],
+)
+def test_settings_the_model_would_ignore_are_refused(preset, overrides, message):
+    """Fields and rope_scaling keys a family does not read are refused in one line: ignored,
+    they changed nothing here and an export carried them to transformers (partial_rotary_factor
+    in a llama3 rope_scaling made transformers fail on the export)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        models.get_config(preset, **overrides)
+
+
+def test_from_hf_refuses_integer_tensors_and_config_from_hf_a_name():
+    cfg = models.get_config("tiny")
+    sd = {
+        k: np.asarray(v) for k, v in models.to_hf(cfg, models.init_params(cfg, jax.random.PRNGKey(0))).items()
+    }
+    key = next(k for k in sd if "q_proj" in k)
+    with pytest.raises(ValueError, match=re.escape(f"from_hf: {key!r} is int8; the weights must be")):
+        models.from_hf(cfg, {**sd, key: sd[key].astype(np.int8)})
+    with pytest.raises(ValueError, match="config_from_hf takes a transformers config or a config.json dict"):
+        models.config_from_hf("meta-llama/Llama-3.2-1B")
+
+
 def test_linear_layers_are_labelled_for_the_optimizer():
     import moara_jax as mj
 

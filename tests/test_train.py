@@ -446,7 +446,7 @@ def test_sweep_then_compare(tmp_path):
         (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
         (["train.seq_len=300"], "train.seq_len (300) exceeds the model's max_position_embeddings (256)"),
         (["model.overrides={loss_chunk: -8}"], "model: loss_chunk must be a non-negative integer"),
-        (["model.overrides.rope_theta=abc"], "model: rope_theta must be a positive number, got 'abc'"),
+        (["model.overrides.rope_theta=abc"], "model: rope_theta must be a positive finite number, got 'abc'"),
         (["model.overrides.rms_norm_eps=0"], "model: rms_norm_eps must be a positive number, got 0"),
         (
             ["model.overrides.tie_word_embeddings=no thanks"],
