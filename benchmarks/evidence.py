@@ -229,7 +229,7 @@ def differs_from_plan(plan: Plan, planned: Planned, config: dict) -> list[str]:
     devices or what it recorded along the way)."""
     from train.config import changed_settings
 
-    return changed_settings(config, run_config(plan, planned), ignoring=sweep.OPERATIONAL)
+    return [str(c) for c in changed_settings(config, run_config(plan, planned), ignoring=sweep.OPERATIONAL)]
 
 
 def check_finished_runs(plan: Plan, root: pathlib.Path) -> None:

@@ -934,7 +934,7 @@ def test_a_resume_takes_its_data_and_init_from_at_new_paths_and_a_sweep_reuse_do
     moved = copy.deepcopy(saved)
     moved["data"] |= {"paths": ["/moved/a.jsonl"], "tokenizer": "/moved/sp.model", "store": "/moved/s"}
     check_resumable(saved, moved)
-    assert [c.split(":")[0] for c in changed_settings(saved, moved)] == [
+    assert [c.key for c in changed_settings(saved, moved)] == [
         "data.paths",
         "data.store",
         "data.tokenizer",
@@ -944,7 +944,9 @@ def test_a_resume_takes_its_data_and_init_from_at_new_paths_and_a_sweep_reuse_do
     elsewhere = copy.deepcopy(started)
     elsewhere["model"]["init_from"] = "/moved/a"
     check_resumable(started, elsewhere)
-    assert changed_settings(started, elsewhere) == ["model.init_from: '/models/a' -> '/moved/a'"]
+    (change,) = changed_settings(started, elsewhere)
+    assert change == ("model.init_from", "/models/a", "/moved/a")
+    assert str(change) == "model.init_from: '/models/a' -> '/moved/a'"
     with pytest.raises(UserError, match=r"differs in model.init_from \('/models/a' -> None\): keep it"):
         check_resumable(started, saved)
 

@@ -15,7 +15,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -578,10 +578,21 @@ def under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
+class Change(NamedTuple):
+    """A setting of a config that differs from a run's saved one; written ``key: old -> new``."""
+
+    key: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.old!r} -> {self.new!r}"
+
+
 def changed_settings(
     saved: dict, new: dict, among: tuple[str, ...] | None = None, ignoring: tuple[str, ...] = ()
-) -> list[str]:
-    """``key: old -> new`` for each setting of ``new`` (a mapping) that differs from a run's
+) -> list[Change]:
+    """A ``Change`` for each setting of ``new`` (a mapping) that differs from a run's
     ``saved`` config, among the keys under ``among`` (None: all) but those under ``ignoring``,
     leaving out how the model computes (``_FREE_ON_RESUME``)."""
     # A key the saved config lacks was added since, with a default that does what runs did before
@@ -603,7 +614,7 @@ def changed_settings(
         and old_flat.get(k) != new_flat.get(k)
         and not (other_host and k.startswith("optimizer.host_options.") and k not in stated)
     )
-    return [f"{k}: {old_flat.get(k)!r} -> {new_flat.get(k)!r}" for k in changed]
+    return [Change(k, old_flat.get(k), new_flat.get(k)) for k in changed]
 
 
 def _fill_defaults(flat: dict) -> None:
@@ -623,10 +634,10 @@ def _fill_defaults(flat: dict) -> None:
                 flat.setdefault(f"model.overrides.{f.name}", getattr(preset, f.name))
 
 
-def check_resumable(saved: dict, new: dict) -> list[str]:
+def check_resumable(saved: dict, new: dict) -> list[Change]:
     """Refuses a resume whose config (``new``, a mapping) changes, against the run's ``saved``
     one, what the checkpoint or the data order depend on (a profiling run's: also how it
-    records); returns the changes it may make (``changed_settings``: ``key: old -> new``)."""
+    records); returns the changes it may make (``changed_settings``)."""
     fixed = _FIXED_ON_RESUME + (_FIXED_ON_PROFILE_RESUME if new.get("mode") == "profile" else ())
     was, now = ((config.get("model") or {}).get("init_from") for config in (saved or {}, new))
     if (was is None) != (now is None):  # a run from a directory or a preset: not the same run
@@ -637,6 +648,7 @@ def check_resumable(saved: dict, new: dict) -> list[str]:
     changed = changed_settings(saved, new, fixed, ignoring=MOVABLE_ON_RESUME)
     if changed:
         raise UserError(
-            f"--resume: the run's {CONFIG} differs in settings a resume cannot change ({', '.join(changed)})"
+            f"--resume: the run's {CONFIG} differs in settings a resume cannot change "
+            f"({', '.join(map(str, changed))})"
         )
     return changed_settings(saved, new)

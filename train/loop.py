@@ -25,7 +25,7 @@ import moara_jax as mj
 import models
 from train import profile as profiling
 from train.checkpoint import Checkpointer
-from train.config import MOVABLE_ON_RESUME, OPERATIONAL, RunConfig, to_dict, under
+from train.config import MOVABLE_ON_RESUME, OPERATIONAL, Change, RunConfig, to_dict, under
 from train.distributed import StopSignals, any_process, differs_from_first, errors_shared, first_error
 from train.errors import IOFault, UserError, io_operation
 from train.metrics import DivergenceGuard, MetricsWriter, Stop, make_sinks
@@ -65,7 +65,7 @@ def train_and_evaluate(cfg: RunConfig, run_dir, resume: bool = False, quiet: boo
 def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> dict:
     clock = Clock()
     say = print if main and not quiet else silent
-    changes: list[str] = []
+    changes: list[Change] = []
     if run.has_checkpoints():
         if not resume:
             raise UserError(
@@ -74,7 +74,8 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
             )
         changes = run.check_resumable(to_dict(cfg))  # those a resume may make
         if changes and main:
-            print(f"--resume: settings changed since the run's {run.config_file.name}: {', '.join(changes)}")
+            listed = ", ".join(map(str, changes))
+            print(f"--resume: settings changed since the run's {run.config_file.name}: {listed}")
     elif run.status() == "completed":  # its checkpoints removed, e.g. a run kept as a result
         raise UserError(
             f"{run} holds a completed run ({run.summary_file.name}) and no checkpoint to continue "
@@ -114,7 +115,7 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
     start = restore_or_init(setup, ckpt, resume, main, say)
     # Kept in summary.json (changed_on_resume): the changes its results depend on, not where its
     # files are, how it is split or what it records (OPERATIONAL).
-    kept = [c for c in changes if not under(c.split(":")[0], OPERATIONAL + MOVABLE_ON_RESUME)]
+    kept = [str(c) for c in changes if not under(c.key, OPERATIONAL + MOVABLE_ON_RESUME)]
     if kept and start.resumed_from is not None:
         start = dataclasses.replace(start, changed=tuple(kept))
     if start.step == setup.total_steps and run.status() == "completed":

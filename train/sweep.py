@@ -125,7 +125,7 @@ def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, dict]) ->
         if changed:
             raise UserError(
                 f"{run_dir} holds a {state} run whose config differs from the one this sweep gives it "
-                f"({', '.join(changed)}): give the layers and --set it was made with, use another "
+                f"({', '.join(map(str, changed))}): give the layers and --set it was made with, use another "
                 "--out, or remove that run dir"
             )
 
