@@ -159,6 +159,39 @@ def test_resume_finishes_a_run_whose_last_writes_failed(tmp_path, capsys, monkey
 
 
 @pytest.mark.slow
+def test_a_full_disk_when_events_are_flushed_at_a_checkpoint_loses_no_step(tmp_path, capsys, monkeypatch):
+    """The TensorBoard events are on the disk before the checkpoint of their step is saved: when
+    writing them out fails at checkpoint 8, there is no checkpoint 8, and the resume from 4
+    writes the lost steps again, so TensorBoard shows each of steps 1-12 once (the file cut
+    back to its whole records)."""
+    pytest.importorskip("tensorboardX")
+    from tensorboardX.record_writer import RecordWriter
+    from test_metrics_writers import read_events
+
+    run = tmp_path / "run"
+    sets = ["metrics.writers=[jsonl,tensorboard]", "train.log_every=1"]
+    flushes = []
+
+    def full_at_8(self):
+        flushes.append(1)
+        if len(flushes) != 2:  # the flush before checkpoint 8 fails (the first: checkpoint 4)
+            return False
+        self._writer.write(b"\x40\x00\x00\x00")  # the disk took the buffer and a part of a record
+        self._writer.flush()
+        return True
+
+    monkeypatch.setattr(RecordWriter, "flush", failing(errno.ENOSPC, full_at_8, otherwise=RecordWriter.flush))
+    code, err = train(run, capsys, *sets)
+    line = assert_one_io_error(code, err, f"writing TensorBoard events to {run / 'tensorboard'} failed")
+    assert "no space left on device" in line and "the last complete checkpoint, step 4," in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4"]
+    monkeypatch.undo()
+    code, err = train(run, capsys, *sets, resume=True)
+    assert code == 0 and RunDir(run).summary()["status"] == "completed", err
+    assert [step for step, _ in read_events(run)["train/loss"]] == list(range(1, 13))
+
+
+@pytest.mark.slow
 def test_a_save_that_fails_in_orbaxs_writer_thread_leaves_no_partial_checkpoint(
     tmp_path, capsys, monkeypatch
 ):

@@ -13,16 +13,26 @@ from train.metrics import MetricsWriter, make_sinks
 
 
 def read_events(run_dir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
-    """``tag -> [(step, value)]`` from the TFRecord event files under ``RUN_DIR/tensorboard``."""
+    """``tag -> [(step, value)]`` from the TFRecord event files under ``RUN_DIR/tensorboard``,
+    each checked to hold whole records (lengths and checksums) and nothing else."""
     from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
 
     scalars: dict = {}
     for path in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
         data = path.read_bytes()
         pos = 0
         while pos < len(data):
-            (length,) = struct.unpack("<Q", data[pos : pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            header = data[pos : pos + 8]
+            (length,) = struct.unpack("<Q", header)
+            record = data[pos + 12 : pos + 12 + length]
+            checksums = struct.unpack(
+                "<II", data[pos + 8 : pos + 12] + data[pos + 12 + length : pos + 16 + length]
+            )
+            assert checksums == (masked_crc32c(header), masked_crc32c(record)), (
+                f"{path}: a broken record at {pos}"
+            )
+            event = event_pb2.Event.FromString(record)
             pos += 12 + length + 4
             if event.session_log.status == event.session_log.START:  # a purge, as TensorBoard reads it
                 scalars = {tag: [(s, v) for s, v in seen if s < event.step] for tag, seen in scalars.items()}
@@ -41,7 +51,7 @@ def test_a_resumed_run_continues_its_event_files_with_no_step_lost_or_twice(tmp_
         if step == 4:
             first.flush()  # the checkpoint of step 4
     assert [s for s, _ in read_events(tmp_path)["train/loss"]] == [1, 2, 3, 4]
-    first.sinks[0].writer.close()  # 5-6 written too, as a later write may have before a kill
+    first.sinks[0].file.close()  # 5-6 written too, as a later write may have before a kill
     sinks = make_sinks(["tensorboard"], tmp_path, {}, "p", resume_step=4)
     second = MetricsWriter(tmp_path, 8, 4, quiet=True, sinks=sinks)
     for step in range(5, 9):

@@ -338,9 +338,11 @@ class StepLoop:
         return self.writer.faults.fault or self.ckpt.faults.fault
 
     def _may_save(self) -> bool:
-        """Before a save (every process at the same step): the previous save's checksums are
-        written, and a save goes ahead unless a process holds a fault: a checkpoint saved after
-        one would leave the steps before it without their metrics (or checksums) for good."""
+        """Before a save (every process at the same step): the metric sinks hold every step up to
+        it on the disk and the previous save's checksums are written, and a save goes ahead
+        unless a process holds a fault (or this one raised it): a checkpoint saved after one
+        would leave the steps before it without their metrics (or checksums) for good."""
+        self.writer.flush()
         self.ckpt.record_finished()
         return not any_process(self._held() is not None)
 
@@ -417,7 +419,6 @@ class StepLoop:
         if self.recorder is not None:
             extra["recorder"] = self.recorder.state()
         self.ckpt.save(step, state, extra, force=True)
-        self.writer.flush()  # the sinks hold every step up to the checkpoint
         return None
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import pathlib
+import socket
 import sys
 import time
 from typing import NamedTuple
@@ -22,42 +24,75 @@ def perplexity(loss: float) -> float:
 
 
 class TensorBoardSink:
-    """Scalars as TensorBoard event files in ``RUN_DIR/tensorboard`` (tensorboardX). A resumed
-    run's file starts with a purge of the steps after its checkpoint (TensorBoard drops the
-    interrupted session's events from there on), so no step shows twice."""
+    """Scalars as TensorBoard event files in ``RUN_DIR/tensorboard`` (tensorboardX's event
+    protos and record writer). A resumed run's file starts with a purge of the steps after its
+    checkpoint (TensorBoard drops the interrupted session's events from there on), so no step
+    shows twice.
+
+    The events are written here, in the trainer's thread, not by tensorboardX's
+    ``SummaryWriter``, whose writer thread and exit hook meet a full disk with tracebacks of
+    their own after the run's one-line error. A write that fails closes the file and cuts it
+    back to what its last flush wrote (whole records; the steps after them run again on the
+    resume from the checkpoint that flush preceded), and raises."""
 
     name = "TensorBoard events"
 
     def __init__(self, run_dir: pathlib.Path, resume_step: int | None = None):
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import summary
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
+            from tensorboardX.record_writer import RecordWriter
         except ImportError:
             raise UserError(writer_not_installed("tensorboard")) from None
         self.path = run_dir / TENSORBOARD
-        self._writer_type = SummaryWriter
-        self.writer = self._open(purge_step=None if resume_step is None else resume_step + 1)
+        self._record_writer, self._event, self._scalar = RecordWriter, Event, summary.scalar
+        self.file, self.file_path, self.flushed = None, None, 0
+        self._open()
+        if resume_step is not None:  # TensorBoard hides the events of steps from here on
+            self._write(step=resume_step + 1, session_log=SessionLog(status=SessionLog.START))
 
-    def _open(self, **kw):
-        # each file its own name, in the order written (tensorboardX names them by the second)
-        return self._writer_type(logdir=str(self.path), filename_suffix=f".{time.time_ns()}", **kw)
+    def _open(self) -> None:
+        """A new event file, its first event the file version; each file its own name, in the
+        order written (tensorboardX's names, which go by the second, and the nanosecond)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{time.time_ns()}"
+        self.file_path, self.flushed = self.path / name, 0
+        self.file = self._record_writer(str(self.file_path))
+        self._write(file_version="brain.Event:2")
+
+    def _write(self, **event) -> None:
+        data = self._event(wall_time=time.time(), **event).SerializeToString()
+        self._guarded(lambda: self.file.write(data))
+
+    def _guarded(self, operation) -> None:
+        try:
+            operation()
+        except OSError:
+            file, self.file = self.file, None
+            with contextlib.suppress(OSError):  # closing flushes the buffer: it fails again
+                file.close()
+            with contextlib.suppress(OSError):  # (cutting a file back takes no space)
+                os.truncate(self.file_path, self.flushed)
+            raise
 
     def scalars(self, step: int, values: dict) -> None:
-        if self.writer is None:
-            self.writer = self._open()
+        if self.file is None:
+            self._open()
         for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
+            self._write(step=step, summary=self._scalar(tag, value))
 
     def flush(self) -> None:
-        """Every scalar so far in the files. tensorboardX's ``flush`` leaves the events its
-        writer thread has not taken yet; closing drains them (the next scalars open a new file)."""
-        if self.writer is not None:
-            writer, self.writer = self.writer, None
-            writer.close()
+        """Every scalar so far in the file, on the disk."""
+        if self.file is not None:
+            self._guarded(self.file.flush)  # (with an fsync)
+            self.flushed = self.file_path.stat().st_size
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        if self.file is not None:
+            self.flush()
+            file, self.file = self.file, None
+            file.close()
 
 
 class WandbSink:
