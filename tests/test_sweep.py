@@ -10,13 +10,14 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from train import sweep
 from train.config import load_config, to_dict
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError
-from train.rundir import RunDir
+from train.rundir import RunDir, RunLock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAPER = ROOT / "configs" / "paper" / "llama2-60m.yaml"
@@ -113,7 +114,7 @@ FAKE_RUN = textwrap.dedent("""
     sweep = os.getppid()
     if target == "group":
         os.killpg(os.getpgid(sweep), signal.SIGTERM)
-    else:
+    elif target != "none":  # (none: the test itself ends the sweep)
         os.kill(sweep, signal.SIGINT if target == "sweep-sigint" else signal.SIGTERM)
     deadline = time.time() + 60
     while not got and time.time() < deadline:
@@ -166,6 +167,53 @@ def test_a_signal_to_the_sweep_stops_it_after_the_run_in_progress(tmp_path, mode
     else:
         assert "tiny-seed0 was interrupted; run the same command again to continue the sweep" in proc.stderr
     assert lines[1:] == ([] if mode == "startup" else ["stopped"])  # in its start-up: killed by it
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_takes_its_run_with_it(tmp_path):
+    """``kill -9`` of the sweep: the run in progress gets SIGTERM (it saves and stops), not
+    left training beside the next sweep's runs."""
+    log = tmp_path / "runs.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SWEEP, str(log), "saves", "none", str(tmp_path / "out")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    proc.stdin.write(FAKE_RUN)
+    proc.stdin.close()
+    lines = lambda: log.read_text().splitlines() if log.exists() else []  # noqa: E731
+    deadline = time.monotonic() + 60
+    while lines() != ["start"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lines() == ["start"]
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30  # (unsignalled, the fake run waits 60 s and says so)
+    while len(lines()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lines() == ["start", "stopped"]
+
+
+def test_a_run_dir_in_use_stops_the_sweep(tmp_path, monkeypatch):
+    """A run dir whose lock a process holds (another sweep's run, or one a killed sweep left):
+    the sweep stops there with one line, starting nothing beside it and counting no failure."""
+    runs = sweep.expand(PAPER, ["conditions/galore,full"], [0])
+    make_run(tmp_path, "galore-seed0", "completed", [30, 20])
+    calls = []
+    monkeypatch.setattr(sweep, "launch", lambda args, stop=None: calls.append(args) or 0)
+    with RunLock(tmp_path / "full-seed0"):
+        with pytest.raises(UserError) as refused:
+            sweep.run_grid(PAPER, runs, tmp_path, [], say=lambda line: None)
+    assert str(refused.value).startswith(
+        f"run dir {tmp_path / 'full-seed0'} is in use by pid {os.getpid()} on host "
+    )
+    assert "the sweep stops" in str(refused.value) and calls == []
+    assert sweep.run_grid(PAPER, runs, tmp_path, [], say=lambda line: None)["full-seed0"] == "completed"
+    assert len(calls) == 1
 
 
 def test_a_sweep_started_to_ignore_sigint_keeps_ignoring_it():

@@ -371,7 +371,7 @@ def launch(argv: list[str]) -> int:
         env={**os.environ, _WORKER_ENV: str(direct)},
         stderr=subprocess.PIPE,
         pass_fds=(direct,),
-        preexec_fn=_die_with_parent,  # noqa: PLW1509 - no thread runs yet in this process
+        preexec_fn=dies_with_parent(),  # noqa: PLW1509 - no thread runs yet in this process
     )
     os.close(direct)
     relay = _Relay(proc.stderr.fileno())
@@ -394,9 +394,24 @@ def launch(argv: list[str]) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+try:  # loaded before any fork: a child between fork and exec only calls it
+    _LIBC = ctypes.CDLL(None)
+except OSError:
+    _LIBC = None
+
+
+def dies_with_parent(sig: int = signal.SIGKILL):
+    """A ``preexec_fn`` by which the child gets ``sig`` when the process that started it ends,
+    however it ends (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    parent = os.getpid()
+
+    def arrange() -> None:
+        with contextlib.suppress(Exception):  # (no prctl: not Linux)
+            _LIBC.prctl(1, sig)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent ended before it was arranged
+                os.kill(os.getpid(), sig)
+
+    return arrange
 
 
 class _Relay(threading.Thread):

@@ -399,12 +399,10 @@ class RunLock:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
             f.close()
             raise UserError(
-                f"run dir {self.path.parent} is in use by {holder}; wait for it to end or choose "
-                "another --run-dir"
+                f"run dir {run_dir} is in use by {self.holder(run_dir)}; wait for it to end or "
+                "choose another --run-dir"
             ) from None
         self.file = f  # held, then named: a fault writing the name releases it
         try:
@@ -434,6 +432,14 @@ class RunLock:
         finally:
             f.close()  # (releases a lock taken here)
         return False
+
+    @staticmethod
+    def holder(run_dir) -> str:
+        """Who holds the lock of ``run_dir``, as its holder wrote it (``pid N on host H``)."""
+        try:
+            return (pathlib.Path(run_dir) / LOCK).read_text().strip() or "another process"
+        except OSError:
+            return "another process"
 
     def release(self) -> None:
         if self.file is not None:

@@ -46,9 +46,10 @@ from dataclasses import dataclass
 from train.arguments import add_config_arguments
 from train.compare import eval_rows, evaluation, overlaps, problems, reach
 from train.config import OPERATIONAL
+from train.distributed import dies_with_parent
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import figure
-from train.rundir import RunDir, check_directory_path, make_directory
+from train.rundir import RunDir, RunLock, check_directory_path, make_directory
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,12 @@ def launch(args: list[str], stop: StopRequest) -> int | None:
     run started."""
     if stop.signum is not None:
         return None
-    child = subprocess.Popen([*TRAIN, *args], env=os.environ.copy())
+    # A sweep that is killed takes its run with it: SIGTERM, on which the trainer saves and stops.
+    child = subprocess.Popen(
+        [*TRAIN, *args],
+        env=os.environ.copy(),
+        preexec_fn=dies_with_parent(signal.SIGTERM),  # noqa: PLW1509 - the sweep starts no thread
+    )
     stop.child = child
     stop.forward()  # a signal that came while it started
     try:
@@ -215,6 +221,12 @@ def _run_grid(base, runs, out, sets, say, stop: StopRequest) -> dict:
             continue
         if stop.signum is not None:
             raise SweepStopped(run.name, EXIT_PREEMPTED, started=False)
+        if RunLock.held(run_dir):  # not a run that fails: it would go on beside the next one
+            raise UserError(
+                f"run dir {run_dir} is in use by {RunLock.holder(run_dir)} (another sweep on "
+                f"{out}, or a run of a sweep that was killed); the sweep stops: run it again once "
+                "that process has ended"
+            )
         args = train_args(base, run, run_dir, sets, state == "resumable")
         say(f"{run.name}: {'resuming' if state == 'resumable' else 'starting'}")
         code = launch(args, stop)
