@@ -361,6 +361,40 @@ def test_prepare_builds_the_store_the_trainer_then_finds(tmp_path, monkeypatch, 
         assert len(err) == 1 and err[0].startswith(message), err
 
 
+def test_prepare_verify_finds_a_shard_changed_at_its_size(tmp_path, capsys):
+    """``train.prepare --verify`` reads every shard against the sha256 the manifest recorded: a
+    store as built passes, also named as ``data.source: store``; a shard whose bytes changed at
+    its size (which opening the store does not see) is refused in one line naming it."""
+    from train import prepare
+
+    paths = write_corpus(tmp_path / "corpus", files=2)
+    named = tmp_path / "s"
+    sets = ["data.source=files", f"data.paths={json.dumps(paths)}", f"data.store={named}"]
+    argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--workers", "2", "--quiet"]
+    argv += [x for s in sets for x in ("--set", s)]
+    assert prepare.main([*argv, "--verify"]) == 0
+    splits = json.loads((named / token_store.MANIFEST).read_text())["splits"]
+    shards = sum(len(s["shards"]) for s in splits.values())
+    assert f"verified: {shards} shards" in capsys.readouterr().out
+    as_store = [*argv, "--set", "data.source=store", "--verify"]
+    assert prepare.main(as_store) == 0
+    shard = named / "shards" / "train-00001.bin"
+    tokens = np.fromfile(shard, np.uint16)
+    i = int(np.flatnonzero(tokens[:-1] != tokens[1:])[0])
+    tokens[[i, i + 1]] = tokens[[i + 1, i]]  # two of its tokens swapped: the same size, ids in range
+    tokens.tofile(shard)
+    capsys.readouterr()
+    open_store(files_section(paths, store=str(named)), quiet=True)  # (opening sees nothing)
+    for args in (as_store, [*argv, "--verify"]):
+        assert prepare.main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"error: token store {named} is damaged: 1 of its {shards} shards differ from the sha256 "
+            "its manifest recorded (shards/train-00001.bin); delete the store and build it again"
+        ]
+    assert prepare.main(argv) == 0  # without --verify: not read
+
+
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
     spm = pytest.importorskip("sentencepiece")

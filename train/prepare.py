@@ -9,6 +9,8 @@ command does it ahead of time, e.g. on a CPU machine before a GPU job).
 ``data.paths`` and ``data.validation_paths`` entries may be globs. Without ``--out`` the store
 goes to ``data.store`` or to the cache entry that ``python -m train`` looks up for the same
 data section. Run the same command again after an interruption: completed shards are kept.
+``--verify`` then reads every shard of the store and checks it against the sha256 its manifest
+recorded when it was built (a run checks the shards' sizes, and the tokens it reads).
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="store directory (default: data.store or the cache)")
     parser.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: all cores)")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="then read every shard and check it against the sha256 the manifest recorded "
+        "(with data.source store: the store data.store names)",
+    )
     args = parser.parse_args(argv)
     from train import store
     from train.config import load_config
@@ -43,8 +51,11 @@ def main(argv=None) -> int:
         if args.workers is not None and args.workers < 1:
             raise UserError(f"--workers must be >= 1, got {args.workers}")
         cfg = load_config(args.config, args.overrides).data
-        if cfg.source == "store":
-            raise UserError("data.source is store: there is nothing to prepare (give files, tfds or builtin)")
+        if cfg.source == "store" and not args.verify:
+            raise UserError(
+                "data.source is store: there is nothing to prepare (give files, tfds or builtin, "
+                "or --verify to check the store)"
+            )
         if args.out is not None:
             check_directory_path(pathlib.Path(args.out), "--out")
         t0 = time.perf_counter()
@@ -57,6 +68,14 @@ def main(argv=None) -> int:
             )
             return EXIT_PREEMPTED
         report(opened, time.perf_counter() - t0)
+        if args.verify:
+            t0 = time.perf_counter()
+            read = opened.verify(args.workers or store.default_workers())
+            shards = sum(len(s["shards"]) for s in opened.manifest["splits"].values())
+            print(
+                f"verified: {shards} shards ({read / 2**20:,.1f} MiB) match the manifest's sha256; "
+                f"{time.perf_counter() - t0:.1f}s"
+            )
         return 0
 
     return cli(body)
