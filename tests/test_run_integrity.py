@@ -20,7 +20,7 @@ from test_train import FAST, ROOT, TINY, losses, run_cli
 from train.compare import compare
 from train.errors import EXIT_PREEMPTED, IOFault, UserError
 from train.metrics import DivergenceGuard
-from train.rundir import RunDir, read_metrics
+from train.rundir import RunDir, RunLock, read_metrics
 
 
 def start_cli(run_dir, *sets, extra=()):
@@ -39,6 +39,36 @@ def wait_for_steps(proc, run_dir, n, timeout=300):
             return
         time.sleep(0.05)
     raise AssertionError(f"the run did not reach {n} logged steps: {proc.communicate()[1][-2000:]}")
+
+
+def test_a_directory_of_the_users_own_files_is_no_run_dir(tmp_path, capsys):
+    """``--run-dir`` at a directory holding files of a run's names (the config a user keeps
+    there, metrics of their own) that no run made: refused in one line, nothing replaced. A run
+    dir copied without its lock file, or one holding only the runner's ``train.log``, is one."""
+    from train import __main__ as trainer
+
+    mine = tmp_path / "exp"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("# my notes\nmodel: {name: tiny}\n")
+    (mine / "metrics.jsonl").write_text('{"x": 1}\n')
+    before = {p.name: p.read_bytes() for p in mine.iterdir()}
+    code = trainer.main(["--config", TINY, "--run-dir", str(mine), "--quiet", "--set", "train.steps=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [
+        f"error: run dir {mine} holds config.yaml, metrics.jsonl but no run (no .lock, model.json, "
+        "summary.json or checkpoints/): a run there would replace them; choose another --run-dir"
+    ]
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
+    copied = tmp_path / "copied"  # a run's files, its lock file left behind
+    copied.mkdir()
+    for name in ("config.yaml", "model.json", "metrics.jsonl"):
+        (copied / name).write_text("{}")
+    logged = tmp_path / "logged"
+    logged.mkdir()
+    (logged / "train.log").write_text("")
+    for run_dir in (copied, logged, tmp_path / "new"):
+        with RunLock(run_dir):
+            assert RunLock.held(run_dir)
 
 
 @pytest.mark.slow

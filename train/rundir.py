@@ -389,6 +389,16 @@ class RunLock:
         if (run_dir.exists() or run_dir.is_symlink()) and not run_dir.is_dir():  # a file, a dangling link
             what = "a link to nothing" if not run_dir.exists() else "a file"
             raise UserError(f"run dir {run_dir} is {what}, not a directory; choose another --run-dir")
+        if run_dir.is_dir() and not self.path.exists():
+            # Files of a run's names, but no run's (it makes the lock file first): the user's own,
+            # e.g. the config the run was started from, which a run there would replace.
+            theirs = [name for name in RECORD_FILES if (run_dir / name).exists()]
+            if theirs and not any((run_dir / name).exists() for name in (MODEL, SUMMARY, CHECKPOINTS)):
+                raise UserError(
+                    f"run dir {run_dir} holds {', '.join(theirs)} but no run (no {LOCK}, {MODEL}, "
+                    f"{SUMMARY} or {CHECKPOINTS}/): a run there would replace them; choose another "
+                    "--run-dir"
+                )
         operation = "opening the run dir's lock file in" if run_dir.is_dir() else "creating the run dir"
         try:
             with io_operation(operation, run_dir):
