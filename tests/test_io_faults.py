@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import subprocess
 
@@ -423,7 +424,15 @@ def test_commands_other_than_the_trainer_exit_74(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         f"error: building the token store {tmp_path / 'store'} failed: no space left on device; completed "
-        "shards are kept; run the same command again to continue"
+        "shards are kept; once that is fixed, run the same command again to continue"
+    ]
+    # The trainer building it: one way to go on, its own.
+    store_run = [*argv, "--set", f"data.store={tmp_path / 'store'}", "--run-dir", str(tmp_path / "r")]
+    assert trainer.main([*store_run, "--quiet"]) == EXIT_IO_ERROR
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: building the token store {tmp_path / 'store'} failed: no space left on device; completed "
+        f"shards are kept; once that is fixed, continue with: python -m train {shlex.join(store_run)} "
+        "--quiet --resume"
     ]
     monkeypatch.undo()
 

@@ -22,7 +22,7 @@ import sys
 import time
 
 from train.arguments import add_config_arguments
-from train.errors import EXIT_PREEMPTED, UserError, cli
+from train.errors import EXIT_PREEMPTED, IOFault, UserError, cli
 from train.rundir import check_directory_path
 
 
@@ -61,6 +61,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             opened = store.open_store(cfg, quiet=args.quiet, out=args.out, workers=args.workers)
+        except IOFault as e:
+            raise e.with_note("once that is fixed, run the same command again to continue") from None
         except store.Interrupted as e:
             print(
                 f"interrupted ({e}): completed shards are kept; run the same command again to continue",

@@ -252,7 +252,7 @@ def build(directory: pathlib.Path, p: Plan, workers: int | None = None, quiet: b
                     )
                 write_manifest(directory, manifest)
         except IOFault as e:
-            raise e.with_note("completed shards are kept; run the same command again to continue") from None
+            raise e.with_note("completed shards are kept") from None  # (each command says how to go on)
         finally:
             _remove_partial(shards)  # of workers stopped mid-piece
         return manifest
