@@ -142,6 +142,7 @@ class Checkpointer:
         self.rejected_dir = run.rejected.resolve()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         _drop_failed_read_leftovers()  # and of a save the disk fills during
+        self._remove_partial()  # a save that was killed (orbax would warn when it saves that step)
         with io_operation("creating the checkpoint directory", self.directory):
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._unrecorded: list[int] = []
@@ -253,6 +254,11 @@ class Checkpointer:
         with contextlib.suppress(Exception):
             self.manager.close()
         self._unrecorded.clear()
+        self._remove_partial()
+
+    def _remove_partial(self) -> None:
+        """Removes what an unfinished save left: orbax's ``*.orbax-checkpoint-tmp*`` directories
+        (none is being written: the run dir is locked, and this process saves nothing now)."""
         if self.enabled and self.directory.is_dir():
             for partial in self.directory.glob("*.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
