@@ -77,8 +77,10 @@ def _svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 def _exact_basis(g: jax.Array, side: str, r: int) -> jax.Array:
     """Top-``r`` singular vectors of the projected side, float32, like galore-torch.
 
-    The SVD is taken of the paper-orientation matrix ``W = g^T`` (as galore-torch does), so that
-    the sign conventions of LAPACK's factors match the reference's.
+    The SVD is taken of the paper-orientation matrix ``W = g^T``, as galore-torch does. Its
+    vectors' signs are still the backend's: XLA's and torch's SVDs may flip some of them (seen on
+    wide matrices), and the moments carried across a refresh then differ from the reference's;
+    ``canonical_signs=True`` (and the same sign rule on the reference's side) removes that.
     """
     w = jnp.swapaxes(g.astype(jnp.float32), -1, -2)  # (..., fan_out, fan_in)
     u, _, vh = _svd(w)

@@ -85,7 +85,9 @@ def moara_adamw(
     study): ``'fira'`` (``fira.FiraAdamW`` with both flags off), ``'q_galore'``
     (q-galore-torch's ``QGaLoreAdamW8bit``: INT4 bases with layer-adaptive refresh, 8-bit
     Adam for every parameter, INT8 target weights), ``'osd'`` (Online Subspace Descent) or
-    ``'ldadam'`` (``LDAdamW``: a basis moving every step, transported moments, error feedback)
+    ``'ldadam'`` (``LDAdamW``'s method: a basis moving every step, transported moments, error
+    feedback; with this function's defaults, not LDAdamW's: scale 1, b1 0.908, b2 0.99, eps 1e-8
+    there)
     or ``'subtrack_pp'`` (SubTrack++'s Grassmann tracking), or their settings objects
     (:class:`Fira`, :class:`QGaLore`, :class:`OSD`, :class:`LDAdam`, :class:`SubTrackPP`).
 

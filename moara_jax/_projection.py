@@ -291,9 +291,18 @@ def _warn_clipped(paths: list, shape: tuple[int, ...], requested: int, rank: int
         where = f"2 matrices ({where} and {names[1]})"
     elif len(names) > 2:
         where = f"{len(names)} matrices ({where}, ..., {names[-1]})"
+    # A kernel of more axes is a stack of matrices over all but its last two (scanned layers);
+    # one whose matrix spans more of them (a DenseGeneral's) is cut into many small ones.
+    stacked = (
+        f"; its leading axes {shape[:-2]} are taken as stacked layers, each index a matrix of "
+        f"{shape[-2:]}: where the matrix spans more of its axes (an nn.DenseGeneral kernel such "
+        "as (embed, heads, head_dim)), pass matrix_axes (moara_jax.MatrixAxes)"
+        if len(shape) >= 3
+        else ""
+    )
     warn(
         f"projection rank {requested} for {what}{where} (Flax shape {shape}) exceeds "
-        f"min(fan_in, fan_out) = {rank}; clipped to {rank}",
+        f"min(fan_in, fan_out) = {rank}; clipped to {rank}{stacked}",
     )
 
 

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import flax.linen as nn
 import jax
@@ -513,6 +514,27 @@ def test_sharded_head_split_kernels_match_one_device_and_keep_their_sharding():
         [sys.executable, "-c", SHARDED], env=cpu_devices(8), capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_a_clipped_rank_on_a_kernel_of_more_axes_points_to_matrix_axes():
+    """Flax attention kernels (16, 4, 8) without ``matrix_axes`` are 16 matrices of (4, 8): the
+    rank clipped to 4 says so and names ``matrix_axes``; with it, nothing is clipped."""
+    model = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)
+    params = model.init(jax.random.PRNGKey(0), jnp.ones((2, 5, E)))["params"]
+    kwargs = dict(r_base=12, rank_allocation=False, label_fn=attention_label, block_size=4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mj.moara_adamw(0.01, **kwargs).init(params)
+    query = [str(w.message) for w in seen if "['query']['kernel']" in str(w.message)]
+    assert len(query) == 1 and query[0].endswith(
+        f"clipped to 4; its leading axes ({E},) are taken as stacked layers, each index a matrix of "
+        f"({H}, {D}): where the matrix spans more of its axes (an nn.DenseGeneral kernel such as "
+        "(embed, heads, head_dim)), pass matrix_axes (moara_jax.MatrixAxes)"
+    ), query
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mj.moara_adamw(0.01, matrix_axes=attention_axes, **kwargs).init(params)
+    assert not [w for w in seen if "clipped" in str(w.message)]
 
 
 def test_rank_table_reports_the_matrix_view_the_rank_applies_to():

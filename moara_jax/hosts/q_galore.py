@@ -292,7 +292,9 @@ def quantize_weights(
     ``group_size`` consecutive entries of each matrix in PyTorch orientation (``kernel^T``; a
     vector as it is), with stochastic rounding (``seed``, folded with the step) or
     round-to-nearest. The parameters stay float arrays holding grid values (q-galore-torch's
-    simulated INT8 weights). ``group_size`` must divide each matrix's size.
+    simulated INT8 weights). ``group_size`` must divide each matrix's size. The grid holds for
+    float32 parameters; bfloat16 ones cannot hold most of an 8-bit min-max grid's values (its
+    spacing is near their precision), as in the reference run in bfloat16.
     """
     if not (is_int(bits) and bits <= 8):
         raise ValueError(f"bits must be an integer in [1, 8], got {bits!r}")
