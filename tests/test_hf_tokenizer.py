@@ -326,6 +326,8 @@ def test_export_of_a_tokenizer_json_run_encodes_as_the_run_did(hf_run, llama_lik
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["eos_token"] == "<|end_of_text|>"
     assert (out / "tokenizer.json").read_bytes() == (llama_like / "tokenizer.json").read_bytes()
     hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    limit = json.loads((out / "config.json").read_text())["max_position_embeddings"]
+    assert hf.model_max_length == limit  # the model's, whatever the source's file said
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), hf_run["sets"])
     store = build_data(cfg.data, cfg.train.seq_len, quiet=True).store
     for split in ("train", "validation"):

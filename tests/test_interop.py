@@ -402,6 +402,7 @@ def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(run, exported)
     for text in ["the quick brown fox 12 jumps", "lazy dog\nover  two lines\n\n", "  unseen é ﬁ 😀\t", ""]:
         assert hf_tok.encode(text) == hf_tok(text)["input_ids"] == ours.encode(text), text
     assert (hf_tok.eos_token_id, hf_tok.bos_token_id) == (1, None)
+    assert hf_tok.model_max_length == cfg.max_position_embeddings  # the model's limit, not seq_len
     generation = json.loads((exported / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 1 and generation["pad_token_id"] == 0
     provenance = json.loads((exported / "training_run.json").read_text())
@@ -913,6 +914,16 @@ def test_evaluate_agrees_with_transformers(run, exported, tmp_path):
     again = [json.loads(line) for line in (tmp_path / "run" / "scores-toy.jsonl").read_text().splitlines()]
     for a, b in zip(scores, again, strict=True):
         np.testing.assert_allclose(a["loglikelihoods"], b["loglikelihoods"], rtol=1e-5)
+    # Without --seq-len an export is scored at its run's length (training_run.json), as the run
+    # dir is, not at the model's position limit.
+    argv = ["--hf", str(exported), "--tasks", f"toy={task}", "--out", str(tmp_path / "hf-default")]
+    assert evaluation.main(argv) == 0
+    trained = json.loads((exported / "training_run.json").read_text())["seq_len"]
+    lengths = [json.loads((tmp_path / d / "eval.json").read_text())["seq_len"] for d in ("hf-default", "run")]
+    assert (
+        lengths == [trained, trained]
+        and trained < json.loads((exported / "config.json").read_text())["max_position_embeddings"]
+    )
 
 
 def test_evaluate_hf_reads_a_sentencepiece_only_directory_as_auto_tokenizer_does(tmp_path):

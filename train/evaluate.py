@@ -392,6 +392,16 @@ def _converted(directory: pathlib.Path):
     return tokenizer
 
 
+def _trained_len(directory: pathlib.Path) -> int | None:
+    """The ``train.seq_len`` an export's run trained at (its ``training_run.json``), where it is
+    one: scored at it, as the run evaluated, an export gives the run's perplexity."""
+    try:
+        seq_len = json.loads((directory / "training_run.json").read_text()).get("seq_len")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return seq_len if isinstance(seq_len, int) and seq_len > 0 else None
+
+
 def load_model(args, mesh) -> tuple[models.ModelConfig, dict, object, int, str]:
     """Model config, sharded parameters, tokenizer, default sequence length and a description."""
     dtypes = {"param_dtype": args.dtype, "dtype": args.dtype} if args.dtype else {}
@@ -408,7 +418,7 @@ def load_model(args, mesh) -> tuple[models.ModelConfig, dict, object, int, str]:
             params = models.load_hf_params(directory, cfg, shardings)
         except (ImportError, ValueError) as e:
             raise UserError(f"--hf: {e}") from None
-        seq_len = min(cfg.max_position_embeddings, 2048)
+        seq_len = _trained_len(directory) or min(cfg.max_position_embeddings, 2048)
         return cfg, params, _hf_tokenizer(directory, args.tokenizer), seq_len, str(directory)
     from train.checkpoint import read_params
 
@@ -519,8 +529,8 @@ def main(argv=None) -> int:
         "--seq-len",
         type=int,
         default=None,
-        help="tokens a window predicts (default: the run's train.seq_len; with --hf, the model's "
-        "max_position_embeddings, at most 2048)",
+        help="tokens a window predicts (default: the run's train.seq_len; with --hf, the seq_len "
+        "of an export's training_run.json, else the model's max_position_embeddings, at most 2048)",
     )
     parser.add_argument(
         "--batch-size", type=int, default=32, help="rows per step, over all devices (default 32)"

@@ -90,7 +90,7 @@ def write_tokenizer(tok, out: pathlib.Path, max_length: int) -> tuple[list[str],
 
 def _write_tokenizer_files(tok, out: pathlib.Path, max_length: int) -> tuple[list[str], str]:
     if isinstance(tok, HFTokenizer):
-        return _write_hf(tok, out), ""
+        return _write_hf(tok, out, max_length), ""
     return _write_sentencepiece(tok, out, max_length)
 
 
@@ -121,12 +121,14 @@ def _transformers():
     return transformers
 
 
-def _write_hf(tok: HFTokenizer, out: pathlib.Path) -> list[str]:
+def _write_hf(tok: HFTokenizer, out: pathlib.Path, max_length: int) -> list[str]:
     """``tokenizer.json`` as it is and its ``tokenizer_config.json`` with the generic class, its
-    special tokens as the run read them, and none of ``DROPPED_CONFIG_KEYS``."""
+    special tokens as the run read them, none of ``DROPPED_CONFIG_KEYS``, and the model's length
+    as ``model_max_length``."""
     shutil.copyfile(tok.path, out / TOKENIZER_JSON)
     config = {k: v for k, v in tok.config.items() if k not in DROPPED_CONFIG_KEYS}
     config["tokenizer_class"] = TOKENIZER_CLASS
+    config["model_max_length"] = max_length
     (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     return [TOKENIZER_JSON, TOKENIZER_CONFIG]
 
@@ -281,8 +283,9 @@ def export(
             written = _write_model(
                 out, run, model_cfg, tok, step, params, dtype, max_shard_bytes, trained_len
             )
-            seq_len = trained_len or model_cfg.max_position_embeddings
-            tokenizer_files, tokenizer_note = write_tokenizer(tok, out, int(seq_len))
+            # the model's limit, as its config says (a tokenizer.json's own may be far above it)
+            limit = model_cfg.max_position_embeddings
+            tokenizer_files, tokenizer_note = write_tokenizer(tok, out, limit)
             _write_card(out, model_cfg.name, run, step, tokenizer_files, tokenizer_note)
     except IOFault as e:
         raise e.with_note("the export there is incomplete: run the same command with --overwrite") from None
