@@ -92,6 +92,42 @@ def qwen_like(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tok") / "qwen", bos=False, pad_token="<|pad|>")
 
 
+@pytest.mark.parametrize("kind", ["bos", "no_bos", "eos_after", "split_special_tokens"])
+def test_a_special_tokens_text_inside_a_document_is_counted_and_said(kind, tmp_path, capsys):
+    """Documents holding a special token's text (encoded as that token, as AutoTokenizer does):
+    counted per split in the manifest and said by train.prepare; the tokens the post-processor
+    puts around a text (BOS first, T5's EOS after) and the separator EOS are not counted, and
+    with ``split_special_tokens`` nothing is."""
+    from train import prepare
+
+    after = ("<|end_of_text|>", 1) if kind == "eos_after" else None
+    config = {"split_special_tokens": True} if kind == "split_special_tokens" else {}
+    folder = build_tokenizer(tmp_path / "tok", bos=kind == "bos", after=after, **config)
+    texts = documents(40)
+    for i in (3, 17, 30):  # the text of the EOS, of the BOS, and both
+        texts[i] = texts[i].replace(
+            " ", [" <|end_of_text|> ", " <|begin_of_text|>", "<|end_of_text|><|begin_of_text|>"][i % 3], 1
+        )
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    store = tmp_path / "store"
+    sets = ["data.source=files", f"data.paths=['{data}']", f"data.tokenizer={folder}", f"data.store={store}"]
+    argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--workers", "1", "--quiet"]
+    assert prepare.main(argv + [x for s in sets for x in ("--set", s)]) == 0
+    special = json.loads((store / "manifest.json").read_text())["special_text"]
+    fraction = DataSection().validation_fraction
+    want = {split: 0 for split in ("train", "validation")}
+    for i in (3, 17, 30) if kind != "split_special_tokens" else ():
+        want["validation" if is_validation(texts[i], fraction) else "train"] += 1
+    assert special == want
+    err = capsys.readouterr().err
+    if kind == "split_special_tokens":
+        assert err == ""
+    else:
+        where = " and ".join(f"{n} {s}" for s, n in want.items() if n)
+        assert err.startswith(f"warning: {where} documents hold the text of a special token"), err
+
+
 def test_encodes_as_auto_tokenizer_does(llama_like, qwen_like):
     for folder, first in ((llama_like, [0]), (qwen_like, [])):
         ours = make_tokenizer(str(folder))

@@ -31,6 +31,7 @@ class ByteTokenizer:
     eos_id = 256
     bos_id = None
     ends_with_eos = False
+    text_specials = frozenset()  # (no text encodes as EOS)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -68,6 +69,7 @@ class SentencePieceTokenizer:
         self.eos_id = self._sp.eos_id()
         self.bos_id = None  # a document's ids are its pieces: no BOS (the model's own BOS is unused)
         self.ends_with_eos = False
+        self.text_specials = frozenset()  # sentencepiece encodes "</s>" in a text as its characters
         if self.eos_id < 0:
             raise UserError(f"data.tokenizer: {path} defines no EOS piece")
 
@@ -205,6 +207,15 @@ class HFTokenizer:
         # document's separator, not followed by another (``document_tokens``).
         probe = [self._tok.encode("a", add_special_tokens=special).ids[-1:] for special in (True, False)]
         self.ends_with_eos = probe[0] == [self.eos_id] != probe[1]
+        # The special tokens a text's own characters encode as (matched whole, as AutoTokenizer
+        # matches them), unless split_special_tokens; and how many the post-processor puts
+        # before and after a text (Llama 3's BOS), which are not the text's.
+        decoder = self._tok.get_added_tokens_decoder()
+        matched = not self._tok.encode_special_tokens
+        self.text_specials = frozenset(i for i, t in decoder.items() if t.special and matched)
+        alone, framed = (self._tok.encode("a", add_special_tokens=s).ids for s in (False, True))
+        before = next((k for k in range(len(framed)) if framed[k : k + len(alone)] == alone), 0)
+        self.framing = (before, len(framed) - before - len(alone))
         self.settings = {
             "special_tokens": {k: v for k, v in named.items() if v},
             "extra_special_tokens": extra,
@@ -259,6 +270,16 @@ def document_tokens(tokenizer, texts: list[str]) -> list[np.ndarray]:
     ``tokenizer.json`` post-processor's, T5's) gets no second one."""
     eos = np.asarray([] if tokenizer.ends_with_eos else [tokenizer.eos_id], np.int64)
     return [np.concatenate([np.asarray(ids, np.int64), eos]) for ids in tokenizer.encode_batch(texts)]
+
+
+def holds_special_text(tokenizer, ids: np.ndarray) -> bool:
+    """Whether a document's ids (``document_tokens``') hold a special token its text encoded as
+    (e.g. ``<|endoftext|>`` written in a web page): a boundary the document does not have."""
+    if not tokenizer.text_specials:
+        return False
+    before, after = getattr(tokenizer, "framing", (0, 0))
+    end = len(ids) - after - (0 if tokenizer.ends_with_eos else 1)  # (the separator EOS, appended)
+    return bool(np.isin(ids[before:end], list(tokenizer.text_specials)).any())
 
 
 def tokenizer_option(spec: str):

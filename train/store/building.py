@@ -127,6 +127,7 @@ def tokenize_piece(job: tuple) -> dict:
     splits = ("train", "validation") if piece.role == "mixed" else (piece.role,)
     writers = {s: _ShardWriter(shards / f"{s}-{piece.index:05d}.bin", dtype) for s in splits}
     documents = dict.fromkeys(splits, 0)
+    special = dict.fromkeys(splits, 0)  # documents whose text holds a special token's
     counts = sources.Counts()
     batch: list[str] = []
     read = 0
@@ -140,6 +141,7 @@ def tokenize_piece(job: tuple) -> dict:
                 split = "validation" if sources.is_validation(text, _worker["fraction"]) else "train"
             parts[split].append(ids)
             documents[split] += 1
+            special[split] += sources.holds_special_text(tok, ids)
         tokens = 0
         for split, arrays in parts.items():
             if arrays:
@@ -172,6 +174,7 @@ def tokenize_piece(job: tuple) -> dict:
         "limit": limit,
         "exhausted": exhausted,
         "documents": documents,
+        "special_text": special,
         "shards": shards_out,
         "skipped": dict(sorted(counts.skipped.items())),
     }
@@ -473,11 +476,13 @@ class _Progress:
 def _manifest(p: Plan, records: list[dict]) -> dict:
     splits = {s: {"documents": 0, "tokens": 0, "shards": []} for s in SPLITS}
     skipped: dict = {}
+    special = dict.fromkeys(SPLITS, 0)
     inputs = []
     for r in records:
         for s, shard in r["shards"].items():
             splits[s]["documents"] += r["documents"][s]
             splits[s]["tokens"] += shard["tokens"]
+            special[s] += r.get("special_text", {}).get(s, 0)  # (not counted in older pieces)
             if shard["tokens"]:
                 splits[s]["shards"].append(shard)
         for why, n in r["skipped"].items():
@@ -497,4 +502,6 @@ def _manifest(p: Plan, records: list[dict]) -> dict:
         "inputs": inputs,
         "splits": splits,
         "skipped": dict(sorted(skipped.items())),
+        # documents with a special token's text, which their tokenizer encodes as that token
+        "special_text": special,
     }
