@@ -370,7 +370,8 @@ def test_prepare_verify_finds_a_shard_changed_at_its_size(tmp_path, capsys):
     paths = write_corpus(tmp_path / "corpus", files=2)
     named = tmp_path / "s"
     sets = ["data.source=files", f"data.paths={json.dumps(paths)}", f"data.store={named}"]
-    argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--workers", "2", "--quiet"]
+    # (one worker: no process pool started in the test's own process)
+    argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--workers", "1", "--quiet"]
     argv += [x for s in sets for x in ("--set", s)]
     assert prepare.main([*argv, "--verify"]) == 0
     splits = json.loads((named / token_store.MANIFEST).read_text())["splits"]
