@@ -55,8 +55,8 @@ class TensorBoardSink:
         """A new event file, its first event the file version; each file its own name, in the
         order written (tensorboardX's names, which go by the second, and the nanosecond)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        now = time.time()
-        name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{time.time_ns()}"
+        ns = time.time_ns()
+        name = f"events.out.tfevents.{ns // 10**9}.{socket.gethostname()}.{ns}"
         self.file_path, self.flushed = self.path / name, 0
         self.file = self._record_writer(str(self.file_path))
         self._write(file_version="brain.Event:2")

@@ -31,7 +31,7 @@ class ByteTokenizer:
     eos_id = 256
     bos_id = None
     ends_with_eos = False
-    text_specials = frozenset()  # (no text encodes as EOS)
+    text_specials = np.empty(0, np.int64)  # (no text encodes as EOS)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -69,7 +69,7 @@ class SentencePieceTokenizer:
         self.eos_id = self._sp.eos_id()
         self.bos_id = None  # a document's ids are its pieces: no BOS (the model's own BOS is unused)
         self.ends_with_eos = False
-        self.text_specials = frozenset()  # sentencepiece encodes "</s>" in a text as its characters
+        self.text_specials = np.empty(0, np.int64)  # it encodes "</s>" in a text as its characters
         if self.eos_id < 0:
             raise UserError(f"data.tokenizer: {path} defines no EOS piece")
 
@@ -212,7 +212,8 @@ class HFTokenizer:
         # before and after a text (Llama 3's BOS), which are not the text's.
         decoder = self._tok.get_added_tokens_decoder()
         matched = not self._tok.encode_special_tokens
-        self.text_specials = frozenset(i for i, t in decoder.items() if t.special and matched)
+        specials = sorted(i for i, t in decoder.items() if t.special and matched)
+        self.text_specials = np.asarray(specials, np.int64)  # (an array once: read per document)
         alone, framed = (self._tok.encode("a", add_special_tokens=s).ids for s in (False, True))
         before = next((k for k in range(len(framed)) if framed[k : k + len(alone)] == alone), 0)
         self.framing = (before, len(framed) - before - len(alone))
@@ -275,11 +276,11 @@ def document_tokens(tokenizer, texts: list[str]) -> list[np.ndarray]:
 def holds_special_text(tokenizer, ids: np.ndarray) -> bool:
     """Whether a document's ids (``document_tokens``') hold a special token its text encoded as
     (e.g. ``<|endoftext|>`` written in a web page): a boundary the document does not have."""
-    if not tokenizer.text_specials:
+    if not tokenizer.text_specials.size:  # (no tokenizer but an HF one has a framing)
         return False
-    before, after = getattr(tokenizer, "framing", (0, 0))
+    before, after = tokenizer.framing
     end = len(ids) - after - (0 if tokenizer.ends_with_eos else 1)  # (the separator EOS, appended)
-    return bool(np.isin(ids[before:end], list(tokenizer.text_specials)).any())
+    return bool(np.isin(ids[before:end], tokenizer.text_specials).any())
 
 
 def tokenizer_option(spec: str):
