@@ -128,6 +128,35 @@ def test_a_special_tokens_text_inside_a_document_is_counted_and_said(kind, tmp_p
         assert err.startswith(f"warning: {where} documents hold the text of a special token"), err
 
 
+def test_a_store_of_a_tokenizer_json_that_auto_tokenizer_rebuilds_says_so_once(tmp_path, capsys):
+    """A ``tokenizer.json`` whose ``tokenizer_config.json`` names a class that rebuilds its rules
+    (``Qwen2Tokenizer``: NFC in place of the file's normalizer): the store holds the file's tokens,
+    and its build, the trainer's (``open_store``) as ``train.prepare``'s, says AutoTokenizer on
+    that directory gives others. Opening the built store again says nothing."""
+    folder = build_tokenizer(tmp_path / "tok", bos=False, tokenizer_class="Qwen2Tokenizer")
+    tok = make_tokenizer(str(folder))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert hf.encode("e\u0301") != tok.encode("e\u0301")  # (the premise: it rebuilds otherwise)
+    data = tmp_path / "d.jsonl"
+    docs = documents(30)
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    section = DataSection(source="files", paths=[str(data)], tokenizer=str(folder), store=str(tmp_path / "s"))
+    opened = open_store(section, quiet=True)
+    err = capsys.readouterr().err
+    said = (
+        f"warning: the store holds {folder / 'tokenizer.json'}'s tokens, but transformers.AutoTokenizer "
+        f"on {folder} encodes "
+    )
+    assert err.startswith(said) and err.count("\n") == 1, err
+    assert "train.export writes tokenizer files that give the store's" in err
+    train = [d for d in docs if not is_validation(d, section.validation_fraction)]
+    stream = opened.splits["train"]
+    want = [t for d in train for t in [*tok.encode(d), tok.eos_id]]
+    np.testing.assert_array_equal(stream.read(0, stream.tokens), want)
+    open_store(section, quiet=True)
+    assert capsys.readouterr().err == ""
+
+
 def test_encodes_as_auto_tokenizer_does(llama_like, qwen_like):
     for folder, first in ((llama_like, [0]), (qwen_like, [])):
         ours = make_tokenizer(str(folder))

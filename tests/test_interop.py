@@ -30,6 +30,7 @@ import models
 from models.hf_files import write_hf_dir
 from train import evaluate as evaluation
 from train import export as exporting
+from train import sources
 from train.errors import UserError
 from train.rundir import read_metrics
 from train.sources import SentencePieceTokenizer
@@ -559,7 +560,7 @@ def test_sentencepiece_models_export_to_a_tokenizer_that_encodes_alike(model_typ
     files, note = exporting.write_tokenizer(ours, out, 1 << 20)
     assert files == ["spiece.model", "tokenizer.json", "tokenizer_config.json"], note
     hf = transformers.AutoTokenizer.from_pretrained(str(out))
-    texts = docs[60:] + list(exporting.PROBES)
+    texts = docs[60:] + list(sources.PROBES)
     texts += [
         "    four spaces  two\t\ttabs ",
         "1234567890 3,000,000 x86 a1b2",
@@ -618,7 +619,7 @@ def test_export_keeps_no_tokenizer_that_would_encode_otherwise(tmp_path, monkeyp
 
     monkeypatch.setattr(exporting, "_write_sentencepiece", t5_tokenizer)
     files, note = exporting.write_tokenizer(SentencePieceTokenizer(str(tmp_path / "unigram.model")), out, 32)
-    assert files == [] and note.startswith(f"none written (transformers would encode {exporting.PROBES[0]!r}")
+    assert files == [] and note.startswith(f"none written (transformers would encode {sources.PROBES[0]!r}")
     assert not any(out.iterdir())
 
 

@@ -45,6 +45,7 @@ from train.sharding import make_mesh, param_shardings
 from train.sources import (
     TOKENIZER_SUBDIR,
     Counts,
+    autotokenizer_mismatch,
     check_file,
     document_tokens,
     file_documents,
@@ -343,20 +344,13 @@ def _hf_tokenizer(directory: pathlib.Path, override: str | None):
 
 def _warn_if_the_harness_reads_it_otherwise(tok, directory: pathlib.Path) -> None:
     """A warning where ``AutoTokenizer`` (what lm-evaluation-harness reads) encodes otherwise
-    than the directory's ``tokenizer.json`` says: transformers builds the tokenizer with the class
-    ``tokenizer_config.json`` or the model type names (``qwen2``: ``Qwen2Tokenizer``, with Qwen's
-    pre-tokenizer in place of the file's), and the harness would score other ids than this
-    evaluation."""
-    try:
-        from train.export import autotokenizer_difference
-
-        differs = autotokenizer_difference(tok, directory)
-    except Exception:  # noqa: BLE001 - transformers missing, or no tokenizer it can build there
-        return
-    if differs is not None:
+    than the directory's ``tokenizer.json`` says (``train.sources.autotokenizer_mismatch``): the
+    harness would score other ids than this evaluation."""
+    mismatch = autotokenizer_mismatch(tok)
+    if mismatch is not None:
         warnings.warn(
             f"{directory}: transformers.AutoTokenizer, which lm-evaluation-harness reads, encodes "
-            f"{differs!r} otherwise than its tokenizer.json, which this evaluation reads (the "
+            f"{mismatch[1]!r} otherwise than its tokenizer.json, which this evaluation reads (the "
             "tokenizer class its tokenizer_config.json or model type names replaces the file's "
             "rules): the harness would score other tokens. To score the file's in both, put "
             "tokenizer.json in a directory of its own with a tokenizer_config.json whose "

@@ -24,6 +24,7 @@ from train.sources import (
     TOKENIZER_SUBDIR,
     HFTokenizer,
     SentencePieceTokenizer,
+    autotokenizer_difference,
 )
 
 # transformers' generic tokenizer class: it encodes as tokenizer.json says (a model's own class may
@@ -40,15 +41,6 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "special_tokens_map.json",
     "added_tokens.json",
-)
-# Texts the exported tokenizer must encode as the run's does (a written tokenizer is checked).
-PROBES = (
-    "The quick brown fox jumps over the lazy dog.",
-    "two  spaces,   three, a tab\there\nand new\n\nlines\r\n",
-    "  leading and trailing spaces  ",
-    "caf\u00e9 na\u00efve \u00fc\u00df \u65e5\u672c\u8a9e \U0001f600 \ufb01 \u2460 x\u00a0y e\u0301",
-    "digits 0123456789 3.14159 2024-01-01",
-    "",
 )
 
 
@@ -92,21 +84,6 @@ def _write_tokenizer_files(tok, out: pathlib.Path, max_length: int) -> tuple[lis
     if isinstance(tok, HFTokenizer):
         return _write_hf(tok, out, max_length), ""
     return _write_sentencepiece(tok, out, max_length)
-
-
-def autotokenizer_difference(tok, out: pathlib.Path) -> str | None:
-    """The first probe text that ``AutoTokenizer`` on ``out`` encodes otherwise than ``tok`` (a
-    tokenizer of this package's, read from files there), or None."""
-    hf = _transformers().AutoTokenizer.from_pretrained(str(out))
-    probes = list(PROBES)
-    if isinstance(tok, HFTokenizer):  # special tokens inside a text are matched whole by both
-        probes += [f"a{t}b {t}" for t in tok.settings["special_tokens"].values()]
-    for text in probes:
-        if list(hf.encode(text, verbose=False)) != list(tok.encode(text)):
-            return text
-    if hf.eos_token_id != tok.eos_id or hf.bos_token_id != tok.bos_id:
-        return "<the EOS or BOS token>"
-    return None
 
 
 def _transformers():

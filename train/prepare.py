@@ -88,16 +88,6 @@ def report(opened, seconds: float) -> None:
     counts = ", ".join(f"{n} {s['documents']:,} documents {s['tokens']:,} tokens" for n, s in splits.items())
     skipped = json.dumps(opened.manifest["skipped"])
     print(f"token store {opened.directory}: {counts}; skipped {skipped}; {seconds:.1f}s")
-    special = {s: n for s, n in opened.manifest.get("special_text", {}).items() if n}
-    if special:
-        where = " and ".join(f"{n:,} {s}" for s, n in special.items())
-        print(
-            f"warning: {where} documents hold the text of a special token of the tokenizer (e.g. "
-            "<|endoftext|> in a web page), which it encodes as that token, as AutoTokenizer does: "
-            "a document boundary or BOS inside a document (split_special_tokens: true in "
-            "tokenizer_config.json encodes it as text)",
-            file=sys.stderr,
-        )
 
 
 if __name__ == "__main__":

@@ -283,6 +283,51 @@ def holds_special_text(tokenizer, ids: np.ndarray) -> bool:
     return bool(np.isin(ids[before:end], tokenizer.text_specials).any())
 
 
+# Texts on which a tokenizer that transformers builds must encode as this package's does.
+PROBES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "two  spaces,   three, a tab\there\nand new\n\nlines\r\n",
+    "  leading and trailing spaces  ",
+    "caf\u00e9 na\u00efve \u00fc\u00df \u65e5\u672c\u8a9e \U0001f600 \ufb01 \u2460 x\u00a0y e\u0301",
+    "digits 0123456789 3.14159 2024-01-01",
+    "",
+)
+
+
+def autotokenizer_difference(tok, directory: pathlib.Path) -> str | None:
+    """The first probe text that ``transformers.AutoTokenizer`` on ``directory`` encodes otherwise
+    than ``tok`` (a tokenizer of this package's, read from files there), or None. transformers
+    builds the tokenizer with the class ``tokenizer_config.json`` or ``config.json``'s model type
+    names (``qwen2``: ``Qwen2Tokenizer``, with Qwen's pre-tokenizer in place of the file's).
+    Raises ImportError without transformers."""
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    probes = list(PROBES)
+    if isinstance(tok, HFTokenizer):  # special tokens inside a text are matched whole by both
+        probes += [f"a{t}b {t}" for t in tok.settings["special_tokens"].values()]
+    for text in probes:
+        if list(hf.encode(text, verbose=False)) != list(tok.encode(text)):
+            return text
+    if hf.eos_token_id != tok.eos_id or hf.bos_token_id != tok.bos_id:
+        return "<the EOS or BOS token>"
+    return None
+
+
+def autotokenizer_mismatch(tok) -> tuple[pathlib.Path, str] | None:
+    """For a ``tokenizer.json`` tokenizer: its directory and the probe text that
+    ``AutoTokenizer`` on that directory encodes otherwise, where it does (its tokenizer class
+    replaces the file's rules); None where it encodes alike, or transformers is missing or builds
+    no tokenizer there."""
+    if not isinstance(tok, HFTokenizer):
+        return None
+    try:
+        differs = autotokenizer_difference(tok, tok.path.parent)
+    except Exception:  # noqa: BLE001 - transformers missing, or no tokenizer it can build there
+        return None
+    return None if differs is None else (tok.path.parent, differs)
+
+
 def tokenizer_option(spec: str):
     """:func:`make_tokenizer` for a command's ``--tokenizer`` option: its refusals name the option,
     not the config key ``data.tokenizer``."""

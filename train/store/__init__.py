@@ -19,7 +19,7 @@ import pathlib
 import sys
 from typing import TYPE_CHECKING
 
-from train.sources import make_tokenizer
+from train.sources import autotokenizer_mismatch, make_tokenizer
 from train.store.building import Interrupted, build, default_workers, tokenize_piece
 from train.store.layout import FORMAT, MANIFEST, SPLITS, VERSION
 from train.store.planning import Piece, Plan, expand_paths, plan
@@ -47,6 +47,7 @@ __all__ = [
     "TokenStore",
     "TokenStream",
     "build",
+    "build_warnings",
     "cache_root",
     "default_workers",
     "expand_paths",
@@ -106,3 +107,31 @@ def find_or_build(directory: pathlib.Path, p: Plan, workers: int | None = None, 
         pieces = len(p.pieces)
         print(f"token store: building {directory} ({pieces} piece{'s' * (pieces != 1)})", file=sys.stderr)
     build(directory, p, workers, quiet=quiet)
+    for line in build_warnings(read_manifest(directory), p):
+        print(f"warning: {line}", file=sys.stderr)
+
+
+def build_warnings(manifest: dict, p: Plan) -> list[str]:
+    """What a store just built should tell its user: documents whose text holds a special token's
+    (``sources.holds_special_text``), and a ``tokenizer.json`` that ``AutoTokenizer`` on its
+    directory would encode otherwise (``sources.autotokenizer_mismatch``)."""
+    said = []
+    special = {s: n for s, n in manifest.get("special_text", {}).items() if n}
+    if special:
+        where = " and ".join(f"{n:,} {s}" for s, n in special.items())
+        said.append(
+            f"{where} documents hold the text of a special token of the tokenizer (e.g. "
+            "<|endoftext|> in a web page), which it encodes as that token, as AutoTokenizer does: "
+            "a document boundary or BOS inside a document (split_special_tokens: true in "
+            "tokenizer_config.json encodes it as text)"
+        )
+    mismatch = autotokenizer_mismatch(make_tokenizer(p.tokenizer))
+    if mismatch is not None:
+        directory, text = mismatch
+        said.append(
+            f"the store holds {directory / 'tokenizer.json'}'s tokens, but transformers.AutoTokenizer "
+            f"on {directory} encodes {text!r} otherwise (the tokenizer class its tokenizer_config.json "
+            "or model type names replaces the file's rules): a model trained on this store reads other "
+            "ids than that tokenizer gives (train.export writes tokenizer files that give the store's)"
+        )
+    return said
