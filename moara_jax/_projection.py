@@ -114,6 +114,7 @@ def refresh_bases(
     ranks: list[int],
     svd: str = "exact",
     key: jax.Array | None = None,
+    *,
     oversample: int = 8,
     power_iters: int = 2,
     canonical_signs: bool = False,
@@ -175,6 +176,32 @@ def transport(c: jax.Array, x: jax.Array, side: str) -> jax.Array:
     """Low-rank coordinates ``x`` (as :func:`project_value` makes them) in an old basis ``P``,
     moved into a new basis ``Q`` by ``c = Q^T P`` (``r x r``): ``c x`` (side 'in') or ``x c^T``."""
     return c @ x if side == "in" else x @ jnp.swapaxes(c, -1, -2)
+
+
+def refreshed_bases(
+    leaves: list[Any],
+    old: list[jax.Array],
+    ranks: list[int],
+    svd: str,
+    seed: int,
+    count: jax.Array,
+    canonical_signs: bool,
+    oversample: int = 8,
+    power_iters: int = 2,
+) -> list[jax.Array]:
+    """A stage's refresh: :func:`refresh_bases` of the matrices its nodes ``leaves`` refresh from
+    (``_refresh_matrix``), with step ``count``'s key, each basis in its ``old`` one's dtype."""
+    sources = [_refresh_matrix(u) for u in leaves]
+    new = refresh_bases(
+        sources,
+        ranks,
+        svd,
+        step_key(seed, count),
+        oversample=oversample,
+        power_iters=power_iters,
+        canonical_signs=canonical_signs,
+    )
+    return [n.astype(o.dtype) for n, o in zip(new, old, strict=True)]
 
 
 def _path_str(path) -> str:
@@ -368,10 +395,9 @@ def project(
         ranks = state_ranks("project", updates, old, rank_fn)
 
         def refresh():
-            key = step_key(seed, state.count)
-            sources = [_refresh_matrix(u) for u in leaves]
-            new = refresh_bases(sources, ranks, svd, key, oversample, power_iters, canonical_signs)
-            return [n.astype(o.dtype) for n, o in zip(new, old, strict=True)]
+            return refreshed_bases(
+                leaves, old, ranks, svd, seed, state.count, canonical_signs, oversample, power_iters
+            )
 
         if leaves:
             bases = jax.lax.cond(state.count % update_proj_gap == 0, refresh, lambda: list(old))

@@ -178,7 +178,7 @@ def ldadam(
             sources = [g if s == "in" else _swap(g) for g, s in zip(grads, sides, strict=True)]
             # refresh_bases picks the side by GaLore's rule; handing it the matrix with the
             # projected side first (fan_in) makes that the side it returns.
-            return refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
+            return refresh_bases(sources, ranks, svd, key, canonical_signs=canonical_signs)
 
         def power_bases():
             out = []

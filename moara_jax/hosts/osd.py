@@ -33,14 +33,12 @@ from moara_jax._adam import _torch_adam_from, inner_adam, moment_dtype, torch_ad
 from moara_jax._nodes import LowRank, is_node
 from moara_jax._projection import (
     _matrix_of,
-    _refresh_matrix,
     emit,
     project_value,
     projection_side,
-    refresh_bases,
+    refreshed_bases,
     stage_settings,
     state_ranks,
-    step_key,
     zero_bases,
 )
 from moara_jax.hosts._base import Host, StageOptions, real_number
@@ -121,10 +119,7 @@ def osd_project(
         mats = [_matrix_of(u) for u in leaves]
 
         def first():
-            key = step_key(seed, state.count)
-            sources = [_refresh_matrix(u) for u in leaves]
-            new = refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
-            return [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
+            return refreshed_bases(leaves, old, ranks, svd, seed, state.count, canonical_signs)
 
         def later():
             # The basis's step on the last update's loss, taken now, so that the state holds the

@@ -248,9 +248,8 @@ def q_galore_project(
 
             def refresh(idx=idx, gi=gi):
                 sources = [_refresh_matrix(leaves[i]) for i in idx]
-                new = refresh_bases(
-                    sources, [ranks[i] for i in idx], svd, jax.random.fold_in(key, gi), 8, 2, canonical_signs
-                )
+                group_ranks, group_key = [ranks[i] for i in idx], jax.random.fold_in(key, gi)
+                new = refresh_bases(sources, group_ranks, svd, group_key, canonical_signs=canonical_signs)
                 return [refreshed(n, due[i], old[i]) for n, i in zip(new, idx, strict=True)]
 
             def keep(idx=idx):

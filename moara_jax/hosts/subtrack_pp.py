@@ -43,15 +43,13 @@ from moara_jax._bases import _svd
 from moara_jax._nodes import LowRank, is_node
 from moara_jax._projection import (
     _matrix_of,
-    _refresh_matrix,
     _swap,
     emit,
     project_value,
     projection_side,
-    refresh_bases,
+    refreshed_bases,
     stage_settings,
     state_ranks,
-    step_key,
     transport,
     zero_bases,
 )
@@ -130,10 +128,7 @@ def subtrack_project(
 
         # Each branch gives (bases, initial bases); step 0's SVD basis is both.
         def first():
-            key = step_key(seed, state.count)
-            sources = [_refresh_matrix(u) for u in leaves]
-            new = refresh_bases(sources, ranks, svd, key, 8, 2, canonical_signs)
-            new = [n.astype(b.dtype) for n, b in zip(new, old, strict=True)]
+            new = refreshed_bases(leaves, old, ranks, svd, seed, state.count, canonical_signs)
             return new, new
 
         def track():
