@@ -207,10 +207,10 @@ def torch_adam_direction(g, mu, nu, count_inc, b1, b2, eps):
     g32 = g.astype(jnp.float32)
     mu32 = b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32
     nu32 = b2 * nu.astype(jnp.float32) + (1.0 - b2) * jnp.square(g32)
-    return _torch_adam_from(mu32, nu32, count_inc, b1, b2, eps, g.dtype, mu.dtype, nu.dtype)
+    return torch_adam_from(mu32, nu32, count_inc, b1, b2, eps, g.dtype, mu.dtype, nu.dtype)
 
 
-def _torch_adam_from(mu32, nu32, count_inc, b1, b2, eps, dtype, mu_dtype, nu_dtype):
+def torch_adam_from(mu32, nu32, count_inc, b1, b2, eps, dtype, mu_dtype, nu_dtype):
     t = count_inc.astype(jnp.float32)
     direction = (mu32 / (1.0 - b1**t)) / (jnp.sqrt(nu32 / (1.0 - b2**t)) + eps)
     return direction.astype(dtype), mu32.astype(mu_dtype), nu32.astype(nu_dtype)

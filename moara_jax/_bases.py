@@ -17,7 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 
-def _per_matrix(fn, x: jax.Array):
+def per_matrix(fn, x: jax.Array):
     """Applies a LAPACK-backed ``fn`` to a batch of matrices ``(B, a, b)``.
 
     On CPU the batch is looped with ``lax.map``: jaxlib's batched LAPACK kernels fan a batch out
@@ -70,8 +70,8 @@ def spread(fn, *batches: jax.Array) -> jax.Array:
     return shares(*batches)
 
 
-def _svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return _per_matrix(lambda x: jnp.linalg.svd(x, full_matrices=False), w)
+def thin_svd(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return per_matrix(lambda x: jnp.linalg.svd(x, full_matrices=False), w)
 
 
 def _exact_basis(g: jax.Array, side: str, r: int) -> jax.Array:
@@ -83,7 +83,7 @@ def _exact_basis(g: jax.Array, side: str, r: int) -> jax.Array:
     ``canonical_signs=True`` (and the same sign rule on the reference's side) removes that.
     """
     w = jnp.swapaxes(g.astype(jnp.float32), -1, -2)  # (..., fan_out, fan_in)
-    u, _, vh = _svd(w)
+    u, _, vh = thin_svd(w)
     if side == "in":
         return jnp.swapaxes(vh[..., :r, :], -1, -2)  # (..., fan_in, r)
     return u[..., :, :r]  # (..., fan_out, r)
@@ -91,7 +91,7 @@ def _exact_basis(g: jax.Array, side: str, r: int) -> jax.Array:
 
 def _top_eigvecs(gram: jax.Array, r: int) -> jax.Array:
     """Eigenvectors of the symmetric ``gram`` for its ``r`` largest eigenvalues, descending."""
-    vecs, _ = _per_matrix(lambda x: jax.lax.linalg.eigh(x), gram)  # ascending eigenvalues
+    vecs, _ = per_matrix(lambda x: jax.lax.linalg.eigh(x), gram)  # ascending eigenvalues
     return vecs[..., ::-1][..., :r]
 
 
@@ -112,7 +112,7 @@ def _eigh_basis(g: jax.Array, side: str, r: int) -> jax.Array:
 
 
 def _householder(x: jax.Array) -> jax.Array:
-    return _per_matrix(lambda m: jnp.linalg.qr(m)[0], x)
+    return per_matrix(lambda m: jnp.linalg.qr(m)[0], x)
 
 
 def _cholesky_qr(y: jax.Array) -> jax.Array:
@@ -124,7 +124,7 @@ def _cholesky_qr(y: jax.Array) -> jax.Array:
     return jax.lax.linalg.triangular_solve(chol, y, left_side=False, lower=True, transpose_a=True)
 
 
-def _orthonormal(x: jax.Array) -> jax.Array:
+def orthonormal(x: jax.Array) -> jax.Array:
     """Orthonormal basis of the columns of ``x``.
 
     On CPU: Householder QR. On accelerators, where the QR runs matrix by matrix in cuSOLVER:
@@ -161,10 +161,10 @@ def _randomized_basis(
     d, e = a.shape[-2], a.shape[-1]
     k = min(r + oversample, d, e)
     omega = jax.random.normal(key, a.shape[:-2] + (e, k), jnp.float32)
-    q = _orthonormal(a @ omega)
+    q = orthonormal(a @ omega)
     for _ in range(power_iters):
-        z = _orthonormal(jnp.swapaxes(a, -1, -2) @ q)
-        q = _orthonormal(a @ z)
+        z = orthonormal(jnp.swapaxes(a, -1, -2) @ q)
+        q = orthonormal(a @ z)
     small = jnp.swapaxes(q, -1, -2) @ a  # (..., k, e)
     return q @ _top_eigvecs(_gram(small), r)  # left singular vectors of the small k x e
 

@@ -22,12 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._bases import (  # noqa: F401 - _orthonormal, _per_matrix: re-exported for the hosts
-    _orthonormal,
-    _per_matrix,
-    canonicalize_signs,
-    top_basis,
-)
+from moara_jax._bases import canonicalize_signs, top_basis
 from moara_jax._decomposition import FAN_IN_AXIS, decompose_along
 from moara_jax._labels import unboxed
 from moara_jax._nodes import Decomposed, LowRank, is_node
@@ -45,7 +40,7 @@ class ProjectState(NamedTuple):
     basis: Any  # per leaf (..., d, r) in the leaf's dtype, d the projected side.
 
 
-def _swap(x: jax.Array) -> jax.Array:
+def swap(x: jax.Array) -> jax.Array:
     """The matrix transpose of the last two axes."""
     return jnp.swapaxes(x, -1, -2)
 
@@ -93,12 +88,12 @@ def emit(u: Any, low: Any) -> Any:
     return u.replace(direction=low, gradient=None) if isinstance(u, Decomposed) else low
 
 
-def _matrix_of(u: Any) -> jax.Array:
+def matrix_of(u: Any) -> jax.Array:
     """The matrix a stage node projects: the direction of a ``Decomposed``, else the leaf."""
     return u.direction if isinstance(u, Decomposed) else u
 
 
-def _refresh_matrix(u: Any) -> jax.Array:
+def refresh_matrix(u: Any) -> jax.Array:
     """The matrix whose SVD gives the basis: for a ``Decomposed`` that carries its gradient, the
     direction recomputed from it (the same expression ``decompose`` evaluated, so the same
     values). Called inside the refresh branch, whose operands are then the gradients (alive
@@ -106,7 +101,7 @@ def _refresh_matrix(u: Any) -> jax.Array:
     until its projection."""
     if isinstance(u, Decomposed) and u.gradient is not None and u.eps is not None:
         return decompose_along(u.gradient, u.block_size, FAN_IN_AXIS, u.eps)[1]
-    return _matrix_of(u)
+    return matrix_of(u)
 
 
 def refresh_bases(
@@ -190,8 +185,8 @@ def refreshed_bases(
     power_iters: int = 2,
 ) -> list[jax.Array]:
     """A stage's refresh: :func:`refresh_bases` of the matrices its nodes ``leaves`` refresh from
-    (``_refresh_matrix``), with step ``count``'s key, each basis in its ``old`` one's dtype."""
-    sources = [_refresh_matrix(u) for u in leaves]
+    (``refresh_matrix``), with step ``count``'s key, each basis in its ``old`` one's dtype."""
+    sources = [refresh_matrix(u) for u in leaves]
     new = refresh_bases(
         sources,
         ranks,
@@ -204,7 +199,7 @@ def refreshed_bases(
     return [n.astype(o.dtype) for n, o in zip(new, old, strict=True)]
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
     return jax.tree_util.keystr(path) if path else "<leaf>"
 
 
@@ -212,15 +207,15 @@ def basis_shape(stage: str, path, u: Any, requested: int, module: str | None) ->
     """``(matrix, d, r)`` of a leaf a projection stage receives: the matrix it projects, its
     projected side's size and the rank used (``requested`` clipped, with a warning naming the
     module). A ``ValueError`` naming ``stage`` and the parameter for a non-matrix or a bad rank."""
-    m = _matrix_of(u)
+    m = matrix_of(u)
     if m.ndim < 2:
         raise ValueError(
-            f"{stage}: parameter {_path_str(path)} has shape {m.shape}; only matrices "
+            f"{stage}: parameter {path_str(path)} has shape {m.shape}; only matrices "
             "(..., fan_in, fan_out) can be projected (label it as a non-target)"
         )
     if 0 in m.shape:
         raise ValueError(
-            f"{stage}: parameter {_path_str(path)} has shape {m.shape}: an empty matrix has "
+            f"{stage}: parameter {path_str(path)} has shape {m.shape}: an empty matrix has "
             "nothing to project (moara_adamw leaves it to AdamW; label it as a non-target)"
         )
     if not is_int(requested):
@@ -253,14 +248,14 @@ def state_ranks(stage: str, updates: Any, bases: list, rank_fn: Callable) -> lis
     flat = jax.tree_util.tree_flatten_with_path(updates, is_leaf=is_node)[0]
     ranks = []
     for (path, u), basis in zip(flat, bases, strict=True):
-        have, shape = basis.shape[-1], _matrix_of(u).shape
+        have, shape = basis.shape[-1], matrix_of(u).shape
         # An update the basis does not fit (flattened, of another size): the misfit is the
         # update's, for the projection to meet (and the optimizer's diagnosis to name).
         fits = len(shape) >= 2 and basis.shape[-2] == shape[-2 if projection_side(shape) == "in" else -1]
         want = effective_rank(shape, rank_fn(unboxed(path))) if fits else have
         if have != want:
             raise ValueError(
-                f"{stage}: the state's basis of {_path_str(path)} has rank {have}, and these "
+                f"{stage}: the state's basis of {path_str(path)} has rank {have}, and these "
                 f"settings give its matrix {tuple(shape)} rank {want}: a state made with other ranks "
                 "(r_base, ranks, the allocation) than this optimizer's"
             )
@@ -312,7 +307,7 @@ def _numbers_as_numbers(text: str) -> list:
 def _warn_clipped(paths: list, shape: tuple[int, ...], requested: int, rank: int, module: str | None) -> None:
     what = f"module {module!r} at " if module else ""
     # First and last by their numbers (layers_2 before layers_10, where a tree sorts its keys as text).
-    names = sorted(map(_path_str, paths), key=_numbers_as_numbers)
+    names = sorted(map(path_str, paths), key=_numbers_as_numbers)
     where = names[0]
     if len(names) == 2:
         where = f"2 matrices ({where} and {names[1]})"
@@ -391,7 +386,7 @@ def project(
         del params
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
         old = treedef.flatten_up_to(state.basis)
-        mats = [_matrix_of(u) for u in leaves]
+        mats = [matrix_of(u) for u in leaves]
         ranks = state_ranks("project", updates, old, rank_fn)
 
         def refresh():

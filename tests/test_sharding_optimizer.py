@@ -155,8 +155,8 @@ SPREAD = textwrap.dedent("""
     from train.config import load_config
 
     factored = []  # the leading size of each batch handed to the SVD, as traced
-    svd = _bases._svd
-    _bases._svd = lambda w: (factored.append(w.shape[0]), svd(w))[1]
+    svd = _bases.thin_svd
+    _bases.thin_svd = lambda w: (factored.append(w.shape[0]), svd(w))[1]
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
     rng = np.random.default_rng(0)
     mats = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in [(11, 24, 40), (8, 40, 24), (40, 40)]]

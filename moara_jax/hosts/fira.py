@@ -30,7 +30,7 @@ import optax
 
 from moara_jax._adam import InnerAdamState, inner_adam
 from moara_jax._nodes import Decomposed, LowRank, is_node
-from moara_jax._projection import _matrix_of, project, project_back
+from moara_jax._projection import matrix_of, project, project_back
 from moara_jax._validate import number
 from moara_jax.hosts._base import Host, StageOptions, real_number
 
@@ -51,7 +51,7 @@ def _with_core(u: Any, core: Any) -> Any:
 
 
 def _residual_norm_init(path, u) -> jax.Array | None:
-    core = _matrix_of(u)
+    core = matrix_of(u)
     if not isinstance(core, LowRank):
         return None
     if core.projected is None:
@@ -110,7 +110,7 @@ def fira_adam(
         prevs = treedef.flatten_up_to(state.residual_norm)
         new_out, new_norms = [], []
         for u, o, prev in zip(leaves, results, prevs, strict=True):
-            low_in, low_out = _matrix_of(u), _matrix_of(o)
+            low_in, low_out = matrix_of(u), matrix_of(o)
             if not isinstance(low_in, LowRank):
                 new_out.append(o)
                 new_norms.append(prev)

@@ -41,21 +41,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._adam import _torch_adam_from, moment_dtype, pytorch_adam, torch_adam_direction
+from moara_jax._adam import moment_dtype, pytorch_adam, torch_adam_direction, torch_adam_from
+from moara_jax._bases import orthonormal
 from moara_jax._labels import unboxed
 from moara_jax._nodes import Decomposed, LowRank, is_node
 from moara_jax._projection import (
-    _matrix_of,
-    _orthonormal,
-    _swap,
     basis_shape,
     grouped_rank_warnings,
+    matrix_of,
     project_back,
     project_value,
     refresh_bases,
     stage_settings,
     state_ranks,
     step_key,
+    swap,
     transport,
 )
 from moara_jax._sharding import as_before
@@ -87,8 +87,8 @@ def _power_step(a: jax.Array, basis: jax.Array, side: str) -> jax.Array:
     triangular factor), the same basis up to signs, without squaring ``A``'s condition number
     (which on accelerators sends CholeskyQR2 to its Householder fallback)."""
     if side == "out":
-        a = _swap(a)
-    return _orthonormal(a @ _orthonormal(_swap(a) @ basis))
+        a = swap(a)
+    return orthonormal(a @ orthonormal(swap(a) @ basis))
 
 
 def ldadam(
@@ -165,7 +165,7 @@ def ldadam(
         c2 = jnp.where(first, 1.0, 1.0 - b2 ** (t - 1.0))
         grads = []
         for u, e in zip(leaves, errors, strict=True):
-            g = _matrix_of(u).astype(jnp.float32)
+            g = matrix_of(u).astype(jnp.float32)
             grads.append(g if e is None else g + e.astype(jnp.float32))
         sides = [ldadam_side(g.shape) for g in grads]
         carried = [
@@ -175,7 +175,7 @@ def ldadam(
 
         def svd_bases():
             key = step_key(seed, state.count)
-            sources = [g if s == "in" else _swap(g) for g, s in zip(grads, sides, strict=True)]
+            sources = [g if s == "in" else swap(g) for g, s in zip(grads, sides, strict=True)]
             # refresh_bases picks the side by GaLore's rule; handing it the matrix with the
             # projected side first (fan_in) makes that the side it returns.
             return refresh_bases(sources, ranks, svd, key, canonical_signs=canonical_signs)
@@ -194,7 +194,7 @@ def ldadam(
         ):
             q = q.astype(p.dtype).astype(jnp.float32)  # the basis as stored
             low = project_value(g, q, side)
-            c = _swap(q) @ p.astype(jnp.float32)  # (r, r); zero at the first step
+            c = swap(q) @ p.astype(jnp.float32)  # (r, r); zero at the first step
             mu32, nu32 = mu.astype(jnp.float32), nu.astype(jnp.float32)
             mu_t = transport(c, mu32, side)
             centred = nu32 / c2 - jnp.square(mu32) / jnp.square(c1)
@@ -205,8 +205,8 @@ def ldadam(
                 e = (g - project_back(low + k * mu_t, q, side) + k * m_back).astype(e.dtype)
             mu32 = b1 * mu_t + (1.0 - b1) * low
             nu32 = b2 * nu_t + (1.0 - b2) * jnp.square(low)
-            m = _matrix_of(u)
-            d, mu, nu = _torch_adam_from(mu32, nu32, count_inc, b1, b2, eps, m.dtype, mu.dtype, nu.dtype)
+            m = matrix_of(u)
+            d, mu, nu = torch_adam_from(mu32, nu32, count_inc, b1, b2, eps, m.dtype, mu.dtype, nu.dtype)
             node = LowRank(d, q.astype(p.dtype), side)
             if isinstance(u, Decomposed):
                 dm, mag_mu, mag_nu = torch_adam_direction(u.mag, mag_mu, mag_nu, count_inc, b1, b2, eps)

@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moara_jax._adam import _torch_adam_from, inner_adam, moment_dtype, torch_adam_direction
+from moara_jax._adam import inner_adam, moment_dtype, torch_adam_direction, torch_adam_from
 from moara_jax._nodes import LowRank, is_node
 from moara_jax._projection import (
-    _matrix_of,
     emit,
+    matrix_of,
     project_value,
     projection_side,
     refreshed_bases,
@@ -75,7 +75,7 @@ def _adamw_step(p, mu, nu, step, lr, b1, b2, eps, weight_decay):
     """``torch.optim.AdamW``'s update of ``p`` from moments already updated at ``step`` (float32
     math, the result in ``p``'s dtype)."""
     mu32, nu32 = mu.astype(jnp.float32), nu.astype(jnp.float32)
-    direction = _torch_adam_from(mu32, nu32, step, b1, b2, eps, jnp.float32, jnp.float32, jnp.float32)[0]
+    direction = torch_adam_from(mu32, nu32, step, b1, b2, eps, jnp.float32, jnp.float32, jnp.float32)[0]
     return (p.astype(jnp.float32) * (1.0 - lr * weight_decay) - lr * direction).astype(p.dtype)
 
 
@@ -116,7 +116,7 @@ def osd_project(
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
         old, mus, nus = (treedef.flatten_up_to(f) for f in (state.basis, state.basis_mu, state.basis_nu))
         ranks = state_ranks("osd_project", updates, old, rank_fn)
-        mats = [_matrix_of(u) for u in leaves]
+        mats = [matrix_of(u) for u in leaves]
 
         def first():
             return refreshed_bases(leaves, old, ranks, svd, seed, state.count, canonical_signs)

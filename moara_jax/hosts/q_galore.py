@@ -31,15 +31,15 @@ from moara_jax._adam import decay_after_step
 from moara_jax._labels import unboxed
 from moara_jax._nodes import LowRank, is_node
 from moara_jax._projection import (
-    _matrix_of,
-    _path_str,
-    _refresh_matrix,
     basis_shape,
     emit,
     grouped_rank_warnings,
+    matrix_of,
+    path_str,
     project_value,
     projection_side,
     refresh_bases,
+    refresh_matrix,
     stage_settings,
     state_ranks,
     step_key,
@@ -181,7 +181,7 @@ def q_galore_project(
             side = projection_side(m.shape)
             if bits is not None and (d * r) % group_size:
                 raise ValueError(
-                    f"q_galore_project: the basis of {_path_str(path)} has {d} x {r} = {d * r} "
+                    f"q_galore_project: the basis of {path_str(path)} has {d} x {r} = {d * r} "
                     f"entries, not a multiple of group_size={group_size} "
                     "(the host's QGaLore(basis_group_size=...))"
                 )
@@ -243,11 +243,11 @@ def q_galore_project(
         # matrices is due, so matrices whose intervals grew skip them.
         groups: dict[tuple, list[int]] = defaultdict(list)
         for i, u in enumerate(leaves):
-            groups[tuple(_matrix_of(u).shape[-2:])].append(i)
+            groups[tuple(matrix_of(u).shape[-2:])].append(i)
         for gi, idx in enumerate(groups.values()):
 
             def refresh(idx=idx, gi=gi):
-                sources = [_refresh_matrix(leaves[i]) for i in idx]
+                sources = [refresh_matrix(leaves[i]) for i in idx]
                 group_ranks, group_key = [ranks[i] for i in idx], jax.random.fold_in(key, gi)
                 new = refresh_bases(sources, group_ranks, svd, group_key, canonical_signs=canonical_signs)
                 return [refreshed(n, due[i], old[i]) for n, i in zip(new, idx, strict=True)]
@@ -260,7 +260,7 @@ def q_galore_project(
                 fields[i] = f
         out = []
         for u, (basis, *_) in zip(leaves, fields, strict=True):
-            m = _matrix_of(u)
+            m = matrix_of(u)
             side = projection_side(m.shape)
             b = dequantized(basis).astype(m.dtype)
             low = LowRank(project_value(m, b, side), b, side)
@@ -308,7 +308,7 @@ def quantize_weights(
             n = math.prod(p.shape[-2:]) if p.ndim >= 2 else p.size
             if n % group_size:
                 raise ValueError(
-                    f"quantize_weights: {_path_str(path)} has {n} entries per matrix, not a "
+                    f"quantize_weights: {path_str(path)} has {n} entries per matrix, not a "
                     f"multiple of group_size={group_size} (the host's QGaLore(weight_group_size=...))"
                 )
 

@@ -39,17 +39,17 @@ import jax.numpy as jnp
 import optax
 
 from moara_jax._adam import InnerAdamState
-from moara_jax._bases import _svd
+from moara_jax._bases import thin_svd
 from moara_jax._nodes import LowRank, is_node
 from moara_jax._projection import (
-    _matrix_of,
-    _swap,
     emit,
+    matrix_of,
     project_value,
     projection_side,
     refreshed_bases,
     stage_settings,
     state_ranks,
+    swap,
     transport,
     zero_bases,
 )
@@ -71,15 +71,15 @@ def geodesic_step(basis: jax.Array, a: jax.Array, step_size: float) -> jax.Array
     (``(..., d, e)``), float32: the Grassmann geodesic along the top singular triplet of the
     tangent of ``min_W ||a - P W||^2``, of length ``step_size`` times its singular value."""
     p, a = basis.astype(jnp.float32), a.astype(jnp.float32)
-    pt = _swap(p)
+    pt = swap(p)
     w = jnp.linalg.solve(pt @ p, pt @ a)  # least squares (P has full column rank)
-    d = -2.0 * (a - p @ w) @ _swap(w)  # dF/dP
+    d = -2.0 * (a - p @ w) @ swap(w)  # dF/dP
     tangent = d - p @ (pt @ d)
-    u, s, vh = _svd(tangent)
-    u1, s1, v1 = u[..., :, :1], s[..., :1, None], _swap(vh[..., :1, :])  # (d,1), (1,1), (r,1)
+    u, s, vh = thin_svd(tangent)
+    u1, s1, v1 = u[..., :, :1], s[..., :1, None], swap(vh[..., :1, :])  # (d,1), (1,1), (r,1)
     pv = p @ v1
     moved = pv * jnp.cos(step_size * s1) - u1 * jnp.sin(step_size * s1)
-    return p + (moved - pv) @ _swap(v1)
+    return p + (moved - pv) @ swap(v1)
 
 
 def subtrack_project(
@@ -122,7 +122,7 @@ def subtrack_project(
         leaves, treedef = jax.tree.flatten(updates, is_leaf=is_node)
         old, initial = (treedef.flatten_up_to(f) for f in state[1:])
         ranks = state_ranks("subtrack_project", updates, old, rank_fn)
-        mats = [_matrix_of(u) for u in leaves]
+        mats = [matrix_of(u) for u in leaves]
         sides = [projection_side(m.shape) for m in mats]
         tracked = [track_all or side == "out" for side in sides]
 
@@ -134,7 +134,7 @@ def subtrack_project(
         def track():
             out = []
             for m, b, side, moves in zip(mats, old, sides, tracked, strict=True):
-                a = m if side == "in" else _swap(m)  # the projected side first
+                a = m if side == "in" else swap(m)  # the projected side first
                 out.append(geodesic_step(b, a, step_size).astype(b.dtype) if moves else b)
             return out, list(initial)
 
@@ -177,12 +177,12 @@ def transport_moments(
         def moved():
             new_mus, new_nus = [], []
             for u, mu, nu in zip(leaves, mus, nus, strict=True):
-                low = _matrix_of(u)
+                low = matrix_of(u)
                 if not isinstance(low, LowRank) or low.prev_basis is None:
                     new_mus.append(mu)
                     new_nus.append(nu)
                     continue
-                c = _swap(low.basis.astype(jnp.float32)) @ low.prev_basis.astype(jnp.float32)
+                c = swap(low.basis.astype(jnp.float32)) @ low.prev_basis.astype(jnp.float32)
                 m32, v32 = mu.astype(jnp.float32), nu.astype(jnp.float32)
                 m_new = transport(c, m32, low.side)
                 v_new = jnp.abs((1.0 - b2) * (transport(jnp.square(c), v32 - jnp.square(m32), low.side)
