@@ -16,7 +16,6 @@ previous one emits); :func:`scale_by_galore` the chain without steps 1 and 4's m
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -151,7 +150,7 @@ def _check_matrix(path, x) -> None:
 
 
 def decompose(
-    block_size: int, eps: float = DEFAULT_EPS, *, keep_gradient: bool = False, keep_source: bool | None = None
+    block_size: int, eps: float = DEFAULT_EPS, *, keep_gradient: bool = False
 ) -> optax.GradientTransformation:
     """Splits every leaf (a Flax kernel ``(..., fan_in, fan_out)``) into block magnitude and direction.
 
@@ -160,16 +159,13 @@ def decompose(
     ``(..., ceil(fan_in / B), fan_out)`` (float32) and a direction of the leaf's shape and dtype.
     Stateless.
 
-    ``keep_gradient=True`` (formerly ``keep_source``, deprecated) also carries the gradient in
+    ``keep_gradient=True`` also carries the gradient in
     the node (``Decomposed.gradient``), from which a directly following
     ``project`` recomputes the direction inside its refresh branch (so a plain step never keeps
     every direction alive at once; :func:`scale_by_moara` sets it). Leave it off when other
     transforms sit between ``decompose`` and ``project``: they would see, and change, the gradient.
     """
     block_size = check_block_size(block_size)
-    if keep_source is not None:
-        warnings.warn("keep_source= is deprecated; use keep_gradient=", DeprecationWarning, stacklevel=2)
-        keep_gradient = keep_source
 
     def init_fn(params):
         jax.tree_util.tree_map_with_path(_check_matrix, params)

@@ -8,23 +8,11 @@ structure and ``recompose`` turns nodes back into plain arrays. The basis travel
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
 
 from moara_jax._decomposition import DEFAULT_EPS
-
-_UNSET = object()
-
-
-def _renamed(old: str, new: str, value: Any, given: Any) -> Any:
-    """The value of a keyword renamed from ``old`` to ``new`` (``old`` still accepted, with a
-    DeprecationWarning)."""
-    if given is _UNSET:
-        return value
-    warnings.warn(f"{old}= is deprecated; use {new}=", DeprecationWarning, stacklevel=3)
-    return given
 
 
 @jax.tree_util.register_pytree_node_class
@@ -38,7 +26,7 @@ class Decomposed:
     ``gradient`` is the gradient the direction was taken from (or ``None``): ``project``
     recomputes the direction from it inside its refresh branch, so that on plain steps the
     direction feeds only the projection and is not held, in whatever layout the SVD wants, for
-    the branch. (``source``, its former name, is deprecated.)
+    the branch.
     """
 
     def __init__(
@@ -49,18 +37,12 @@ class Decomposed:
         *,
         eps: float | None = DEFAULT_EPS,
         gradient: Any = None,
-        source: Any = _UNSET,
     ):
         self.mag = mag
         self.direction = direction
         self.block_size = block_size
         self.eps = eps
-        self.gradient = _renamed("source", "gradient", gradient, source)
-
-    @property
-    def source(self) -> Any:
-        """Deprecated: :attr:`gradient`."""
-        return self.gradient
+        self.gradient = gradient
 
     def tree_flatten(self):
         return (self.mag, self.direction, self.gradient), (self.block_size, self.eps)
@@ -76,8 +58,6 @@ class Decomposed:
         A new ``direction`` drops ``gradient`` unless one is given: the gradient describes only
         the direction computed from it.
         """
-        if "source" in changes:
-            changes["gradient"] = _renamed("source", "gradient", None, changes.pop("source"))
         fields = {"mag": self.mag, "direction": self.direction, "gradient": self.gradient}
         unknown = set(changes) - set(fields)
         if unknown:
@@ -104,9 +84,8 @@ class LowRank:
     ``(..., fan_in, r)``. ``side`` is static.
 
     Two optional full-shape fields serve hosts that update outside the subspace (Fira):
-    ``projected`` is the matrix that was projected (set by ``project(keep_projected=True)``;
-    ``source``, its former name, is deprecated), and ``residual`` is a full-rank term that
-    ``recompose`` adds to the back-projected value.
+    ``projected`` is the matrix that was projected (set by ``project(keep_projected=True)``),
+    and ``residual`` is a full-rank term that ``recompose`` adds to the back-projected value.
     ``prev_basis`` (SubTrack++) is the basis whose coordinates the Adam moments are moved from
     when they are transported into ``basis``.
     """
@@ -120,19 +99,13 @@ class LowRank:
         projected: Any = None,
         residual: Any = None,
         prev_basis: Any = None,
-        source: Any = _UNSET,
     ):
         self.value = value
         self.basis = basis
         self.side = side
-        self.projected = _renamed("source", "projected", projected, source)
+        self.projected = projected
         self.residual = residual
         self.prev_basis = prev_basis
-
-    @property
-    def source(self) -> Any:
-        """Deprecated: :attr:`projected`."""
-        return self.projected
 
     def tree_flatten(self):
         return (self.value, self.basis, self.projected, self.residual, self.prev_basis), self.side

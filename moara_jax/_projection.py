@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextvars
 import re
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -340,7 +339,6 @@ def project(
     canonical_signs: bool = False,
     name: str | Callable[[Any], str] | None = None,
     keep_projected: bool = False,
-    keep_source: bool | None = None,
 ) -> optax.GradientTransformation:
     """Projects every leaf (or the direction of a ``Decomposed`` leaf) onto a rank-``rank`` basis.
 
@@ -364,15 +362,11 @@ def project(
         key path giving it.
       keep_projected: also carry the projected matrix in each :class:`LowRank` (``projected``),
         for a following stage that works outside the subspace (:func:`fira_adam`).
-      keep_source: deprecated name of ``keep_projected``.
 
     Returns:
       A transform that emits :class:`LowRank` nodes (inside ``Decomposed`` when given one).
     """
     rank_fn, name_fn = stage_settings(rank, update_proj_gap, proj_type, svd, name)
-    if keep_source is not None:
-        warnings.warn("keep_source= is deprecated; use keep_projected=", DeprecationWarning, stacklevel=2)
-        keep_projected = keep_source
     if not is_int(oversample, minimum=0):
         raise ValueError(f"oversample must be a non-negative integer, got {oversample!r}")
     if not is_int(power_iters, minimum=0):

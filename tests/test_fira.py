@@ -211,5 +211,5 @@ def test_host_errors_name_the_argument():
     with pytest.raises(ValueError, match="growth_limit"):
         mj.moara_adamw(LR, r_base=4, block_size=8, host=mj.Fira(growth_limit=-1.0))
     without_source = mj.stage_chain(mj.project(4), mj.fira_adam(), mj.recompose())
-    with pytest.raises(ValueError, match="keep_source=True"):
+    with pytest.raises(ValueError, match=r"keep_projected=True\)$"):
         without_source.init({"w": jnp.zeros((16, 16))})

@@ -206,8 +206,6 @@ def test_every_stage_option_reaches_the_host_as_given():
 def test_stage_options_are_keyword_only_and_checked_at_the_public_call():
     with pytest.raises(TypeError):
         mj.StageOptions(4)  # keyword-only: no positional call to get out of order
-    options = mj.StageOptions(rank=4, scale=0.5)
-    assert options._replace(rank=8) == dataclasses.replace(options, rank=8)  # its NamedTuple-era name
     for bad, match in (
         (dict(b1=1.0), "b1"),
         (dict(eps=-1.0), "eps"),

@@ -221,29 +221,6 @@ def test_state_is_arrays_and_survives_orbax_round_trip(name, tmp_path):
         chex.assert_trees_all_equal(ua, ub)
 
 
-def test_renamed_node_fields_and_keywords_keep_their_old_names_deprecated():
-    """``source`` had two meanings; the nodes now say ``gradient`` (Decomposed) and ``projected``
-    (LowRank), and the old names still work, with a DeprecationWarning."""
-    g = jnp.ones((8, 4))
-    with pytest.warns(DeprecationWarning, match="use gradient="):
-        node = mj.Decomposed(jnp.ones((2, 4)), g, 4, source=g)
-    assert node.gradient is g and node.source is g
-    with pytest.warns(DeprecationWarning, match="use projected="):
-        low = mj.LowRank(jnp.ones((2, 4)), jnp.ones((8, 2)), "in", source=g)
-    assert low.projected is g and low.source is g
-    with pytest.warns(DeprecationWarning, match="use keep_gradient="):
-        old = mj.decompose(4, keep_source=True)
-    new = mj.decompose(4, keep_gradient=True)
-    for tx in (old, new):
-        assert tx.update({"w": g}, optax.EmptyState())[0]["w"].gradient is g
-    with pytest.warns(DeprecationWarning, match="use keep_projected="):
-        old = mj.project(2, 10, keep_source=True)
-    new = mj.project(2, 10, keep_projected=True)
-    for tx in (old, new):
-        out, _ = tx.update({"w": g}, tx.init({"w": g}), {"w": g})
-        assert out["w"].projected is g
-
-
 def test_svd_runs_only_inside_the_refresh_cond():
     tx = mj.scale_by_galore(4, update_proj_gap=10)
     params = {"w": jnp.ones((8, 12))}

@@ -142,11 +142,6 @@ class StageOptions:
         """The keyword arguments of every projection stage that say how bases are made."""
         return dict(svd=self.svd, seed=self.seed, canonical_signs=self.canonical_signs, name=self.name)
 
-    def _replace(self, **changes: Any) -> StageOptions:
-        """A copy with ``changes``: :func:`dataclasses.replace` under the name it had when
-        ``StageOptions`` was a ``NamedTuple`` (hosts written then keep working)."""
-        return dataclasses.replace(self, **changes)
-
 
 class Host:
     """Base class of a host's settings (subclass it as a frozen dataclass).

@@ -57,7 +57,7 @@ def _residual_norm_init(path, u) -> jax.Array | None:
     if core.projected is None:
         raise ValueError(
             f"fira_adam: the low-rank value at {jax.tree_util.keystr(path)} carries no projected "
-            "matrix; place fira_adam after project(..., keep_projected=True) (formerly keep_source=True)"
+            "matrix; place fira_adam after project(..., keep_projected=True)"
         )
     return jnp.zeros(core.value.shape[:-2], jnp.float32)
 
