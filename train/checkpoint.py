@@ -148,9 +148,6 @@ class Checkpointer:
         self._unrecorded: list[int] = []
         self.faults = HeldFaults()  # the checksums' faults, held during a multi-process run's steps
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 

@@ -170,6 +170,11 @@ def overlaps(runs: list[dict]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(pairs))
 
 
+def reduction_pct(value: float, base: float) -> float:
+    """How much less than ``base`` a step count or time ``value`` is, in percent of ``base``."""
+    return 100 * (1 - value / base)
+
+
 def reach(evals: list[dict], target: float) -> tuple[int | None, float | None]:
     for r in evals:
         if r["eval_ppl"] <= target:
@@ -200,8 +205,8 @@ def compare(run_dirs: list[pathlib.Path], out_dir: pathlib.Path | None = None, f
     for run in runs:
         step, wall = reach(run["evals"], target)
         final = run["evals"][-1]["eval_ppl"]
-        red_s = f"{100 * (1 - step / b_step):.1f}%" if step else "not reached"
-        red_t = f"{100 * (1 - wall / b_time):.1f}%" if wall else "not reached"
+        red_s = f"{reduction_pct(step, b_step):.1f}%" if step else "not reached"
+        red_t = f"{reduction_pct(wall, b_time):.1f}%" if wall else "not reached"
         lines.append(
             f"| {run['name']} | {run['status']} | {final:.3f} | {step if step else '-'} | {red_s} | "
             f"{f'{wall:.1f}' if wall else '-'} | {red_t} |"

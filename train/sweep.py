@@ -44,8 +44,8 @@ import warnings
 from dataclasses import dataclass
 
 from train.arguments import add_config_arguments
-from train.compare import eval_rows, evaluation, overlaps, problems, reach
-from train.config import OPERATIONAL
+from train.compare import eval_rows, evaluation, overlaps, problems, reach, reduction_pct
+from train.config import OPERATIONAL, changed_settings, check_writers, load_config, to_dict
 from train.distributed import dies_with_parent
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import figure
@@ -89,16 +89,12 @@ def expand(base: pathlib.Path, axes: list[str], seeds: list[int]) -> list[Run]:
 def run_config(base: pathlib.Path, run: Run, sets: list[str] = ()) -> dict:
     """One run's config (a mapping) as ``python -m train`` loads and validates it from the run's
     arguments (``train_args``)."""
-    from train.config import load_config, to_dict
-
     return to_dict(load_config([str(base), *run.layers], [*sets, f"train.seed={run.seed}"]))
 
 
 def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[str, dict]:
     """Each run's config (``run_config``): a bad layer, ``--set`` or seed is one line naming the
     run before any run starts, not the same failure once per run."""
-    from train.config import check_writers
-
     configs = {}
     for run in runs:
         try:
@@ -115,8 +111,6 @@ def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, dict]) ->
     and report it as this grid's. Every setting its results depend on counts (not
     ``OPERATIONAL``'s, nor how the model computes, which a resume may change too), compared as a
     resume compares them (``changed_settings``)."""
-    from train.config import changed_settings
-
     for run in runs:
         run_dir = RunDir(out / run.name)
         state = run_dir.state()
@@ -326,9 +320,9 @@ def report(
     target = curves[baseline][-1]["eval_ppl"] if curves[baseline] else None
     rows = {point: _point_row(done[point], curves[point], target) for point in points}
     _compare_to_baseline(rows, baseline)
-    refusals, warnings = problems(summaries) if summaries else ([], [])
+    refusals, cautions = problems(summaries) if summaries else ([], [])
     ends = {point: sorted({r["evals"][-1]["step"] for r in done[point]}) for point in points}
-    warnings += [
+    cautions += [
         f"the seeds of {point} end at different steps ({', '.join(map(str, ends[point]))}): their "
         "train.steps, and so their learning-rate schedules, differ"
         for point in points
@@ -342,7 +336,7 @@ def report(
         "timing_device": timing,
         "points": rows,
         "excluded": excluded,
-        "warnings": refusals + warnings,
+        "warnings": refusals + cautions,
     }
     with io_operation("writing the sweep's report to", out):
         (out / "report.json").write_text(json.dumps(result, indent=2))
@@ -443,7 +437,7 @@ def _compare_to_baseline(rows: dict, baseline: str) -> None:
             ("time_to_target_s", "time_reduction_pct"),
         ):
             m, b = row["mean_curve"][key], base[key]
-            row[red] = 100 * (1 - m / b) if m is not None and b else None
+            row[red] = reduction_pct(m, b) if m is not None and b else None
 
 
 def most_common(devices: list[str | None]) -> str | None:
@@ -485,22 +479,47 @@ def _pm(s: dict, fmt: str = ".2f") -> str:
     return f"{s['mean']:{fmt}}" if s["std"] is None else f"{s['mean']:{fmt}} ± {s['std']:{fmt}}"
 
 
-def markdown(result: dict) -> str:
-    pct = lambda v: "-" if v is None else f"{v:+.1f}%"  # noqa: E731
-    ends = result["baseline_final_steps"]
-    target = (
-        f"Target: the mean final eval ppl of `{result['baseline']}` = {result['target_ppl']:.3f}"
-        if result["target_ppl"] is not None and len(ends) == 1
-        else f"Target: the mean eval ppl of `{result['baseline']}` at step {result['target_step']}, the "
-        f"last its seeds all evaluated (they end at steps {', '.join(map(str, ends))}) = "
-        f"{result['target_ppl']:.3f}"
-        if result["target_ppl"] is not None
-        else f"No target: the baseline `{result['baseline']}` has no completed run yet, so steps and "
-        "time to target are not computed (final ppl only)"
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1f}%"
+
+
+def _num(v, fmt: str) -> str:
+    return "-" if v is None else f"{v:{fmt}}"
+
+
+def _target_line(result: dict) -> str:
+    """The report's first line: what the target is, or why there is none."""
+    baseline, ppl, ends = result["baseline"], result["target_ppl"], result["baseline_final_steps"]
+    if ppl is None:
+        return (
+            f"No target: the baseline `{baseline}` has no completed run yet, so steps and time to "
+            "target are not computed (final ppl only)"
+        )
+    if len(ends) == 1:
+        return f"Target: the mean final eval ppl of `{baseline}` = {ppl:.3f}"
+    return (
+        f"Target: the mean eval ppl of `{baseline}` at step {result['target_step']}, the last its seeds "
+        f"all evaluated (they end at steps {', '.join(map(str, ends))}) = {ppl:.3f}"
     )
-    num = lambda v, fmt: "-" if v is None else f"{v:{fmt}}"  # noqa: E731
+
+
+def _seed_text(s: dict, has_target: bool) -> str:
+    """A seed's part of the per-seed line: its final ppl, and its steps and seconds to the target
+    (or why it has none)."""
+    if s["time_s"] is not None:
+        reached = f"{s['steps']} steps, {s['time_s']:.1f} s"
+    elif s["steps"] is not None:
+        device = s["device"] or "a device it does not name"
+        why = " and ".join(["shared the machine"] * s["shared"] + [f"ran on {device}"] * s["elsewhere"])
+        reached = f"{s['steps']} steps ({why}: no time)"
+    else:
+        reached = "target not reached" if has_target else "no target"
+    return f"seed {s['seed']}: ppl {s['final_ppl']:.3f}, {reached}"
+
+
+def markdown(result: dict) -> str:
     lines = [
-        target,
+        _target_line(result),
         "",
         "Steps and time (`wall_s`) to the target are those of the first evaluation at which a "
         "point's mean curve (its eval ppl averaged over its seeds at each evaluation) is at or "
@@ -530,34 +549,16 @@ def markdown(result: dict) -> str:
         curve = row["mean_curve"]
         lines.append(
             f"| {point} | {row['final_ppl']['n']} ({row['reached']} reached, {row['timed']} timed) | "
-            f"{_pm(row['final_ppl'], '.3f')} | {num(row.get('final_ppl_p'), '.2f')} | "
-            f"{num(curve['steps_to_target'], 'd')} | {pct(row['step_reduction_pct'])} | "
+            f"{_pm(row['final_ppl'], '.3f')} | {_num(row.get('final_ppl_p'), '.2f')} | "
+            f"{_num(curve['steps_to_target'], 'd')} | {_pct(row['step_reduction_pct'])} | "
             f"{_pm(row['steps_to_target'], '.0f')} | "
-            f"{num(curve['time_to_target_s'], '.1f')} | {pct(row['time_reduction_pct'])} | "
+            f"{_num(curve['time_to_target_s'], '.1f')} | {_pct(row['time_reduction_pct'])} | "
             f"{_pm(row['time_to_target_s'], '.1f')} |"
         )
     lines += ["", "Per seed (final ppl, steps and seconds to the target):", ""]
     seeds = [s for row in result["points"].values() for s in row["seeds"]]
-
-    def no_time(s: dict) -> str:
-        """Why a seed that reached the target has no time."""
-        device = s["device"] or "a device it does not name"
-        return " and ".join(["shared the machine"] * s["shared"] + [f"ran on {device}"] * s["elsewhere"])
-
     for point, row in result["points"].items():
-        per = "; ".join(
-            f"seed {s['seed']}: ppl {s['final_ppl']:.3f}, "
-            + (
-                f"{s['steps']} steps, {s['time_s']:.1f} s"
-                if s["time_s"] is not None
-                else f"{s['steps']} steps ({no_time(s)}: no time)"
-                if s["steps"] is not None
-                else "no target"
-                if result["target_ppl"] is None
-                else "target not reached"
-            )
-            for s in row["seeds"]
-        )
+        per = "; ".join(_seed_text(s, result["target_ppl"] is not None) for s in row["seeds"])
         lines.append(f"- {point}: {per or 'none completed'}")
     shared, elsewhere = sum(s["shared"] for s in seeds), sum(s["elsewhere"] for s in seeds)
     if shared:
