@@ -862,7 +862,7 @@ def test_a_new_state_is_the_seeded_init_and_its_parameters_compile_apart_from_th
     made = []  # the programs restore_or_init makes the parameters with
     param_init = setting.Setup.param_init
     monkeypatch.setattr(setting.Setup, "param_init", lambda self: made.append(param_init(self)) or made[-1])
-    start = setting.restore_or_init(moara, None, resume=False, main=True)
+    start = setting.restore_or_init(moara, None, resume=False)
     assert len(made) == 1 and start.step == 0 and start.resumed_from is None
     chex.assert_trees_all_equal(start.state, jax.jit(moara.init)(key))
 
@@ -1035,7 +1035,8 @@ def test_weight_decay_mask_matrices_leaves_norms_undecayed_in_a_train_step(name,
 @pytest.mark.slow
 def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path):
     sets = [*FAST, "train.steps=4", "checkpoint.every=2"]
-    run_cli(tmp_path / "run", *sets)
+    first = run_cli(tmp_path / "run", *sets, extra=["--resume"])  # (quiet: what it starts from is said)
+    assert f"no checkpoint in {tmp_path / 'run' / 'checkpoints'}; starting from scratch" in first.stdout
     saved = (tmp_path / "run" / "config.yaml").read_text()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     fresh = run_cli(tmp_path / "run", *sets, check=False)

@@ -112,7 +112,7 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
                 "on shared storage"
             )
     ckpt = Checkpointer(run, cfg.checkpoint.keep, cfg.checkpoint.every, enabled=main)
-    start = restore_or_init(setup, ckpt, resume, main, say)
+    start = restore_or_init(setup, ckpt, resume, say=print if main else silent)
     # Kept in summary.json (changed_on_resume): the changes its results depend on, not where its
     # files are, how it is split or what it records (OPERATIONAL).
     kept = [str(c) for c in changes if not under(c.key, OPERATIONAL + MOVABLE_ON_RESUME)]

@@ -184,16 +184,17 @@ class Start:
     changed: tuple[str, ...] = ()  # the settings a resume changed (``key: old -> new``)
 
 
-def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, say=print) -> Start:
+def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, say=print) -> Start:
     """The newest usable checkpoint (``--resume``), else a new state: from ``model.init_from``'s
-    weights or a seeded init, made directly in its shardings."""
+    weights or a seeded init, made directly in its shardings. What it starts from (and the
+    checkpoints it passed over) goes to ``say``: process 0's ``print``, ``--quiet`` or not."""
     if resume and ckpt.steps():
         abstract = abstract_with_shardings(jax.eval_shape(setup.init, jax.random.PRNGKey(0)), setup.shardings)
 
         def usable(state) -> str | None:
             return None if bool(all_finite(state.params)) else "non-finite parameters"
 
-        restored = ckpt.restore_latest(abstract, usable, say=print if main else silent)
+        restored = ckpt.restore_latest(abstract, usable, say=say)
         if restored is not None:
             step, state, extra = restored
             wanted = RESUME_ITEMS + (("recorder",) if setup.profiling else ())
@@ -218,8 +219,7 @@ def restore_or_init(setup: Setup, ckpt: Checkpointer, resume: bool, main: bool, 
                     f"checkpoint {step} trained on (data files added, removed or changed since): "
                     "resuming would draw other batches; restore those files, or start a new run dir"
                 )
-            if main:
-                print(f"resuming from step {int(state.step)} ({ckpt.directory / str(step)})")
+            say(f"resuming from step {int(state.step)} ({ckpt.directory / str(step)})")
             return Start(state, int(state.step), step, extra)
     if resume:
         say(f"no checkpoint in {ckpt.directory}; starting from scratch")
