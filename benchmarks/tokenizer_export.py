@@ -45,7 +45,7 @@ def compare(tokenizer: str, paths: list[str]) -> dict:
         tokens += len(want)
         if want != got:
             at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), len(want))
-            pieces = sp._sp.id_to_piece
+            pieces = sp.processor.id_to_piece
             differ.append(
                 {
                     "document": documents - 1,

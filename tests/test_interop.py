@@ -573,14 +573,14 @@ def test_sentencepiece_models_export_to_a_tokenizer_that_encodes_alike(model_typ
         if model_type == "unigram" and got != want:
             # Two segmentations of (nearly) the same score: sentencepiece sums in float32 over the
             # whole text, so rounding decides; any other difference fails.
-            score = ours._sp.get_score
+            score = ours.processor.get_score
             a, b = (sum(float(score(i)) for i in ids) for ids in (want, got))
             assert abs(a - b) <= 1e-6 * abs(a) + 1e-3, text[:80]
             ties += 1
             continue
         assert got == want, text[:80]
     assert ties <= 2
-    merged = [t for t in ours.encode(" ".join(docs[60:])) if len(ours._sp.id_to_piece(t)) > 2]
+    merged = [t for t in ours.encode(" ".join(docs[60:])) if len(ours.processor.id_to_piece(t)) > 2]
     assert len(merged) > 1000  # the merges were exercised, not only single characters
     if not settings.get("byte_fallback"):
         assert unknown > 0  # and runs of unknown characters, as UNK

@@ -86,16 +86,15 @@ def _write_tokenizer_files(tok, out: pathlib.Path, max_length: int) -> tuple[lis
     return _write_sentencepiece(tok, out, max_length)
 
 
-def _transformers():
+def _require_transformers() -> None:
     try:
-        import transformers
+        import transformers  # noqa: F401 - only whether it is installed
     except ImportError:
         raise UserError(
             "the export writes the model's config and checks its tokenizer files with transformers, "
             "which is not installed: "
             "pip install 'moara-jax[hf]'"
         ) from None
-    return transformers
 
 
 def _write_hf(tok: HFTokenizer, out: pathlib.Path, max_length: int) -> list[str]:
@@ -206,10 +205,12 @@ def _write_sentencepiece(tok: SentencePieceTokenizer, out: pathlib.Path, max_len
     converted, why = sentencepiece_tokenizer_json(tok)
     if converted is None:
         return [], why
-    sp = tok._sp
+    sp = tok.processor
     shutil.copyfile(tok.path, out / "spiece.model")
     converted.save(str(out / TOKENIZER_JSON))
-    pad = sp.pad_id() if sp.pad_id() >= 0 else tok.eos_id
+    # A pad token for transformers' batches (the harness pads): EOS where the model has none of its
+    # own (the model's config.json says pad_token_id null then).
+    pad = tok.eos_id if tok.pad_id is None else tok.pad_id
     config = {
         "tokenizer_class": TOKENIZER_CLASS,
         "eos_token": sp.id_to_piece(tok.eos_id),
@@ -247,7 +248,7 @@ def export(
             f"--out {out} holds the run's tokenizer ({source}), which an export there would replace: "
             "choose another --out"
         )
-    _transformers()  # before anything is written
+    _require_transformers()  # before anything is written
     try:
         models.to_hf_config(model_cfg)
     except ValueError as e:
@@ -286,7 +287,7 @@ def _write_model(
         (out / name).unlink(missing_ok=True)
     if (out / TOKENIZER_SUBDIR).is_dir():
         shutil.rmtree(out / TOKENIZER_SUBDIR)
-    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": _pad_id(tok)}
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
     try:
         written = models.write_hf_dir(
             out, model_cfg, params, dtype=dtype, max_shard_bytes=max_shard_bytes, token_ids=ids
@@ -338,16 +339,6 @@ def _write_card(out: pathlib.Path, name: str, run: RunDir, step: int, files: lis
             f"lm-evaluation-harness: `--model_args pretrained=DIR,tokenizer=DIR/{TOKENIZER_SUBDIR}`.",
         ]
     card.write_text("\n".join(lines) + "\n")
-
-
-def _pad_id(tok) -> int | None:
-    """The tokenizer's own pad token, if it has one."""
-    if isinstance(tok, SentencePieceTokenizer):
-        return tok._sp.pad_id() if tok._sp.pad_id() >= 0 else None
-    if isinstance(tok, HFTokenizer):
-        pad = tok.settings["special_tokens"].get("pad_token")
-        return tok._tok.token_to_id(pad) if pad else None
-    return None
 
 
 def main(argv=None) -> int:

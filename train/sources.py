@@ -30,6 +30,7 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
     bos_id = None
+    pad_id = None
     ends_with_eos = False
     text_specials = np.empty(0, np.int64)  # (no text encodes as EOS)
 
@@ -61,12 +62,13 @@ class SentencePieceTokenizer:
         if not self.path.is_file():
             raise UserError(f"data.tokenizer: sentencepiece model not found: {path}")
         try:
-            self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+            self.processor = spm.SentencePieceProcessor(model_file=str(self.path))
         except (RuntimeError, OSError) as e:  # e.g. a tiktoken tokenizer.model (Llama 3's)
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"data.tokenizer: {path} is not a sentencepiece model ({why})") from None
-        self.vocab_size = self._sp.get_piece_size()
-        self.eos_id = self._sp.eos_id()
+        self.vocab_size = self.processor.get_piece_size()
+        self.eos_id = self.processor.eos_id()
+        self.pad_id = self.processor.pad_id() if self.processor.pad_id() >= 0 else None  # (its own)
         self.bos_id = None  # a document's ids are its pieces: no BOS (the model's own BOS is unused)
         self.ends_with_eos = False
         self.text_specials = np.empty(0, np.int64)  # it encodes "</s>" in a text as its characters
@@ -74,14 +76,14 @@ class SentencePieceTokenizer:
             raise UserError(f"data.tokenizer: {path} defines no EOS piece")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._sp.encode(text)
+        return self.processor.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         # One thread: the store's parallelism is its worker processes.
-        return [np.asarray(ids, np.int64) for ids in self._sp.encode(texts, num_threads=1)]
+        return [np.asarray(ids, np.int64) for ids in self.processor.encode(texts, num_threads=1)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._sp.decode(list(ids))
+        return self.processor.decode(list(ids))
 
     def identity(self) -> dict:
         return {
@@ -202,6 +204,7 @@ class HFTokenizer:
             )
         self.eos_id = self._tok.token_to_id(named["eos_token"])
         self.bos_id = self._tok.token_to_id(named["bos_token"]) if named["bos_token"] else None
+        self.pad_id = self._tok.token_to_id(named["pad_token"]) if named["pad_token"] else None
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         # A post-processor that ends every text with EOS (T5's "$A </s>"): that EOS is the
         # document's separator, not followed by another (``document_tokens``).
