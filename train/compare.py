@@ -97,8 +97,6 @@ def eval_rows(run: RunDir) -> list[dict]:
     time as numbers: a damaged file is one line naming it, not a failure deep in the figures."""
     for row in run.rows(None):
         where = f"{run.metrics_file}: the row {json.dumps(row)[:100]}"
-        if not isinstance(row, dict):
-            raise UserError(f"{where} is not a JSON object: the run dir is damaged")
         for key in ("step", "eval_ppl", "wall_s") if "eval_ppl" in row else ():
             if isinstance(row.get(key), bool) or not isinstance(row.get(key), (int, float)):
                 raise UserError(f"{where} has no number {key}: the run dir is damaged")

@@ -253,8 +253,8 @@ class StepLoop:
         # out): a row's step time is their mean (see read_metrics).
         self.window_steps, self.window_s = 0, 0.0
         self._cpu = jax.local_devices(backend="cpu")[0]
-        # One program for the schedule (tiny.yaml's, on a 2-core CPU): a call takes 0.02 ms, its
-        # operations dispatched one by one 0.2 ms; the first 0.08 s, against 0.42 s for theirs.
+        # The schedule as one jitted program: ten times faster a call than its operations
+        # dispatched one by one (measured on tiny.yaml's, 2026-11).
         self._lr = jax.jit(setup.lr)
 
     def run(self, state: TrainState, step: int, signals: StopSignals) -> Outcome:
@@ -264,8 +264,9 @@ class StepLoop:
         self.writer.faults.active = self.ckpt.faults.active = jax.process_count() > 1
         try:
             outcome = self._steps(state, signals)
-        except IOFault as e:  # not held: maybe in this process alone, which ends (the others then
-            outcome = Outcome("io_error", self.checked, None, e)  # lose a peer)
+        except IOFault as e:
+            # A fault not held (maybe in this process alone): this process ends, the others lose a peer.
+            outcome = Outcome("io_error", self.checked, None, e)
         finally:
             self.writer.faults.active = self.ckpt.faults.active = False
             self.writer.end_progress()

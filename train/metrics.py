@@ -1,4 +1,5 @@
-"""``metrics.jsonl`` (one object per logged step and per eval), a progress line, ``summary.json``."""
+"""A run's metrics: ``metrics.jsonl`` (one object per logged step and per eval), a progress line,
+and the sinks ``metrics.writers`` adds (TensorBoard events, Weights & Biases)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class TensorBoardSink:
 
     name = "TensorBoard events"
 
-    def __init__(self, run_dir: pathlib.Path, resume_step: int | None = None):
+    def __init__(self, run_dir: RunDir | pathlib.Path, resume_step: int | None = None):
         try:
             from tensorboardX import summary
             from tensorboardX.proto.event_pb2 import Event, SessionLog
@@ -102,7 +103,7 @@ class WandbSink:
 
     name = "Weights & Biases files"
 
-    def __init__(self, run_dir: pathlib.Path, config: dict, project: str = "moara-jax"):
+    def __init__(self, run_dir: RunDir | pathlib.Path, config: dict, project: str = "moara-jax"):
         try:
             import wandb
         except ImportError:
@@ -129,7 +130,11 @@ class WandbSink:
 
 
 def make_sinks(
-    writers: list, run_dir: pathlib.Path, config: dict, wandb_project: str, resume_step: int | None = None
+    writers: list,
+    run_dir: RunDir | pathlib.Path,
+    config: dict,
+    wandb_project: str,
+    resume_step: int | None = None,
 ) -> list:
     """The metric sinks besides ``metrics.jsonl`` that ``metrics.writers`` names (``resume_step``:
     the checkpoint's step when resuming)."""
@@ -156,7 +161,7 @@ SCALARS = {
 class MetricsWriter:
     def __init__(
         self,
-        run_dir: pathlib.Path,
+        run_dir: RunDir | pathlib.Path,
         total_steps: int,
         resume_step: int | None,
         quiet: bool = False,

@@ -31,11 +31,15 @@ import pathlib
 import shutil
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import yaml
 
 from train.errors import IOFault, UserError, io_operation, yaml_problem
 from train.plots import figure
+
+if TYPE_CHECKING:  # (train.config imports JAX, which reading a run dir does not need)
+    from train.config import Change
 
 CONFIG = "config.yaml"
 MODEL = "model.json"
@@ -260,7 +264,7 @@ class RunDir:
             recorded = {"vocab_size": make_tokenizer(cfg.data.tokenizer).vocab_size}
         return model_config(cfg, int(recorded["vocab_size"]))
 
-    def check_resumable(self, config: dict) -> list[str]:
+    def check_resumable(self, config: dict) -> list[Change]:
         """Refuses a resume whose config changes what the checkpoint or the data order depend on
         (``config``: the new run's, as a mapping); returns the changes it may make."""
         from train.config import check_resumable
