@@ -250,10 +250,10 @@ def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTran
     shape-preserving transforms this is ``optax.chain``. The state is placed as the parameters
     are, and the stages run on Explicit mesh axes (:func:`moara_jax.state_shardings`).
     """
-    return follow_params(chain_stages(*transforms))
+    return follow_params(_unplaced_stage_chain(*transforms))
 
 
-def chain_stages(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
+def _unplaced_stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformation:
     """:func:`stage_chain` without its placement of the state (the stages inside a transform
     that places its own)."""
 
@@ -353,8 +353,8 @@ def direction_chain(
     (:func:`scale_by_moara`, else :func:`scale_by_galore`)."""
     stages = stages_of(host, options)
     if block_size is None:
-        return chain_stages(*stages, recompose(options.scale))
-    return chain_stages(
+        return _unplaced_stage_chain(*stages, recompose(options.scale))
+    return _unplaced_stage_chain(
         decompose(block_size, decompose_eps, keep_gradient=True),
         *stages,
         recompose(options.scale, block_size),
