@@ -65,43 +65,8 @@ def train_and_evaluate(cfg: RunConfig, run_dir, resume: bool = False, quiet: boo
 def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> dict:
     clock = Clock()
     say = print if main and not quiet else silent
-    changes: list[Change] = []
-    if run.has_checkpoints():
-        if not resume:
-            raise UserError(
-                f"{run} already holds checkpoints of a run; pass --resume to continue it, or "
-                "choose another run dir"
-            )
-        changes = run.check_resumable(to_dict(cfg))  # those a resume may make
-        if changes and main:
-            listed = ", ".join(map(str, changes))
-            print(f"--resume: settings changed since the run's {run.config_file.name}: {listed}")
-    elif run.status() == "completed":  # its checkpoints removed, e.g. a run kept as a result
-        raise UserError(
-            f"{run} holds a completed run ({run.summary_file.name}) and no checkpoint to continue "
-            "it from; choose another run dir"
-        )
-    elif run.state() == "failed":  # every checkpoint set aside: a new run would replace its record
-        raise UserError(
-            f"{run} holds a run that stopped with status {run.status()} ({run.summary_file.name}) and "
-            "no checkpoint to continue it from; choose another run dir"
-        )
-    elif resume and run.rejected.is_dir() and any(run.rejected.iterdir()):  # by an earlier --resume
-        raise UserError(
-            f"--resume: {run} holds no checkpoint to continue from: the run's were set aside as not "
-            f"usable ({run.rejected}); run without --resume to start it over (its metrics and "
-            f"summary are replaced), or move a checkpoint back into {run.checkpoints}"
-        )
-    # A resume continues from the checkpoint, not from init_from: the model is the one the run
-    # built (model.json), so the directory may have moved or gone since.
-    resumes = resume and run.has_checkpoints() and cfg.model.init_from is not None
-    built = run.model_config() if resumes and run.model_file.is_file() else None
-    had = run.setting("model", "init_from") if resumes and built is None else None
-    if resumes and built is None and had != cfg.model.init_from:
-        raise UserError(  # a run dir of a version before model.json: the directory is the model
-            f"--resume: {run} holds no {run.model_file.name} to take the model from; give "
-            f"model.init_from as the run had it ({had})"
-        )
+    changes = _check_run_dir(run, cfg, resume, main)
+    built = _resumed_model(run, cfg, resume)
     with errors_shared():  # e.g. one process's data file missing
         setup = make_setup(cfg, quiet, clock, built)
     with errors_shared():  # (a collective: after the block above, which every process passed)
@@ -135,7 +100,58 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
     # the wrap-up (the last save, the summary), so a run that finished its steps is recorded.
     with StopSignals() as signals:
         outcome = loop.run(start.state, start.step, signals)
-        return finish(setup, run, ckpt, start, loop, outcome, main, clock)
+        return finish(loop, run, start, outcome, main)
+
+
+def _check_run_dir(run: RunDir, cfg: RunConfig, resume: bool, main: bool) -> list[Change]:
+    """Refuses a run dir this run cannot start or go on in (checkpoints without ``--resume``, a
+    finished or failed run with nothing to continue from, a resume's changes it may not make);
+    returns the changes a resume makes (said by process 0)."""
+    changes: list[Change] = []
+    if run.has_checkpoints():
+        if not resume:
+            raise UserError(
+                f"{run} already holds checkpoints of a run; pass --resume to continue it, or "
+                "choose another run dir"
+            )
+        changes = run.check_resumable(to_dict(cfg))  # those a resume may make
+        if changes and main:
+            listed = ", ".join(map(str, changes))
+            print(f"--resume: settings changed since the run's {run.config_file.name}: {listed}")
+    elif run.status() == "completed":  # its checkpoints removed, e.g. a run kept as a result
+        raise UserError(
+            f"{run} holds a completed run ({run.summary_file.name}) and no checkpoint to continue "
+            "it from; choose another run dir"
+        )
+    elif run.state() == "failed":  # every checkpoint set aside: a new run would replace its record
+        raise UserError(
+            f"{run} holds a run that stopped with status {run.status()} ({run.summary_file.name}) and "
+            "no checkpoint to continue it from; choose another run dir"
+        )
+    elif resume and run.rejected.is_dir() and any(run.rejected.iterdir()):  # by an earlier --resume
+        raise UserError(
+            f"--resume: {run} holds no checkpoint to continue from: the run's were set aside as not "
+            f"usable ({run.rejected}); run without --resume to start it over (its metrics and "
+            f"summary are replaced), or move a checkpoint back into {run.checkpoints}"
+        )
+    return changes
+
+
+def _resumed_model(run: RunDir, cfg: RunConfig, resume: bool) -> models.ModelConfig | None:
+    """The model a resumed ``model.init_from`` run built (its ``model.json``), else None: a
+    resume goes on from the checkpoint, so the directory it was initialised from may have moved
+    or gone since."""
+    if not (resume and run.has_checkpoints() and cfg.model.init_from is not None):
+        return None
+    if run.model_file.is_file():
+        return run.model_config()
+    had = run.setting("model", "init_from")  # a run dir of a version before model.json
+    if had != cfg.model.init_from:
+        raise UserError(
+            f"--resume: {run} holds no {run.model_file.name} to take the model from; give "
+            f"model.init_from as the run had it ({had})"
+        )
+    return None  # the directory is the model
 
 
 def _is_main_process() -> bool:
@@ -212,7 +228,15 @@ class StepLoop:
     own metrics at once."""
 
     def __init__(
-        self, setup: Setup, run: RunDir, ckpt: Checkpointer, start: Start, *, quiet: bool, main: bool, clock
+        self,
+        setup: Setup,
+        run: RunDir,
+        ckpt: Checkpointer,
+        start: Start,
+        *,
+        quiet: bool,
+        main: bool,
+        clock: Clock,
     ):
         cfg, t = setup.cfg, setup.cfg.train
         self.setup, self.ckpt, self.clock = setup, ckpt, clock
@@ -426,21 +450,13 @@ class StepLoop:
 # ------------------------------------------------------------------------------------ 5. finish
 
 
-def finish(
-    setup: Setup,
-    run: RunDir,
-    ckpt: Checkpointer,
-    start: Start,
-    loop: StepLoop,
-    outcome: Outcome,
-    main: bool,
-    clock: Clock,
-) -> dict:
+def finish(loop: StepLoop, run: RunDir, start: Start, outcome: Outcome, main: bool) -> dict:
     """What a stop leaves (diverged checkpoints rejected, one error line), then the summary,
     the profile's outputs (a completed profile) and the plots. After a fault of the machine
     the partial checkpoint is removed, the summary written if it can be, and the fault raised
     with what was kept: in a multi-process run, process 0's fault after the steps (the last
     save's checksums, the summary, the profile's outputs, the plot) in every process."""
+    setup, ckpt = loop.setup, loop.ckpt
     # No fault yet: every process is here with this outcome (a fault one held was shared by all;
     # one that ended this process alone was not, and the others are not here).
     together = outcome.fault is None
@@ -457,7 +473,7 @@ def finish(
     if outcome.fault is not None:
         ckpt.abandon()
     kept = ckpt.complete_steps()  # after the last save, or after abandon removed a partial one
-    summary = make_summary(setup, run, start, loop, outcome, clock)
+    summary = make_summary(loop, run, start, outcome)
     summary["last_checkpoint"] = kept[-1] if kept else None
     unwritten, summary_written = None, False
     if loop.recorder is not None:  # a partial profile gives no allocation; --resume finishes it
@@ -504,8 +520,9 @@ def _report_stop(outcome: Outcome, ckpt: Checkpointer) -> None:
     print(f"error: {outcome.stop.reason}; stopping ({outcome.status}); {where}")
 
 
-def make_summary(setup: Setup, run: RunDir, start: Start, loop: StepLoop, outcome: Outcome, clock) -> dict:
-    cfg, stop = setup.cfg, outcome.stop
+def make_summary(loop: StepLoop, run: RunDir, start: Start, outcome: Outcome) -> dict:
+    setup, clock, stop = loop.setup, loop.clock, outcome.stop
+    cfg = setup.cfg
     earlier = run.sessions() if start.resumed_from is not None else []
     changed = (run.summary() or {}).get("changed_on_resume", []) if start.resumed_from is not None else []
     if start.changed:
