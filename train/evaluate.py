@@ -396,15 +396,36 @@ def _trained_len(directory: pathlib.Path) -> int | None:
     return seq_len if isinstance(seq_len, int) and seq_len > 0 else None
 
 
-def load_model(args, mesh) -> tuple[models.ModelConfig, dict, object, int, str]:
-    """Model config, sharded parameters, tokenizer, default sequence length and a description."""
-    dtypes = {"param_dtype": args.dtype, "dtype": args.dtype} if args.dtype else {}
-    if args.hf:
-        directory = pathlib.Path(args.hf)
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model to evaluate: its config, sharded parameters, tokenizer, the sequence length it
+    is scored at by default, and a description for the report."""
+
+    config: models.ModelConfig
+    params: dict
+    tokenizer: object
+    seq_len: int
+    source: str
+
+
+def load_model(
+    mesh,
+    *,
+    run_dir: str | None = None,
+    hf: str | None = None,
+    step: int | None = None,
+    tokenizer: str | None = None,
+    dtype: str | None = None,
+) -> LoadedModel:
+    """Checkpoint ``step`` (default: the newest) of ``run_dir``, or the Hugging Face directory
+    ``hf``, on ``mesh`` (``dtype``: its parameters and compute in it; ``tokenizer``: another
+    than the model's)."""
+    dtypes = {"param_dtype": dtype, "dtype": dtype} if dtype else {}
+    if hf:
+        directory = pathlib.Path(hf)
         try:
-            cfg = models.read_hf_config(
-                directory, **({"param_dtype": "float32", "dtype": "float32"} | dtypes)
-            )
+            dtypes = {"param_dtype": "float32", "dtype": "float32"} | dtypes
+            cfg = models.read_hf_config(directory, **dtypes)
         except (ImportError, ValueError) as e:
             raise UserError(f"--hf: {e}") from None
         shardings = param_shardings(models.logical_axes(cfg), models.abstract_params(cfg), mesh)
@@ -413,18 +434,18 @@ def load_model(args, mesh) -> tuple[models.ModelConfig, dict, object, int, str]:
         except (ImportError, ValueError) as e:
             raise UserError(f"--hf: {e}") from None
         seq_len = _trained_len(directory) or min(cfg.max_position_embeddings, 2048)
-        return cfg, params, _hf_tokenizer(directory, args.tokenizer), seq_len, str(directory)
+        return LoadedModel(cfg, params, _hf_tokenizer(directory, tokenizer), seq_len, str(directory))
     from train.checkpoint import read_params
 
-    run = RunDir(args.run_dir)
+    run = RunDir(run_dir)
     cfg = run.model_config().replace(**dtypes)
     abstract = models.abstract_params(cfg)
     shardings = param_shardings(models.logical_axes(cfg), abstract, mesh)
-    step, params = read_params(run, args.step, shardings, expected=abstract)
-    if args.dtype:
-        params = jax.tree.map(lambda x: x.astype(args.dtype), params)
+    step, params = read_params(run, step, shardings, expected=abstract)
+    if dtype:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
     seq_len = int(run.setting("train", "seq_len") or cfg.max_position_embeddings)
-    return cfg, params, run.tokenizer(args.tokenizer), seq_len, f"{run} step {step}"
+    return LoadedModel(cfg, params, run.tokenizer(tokenizer), seq_len, f"{run} step {step}")
 
 
 def markdown(report: dict) -> str:
@@ -449,51 +470,70 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def evaluate(args) -> dict:
-    if bool(args.run_dir) == bool(args.hf):
+def evaluate(
+    *,
+    run_dir: str | None = None,
+    hf: str | None = None,
+    step: int | None = None,
+    ppl_files: str | None = None,
+    tasks: str | None = None,
+    target_delimiter: str = " ",
+    seq_len: int | None = None,
+    batch_size: int = 32,
+    tokenizer: str | None = None,
+    dtype: str | None = None,
+    fsdp: int = 1,
+    tensor: int = 1,
+    out: str | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """``python -m train.evaluate`` (each keyword is its option): writes ``eval.json``, ``eval.md``
+    and each task's ``scores-NAME.jsonl`` to ``out`` and returns the report with ``out``."""
+    if bool(run_dir) == bool(hf):
         raise UserError("give one of --run-dir and --hf")
-    if args.hf and args.step is not None:
+    if hf and step is not None:
         raise UserError("--step picks a checkpoint of --run-dir; an --hf directory has one set of weights")
-    if args.run_dir and not pathlib.Path(args.run_dir).is_dir():  # before --out is made in it
-        there = pathlib.Path(args.run_dir).exists()
-        raise UserError(f"run dir {args.run_dir}: {'not a directory' if there else 'no such directory'}")
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-    texts, tasks = parse_named(args.ppl_files, "--ppl-files"), parse_named(args.tasks, "--tasks")
-    if not texts and not tasks:
+    if run_dir and not pathlib.Path(run_dir).is_dir():  # before --out is made in it
+        there = pathlib.Path(run_dir).exists()
+        raise UserError(f"run dir {run_dir}: {'not a directory' if there else 'no such directory'}")
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+    texts, task_files = parse_named(ppl_files, "--ppl-files"), parse_named(tasks, "--tasks")
+    if not texts and not task_files:
         raise UserError("nothing to evaluate: give --ppl-files and/or --tasks")
-    for name, paths in tasks.items():
+    for name, paths in task_files.items():
         if len(paths) != 1:
             raise UserError(f"--tasks {name}: one JSONL file per task")
         read_task(paths[0])  # a bad task file fails before the model loads
-    out = pathlib.Path(args.out or (pathlib.Path(args.run_dir) / EVAL if args.run_dir else EVAL))
+    out = pathlib.Path(out or (pathlib.Path(run_dir) / EVAL if run_dir else EVAL))
     check_directory_path(out, "--out")
-    if (out / "eval.json").exists() and not args.overwrite:
+    if (out / "eval.json").exists() and not overwrite:
         raise UserError(f"{out} holds an evaluation (eval.json); choose another --out or pass --overwrite")
     make_directory(out, "--out", "writing the evaluation to")
-    mesh = make_mesh(MeshSection(data=-1, fsdp=args.fsdp, tensor=args.tensor))
-    model_cfg, params, tokenizer, seq_len, source = load_model(args, mesh)
-    seq_len = seq_len if args.seq_len is None else args.seq_len
+    mesh = make_mesh(MeshSection(data=-1, fsdp=fsdp, tensor=tensor))
+    model = load_model(mesh, run_dir=run_dir, hf=hf, step=step, tokenizer=tokenizer, dtype=dtype)
+    model_cfg, tok = model.config, model.tokenizer
+    seq_len = model.seq_len if seq_len is None else seq_len
     if not 1 <= seq_len <= model_cfg.max_position_embeddings:
         raise UserError(f"--seq-len must be in [1, {model_cfg.max_position_embeddings}], got {seq_len}")
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids, the model {model_cfg.vocab_size}")
-    scorer = Scorer(model_cfg, params, mesh, args.batch_size, seq_len + 1)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tok.vocab_size} ids, the model {model_cfg.vocab_size}")
+    scorer = Scorer(model_cfg, model.params, mesh, batch_size, seq_len + 1)
     with io_operation("writing the evaluation to", out):  # --overwrite: no file of the last one stays
         for stale in [out / "eval.json", out / "eval.md", *out.glob("scores-*.jsonl")]:
             stale.unlink(missing_ok=True)
     report = {
-        "model": source,
+        "model": model.source,
         "seq_len": seq_len,
-        "tokenizer": tokenizer.identity(),
+        "tokenizer": tok.identity(),
         "perplexity": {},
         "tasks": {},
     }
     started = time.perf_counter()
     for name, paths in texts.items():
-        report["perplexity"][name] = {**text_perplexity(scorer, paths, tokenizer), "files": paths}
-    for name, (path,) in tasks.items():
-        result, per_example = multiple_choice(scorer, path, tokenizer, args.target_delimiter)
+        report["perplexity"][name] = {**text_perplexity(scorer, paths, tok), "files": paths}
+    for name, (path,) in task_files.items():
+        result, per_example = multiple_choice(scorer, path, tok, target_delimiter)
         report["tasks"][name] = {**result, "file": path}
         with io_operation("writing the evaluation to", out), open(out / f"scores-{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in per_example)
@@ -546,7 +586,7 @@ def main(argv=None) -> int:
 
 
 def _evaluate_and_report(args) -> int:
-    report = evaluate(args)
+    report = evaluate(**vars(args))
     print(markdown(report))
     print(f"wrote {report['out']}/eval.json and eval.md")
     return 0
