@@ -446,13 +446,13 @@ def test_only_a_failed_reads_leftovers_are_dropped(monkeypatch):
     unraisable report (a coroutine of another module's) reaches the hook before it, installed once."""
     from types import SimpleNamespace
 
-    from train import checkpoint
+    from train import orbax_noise
 
     got = []
     monkeypatch.setattr(sys, "unraisablehook", got.append)
-    checkpoint._drop_failed_read_leftovers()
+    orbax_noise.drop_failed_read_leftovers()
     hook = sys.unraisablehook
-    checkpoint._drop_failed_read_leftovers()
+    orbax_noise.drop_failed_read_leftovers()
 
     async def read_elsewhere():
         pass
@@ -466,7 +466,7 @@ def test_only_a_failed_reads_leftovers_are_dropped(monkeypatch):
     # asyncio's record of a gathering whose exception nobody retrieved: dropped when the
     # exception came from orbax's code, kept otherwise.
     records = []
-    for where in (checkpoint._ORBAX_DIR + "checkpoint/_src/read.py", __file__):
+    for where in (orbax_noise.ORBAX_DIR + "checkpoint/_src/read.py", __file__):
         try:
             exec(compile("raise ValueError('read failed')", where, "exec"))
         except ValueError as e:
@@ -474,7 +474,7 @@ def test_only_a_failed_reads_leftovers_are_dropped(monkeypatch):
             records.append(
                 logging.LogRecord("asyncio", logging.ERROR, "", 0, message, (), (type(e), e, None))
             )
-    leftovers = checkpoint._OrbaxLeftovers()
+    leftovers = orbax_noise.OrbaxLeftovers()
     assert [leftovers.filter(r) for r in records] == [False, True]
     assert sys.unraisablehook is hook  # the second call added no second layer
 

@@ -15,87 +15,19 @@ import contextlib
 import errno
 import hashlib
 import json
-import logging
 import pathlib
 import re
 import shutil
-import sys
 import time
-import traceback
 from collections.abc import Callable
 
 import jax
 import orbax.checkpoint as ocp
 
 from train.distributed import any_process, errors_shared, multi_process
-from train.errors import HeldFaults, IOFault, UserError, cause, errno_in_text, io_operation, machine_errno
+from train.errors import HeldFaults, IOFault, UserError, cause, io_operation, machine_errno
+from train.orbax_noise import drop_failed_read_leftovers
 from train.rundir import CHECKPOINTS, CONFIG, MODEL, RunDir, RunLock, write_atomically
-
-# What orbax logs, on finding a checkpoint's _CHECKPOINT_METADATA damaged, before the file's
-# content: the checkpoint's verification names the file (then it is moved aside), or, with no
-# checksums, its arrays are read as written (orbax does not need that file to read them).
-_DAMAGED_METADATA = ("Failed to json parse Metadata file", "Failed to read Metadata file")
-
-
-_ORBAX_DIR = str(pathlib.Path(ocp.__file__).parent.parent) + "/"  # the orbax package
-
-
-def _drop_failed_read_leftovers() -> None:
-    """Drops, from now on in this process, Python's reports of what a checkpoint read or write
-    that failed part-way (a truncated file in a checkpoint without checksums, a disk that fills
-    during an asynchronous save) leaves behind: orbax's coroutines that raise as they are
-    discarded, and tensorstore's callbacks into the event loop orbax has closed, each reported as
-    unraisable, and asyncio's records of orbax's gatherings whose exception nobody retrieved
-    (``_OrbaxLeftovers``): tens to hundreds of tracebacks after the line that says what happened.
-    Every other report goes to the hook before."""
-    logging.getLogger("asyncio").addFilter(_ORBAX_LEFTOVERS)  # (once: logging keeps no duplicate)
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_failed_read_leftovers", False):
-        return
-
-    def hook(unraisable) -> None:
-        error, code = unraisable.exc_value, getattr(unraisable.object, "cr_code", None)
-        closed_loop = isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-        orbax_coroutine = code is not None and code.co_filename.startswith(_ORBAX_DIR)
-        if not (closed_loop or orbax_coroutine):
-            previous(unraisable)
-
-    hook.drops_failed_read_leftovers = True
-    sys.unraisablehook = hook
-
-
-class _OrbaxRecords(logging.Filter):
-    """Drops the error records orbax logs for what the trainer reports itself, in one line: a
-    save that fails for a fault of the machine (no space, ...; logged by orbax's writer
-    threads), and a damaged checkpoint metadata file (logged with the file's content)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
-            return True
-        message = record.getMessage()
-        if message.startswith(_DAMAGED_METADATA):
-            return False
-        error = record.exc_info[1] if record.exc_info else None
-        return errno_in_text(message) is None and (error is None or machine_errno(error) is None)
-
-
-logging.getLogger("absl").addFilter(_OrbaxRecords())
-
-
-class _OrbaxLeftovers(logging.Filter):
-    """Drops asyncio's records of an orbax task or gathering whose exception nobody retrieved
-    (``_GatheringFuture exception was never retrieved``, with its traceback): what a read that
-    failed part-way leaves, reported by the trainer in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if error is None or "exception was never retrieved" not in record.getMessage():
-            return True
-        frames = traceback.extract_tb(error.__traceback__)
-        return not any(frame.filename.startswith(_ORBAX_DIR) for frame in frames)
-
-
-_ORBAX_LEFTOVERS = _OrbaxLeftovers()
 
 
 def _file_sums(directory: pathlib.Path) -> dict[str, str]:
@@ -141,7 +73,7 @@ class Checkpointer:
         self.sums_dir = run.checksums.resolve()
         self.rejected_dir = run.rejected.resolve()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-        _drop_failed_read_leftovers()  # and of a save the disk fills during
+        drop_failed_read_leftovers()  # and of a save the disk fills during
         self._remove_partial()  # a save that was killed (orbax would warn when it saves that step)
         with io_operation("creating the checkpoint directory", self.directory):
             self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -326,7 +258,7 @@ class Checkpointer:
         reach (they end with the lost-peer error when it exits). Checksums refuse a checkpoint
         in every process together; one without them is refused there by hand."""
         path = self.directory / str(step)
-        _drop_failed_read_leftovers()  # of a read that fails part-way, reported after it
+        drop_failed_read_leftovers()  # of a read that fails part-way, reported after it
         try:
             # Shapes first, from the metadata: a read that fails part-way leaves orbax's reads
             # calling back into a closed event loop.
@@ -446,7 +378,7 @@ def read_params(
     ckpt_dir = run.checkpoints.resolve()
     if not ckpt_dir.is_dir():
         raise UserError(f"{run_dir} holds no {CHECKPOINTS}/ (not a run dir, or no checkpoint was saved)")
-    _drop_failed_read_leftovers()  # of a read whose checkpoint is removed under it
+    drop_failed_read_leftovers()  # of a read whose checkpoint is removed under it
     for attempt in range(1, READ_TRIES + 1):
         chosen = step
         handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
