@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from train.store.building import tokenize_piece as _TOKENIZE_PIECE  # (before any test patches it)
 from train.xla_flags import merged
 
 
@@ -242,6 +243,29 @@ def tokenize_or_die(job):
     if job[0].index == 2 and multiprocessing.parent_process() is not None:
         os.kill(os.getpid(), signal.SIGKILL)
     return building.tokenize_piece(job)
+
+
+HELD_MARKER = "MOARA_JAX_TEST_COUNTER_HELD"
+
+
+def tokenize_holding_a_counter(job):
+    """``train.store``'s ``tokenize_piece``, except that a worker process given piece 2 or later
+    waits until pieces 0 and 1 are done, then takes the documents counter's lock (as inside
+    ``_Counters.add``), touches the file ``$MOARA_JAX_TEST_COUNTER_HELD`` and waits there, to be
+    terminated holding it. Another worker blocks on that lock. (The parent, where a test put this
+    in ``tokenize_piece``'s place, tokenizes with the original.)"""
+    import multiprocessing
+
+    from train.store import building
+
+    piece, shards, _ = job
+    if piece.index >= 2 and multiprocessing.parent_process() is not None:
+        while not (shards / "00001.json").exists():
+            time.sleep(0.01)
+        building._worker["counters"].docs.get_lock().acquire()
+        pathlib.Path(os.environ[HELD_MARKER]).touch()
+        time.sleep(600)
+    return _TOKENIZE_PIECE(job)
 
 
 def alive(pid: int, wait_s: float = 5.0) -> bool:

@@ -14,12 +14,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 
 import numpy as np
 import pytest
-from helpers import alive, cpu_devices, tokenize_or_die
+from helpers import HELD_MARKER, alive, cpu_devices, tokenize_holding_a_counter, tokenize_or_die
 
 from train import store as token_store
 from train.config import DataSection
@@ -659,6 +660,44 @@ def test_a_text_file_larger_than_a_piece_is_one_document_read_once(tmp_path, mon
     opened = token_store.TokenStore(tmp_path / "store")
     assert sum(opened.manifest["splits"][s]["documents"] for s in ("train", "validation")) == 1
     assert sum(opened.splits[s].tokens for s in ("train", "validation")) == len(text.read_bytes()) + 1
+
+
+def test_a_worker_stopped_inside_a_counter_update_does_not_hang_the_cut(tmp_path, monkeypatch):
+    """``max_documents`` reached while a worker is inside ``_Counters.add`` (its lock held) when
+    the build terminates it: the parent's cut of the piece that crosses the limit does not wait
+    for that lock, which no one will release, and gives the store a one-worker build gives."""
+    monkeypatch.setattr(planning, "PIECE_BYTES", 3000)
+    paths = write_corpus(tmp_path / "corpus", files=3, docs=30)
+    whole_plan = token_store.plan(files_section(paths))
+    whole = token_store.build(tmp_path / "whole", whole_plan, workers=1, quiet=True)
+    first = json.loads((tmp_path / "whole" / "shards" / "00000.json").read_text())
+    # piece 0 read whole, piece 1 cut by the parent after the workers are stopped
+    plan = token_store.plan(files_section(paths, max_documents=sum(first["documents"].values()) + 1))
+    assert len(plan.pieces) > 4 and whole["splits"]["train"]["documents"] > 4
+    token_store.build(tmp_path / "one", plan, workers=1, quiet=True)
+    held = tmp_path / "held"
+    monkeypatch.setenv(HELD_MARKER, str(held))
+    monkeypatch.setattr(building, "tokenize_piece", tokenize_holding_a_counter)
+    stop = building._stop
+
+    def stop_once_held(pool):
+        deadline = time.monotonic() + 60
+        while not held.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop(pool)
+
+    monkeypatch.setattr(building, "_stop", stop_once_held)
+    done = []
+    # In a thread: the build, were it stuck, fails the test instead of hanging the session.
+    thread = threading.Thread(
+        target=lambda: done.append(token_store.build(tmp_path / "two", plan, workers=2, quiet=True)),
+        daemon=True,
+    )
+    thread.start()
+    thread.join(timeout=90)
+    assert held.exists(), "no worker was inside the counter's lock when the build stopped"
+    assert done, "the build waits for a counter lock held by a terminated worker"
+    assert tree_hashes(tmp_path / "two") == tree_hashes(tmp_path / "one")
 
 
 def test_validation_paths_are_the_validation_split(tmp_path):

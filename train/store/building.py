@@ -201,19 +201,35 @@ def _check_ids(ids: np.ndarray, tok, piece: Piece) -> None:
 
 
 class _Counters:
-    """Documents, tokens and input work done, shared by the workers with the parent."""
+    """Documents, tokens and input work done, shared by the workers with the parent. The workers
+    add under each counter's lock; the building process never takes one: ``_stop`` terminates
+    workers mid-piece, and a worker killed inside ``add`` leaves that lock held for good (a
+    process-shared semaphore is not released with its holder), so a parent that waited for it
+    would wait forever (the cut at ``max_documents`` tokenizes in the parent right after
+    ``_stop``). The parent adds only while no worker runs (one worker; that cut) and reads
+    without the lock (the progress line)."""
 
     def __init__(self, ctx):
         self.docs, self.toks, self.done = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
+        self.parent = os.getpid()  # (pickled to the workers as it is: theirs differ)
+
+    def _add(self, counter, n: int) -> None:
+        if os.getpid() == self.parent:
+            counter.get_obj().value += n
+            return
+        with counter.get_lock():
+            counter.value += n
 
     def add(self, docs: int, tokens: int) -> None:
-        for counter, n in ((self.docs, docs), (self.toks, tokens)):
-            with counter.get_lock():
-                counter.value += n
+        self._add(self.docs, docs)
+        self._add(self.toks, tokens)
 
     def work(self, n: int) -> None:
-        with self.done.get_lock():
-            self.done.value += n
+        self._add(self.done, n)
+
+    def read(self) -> tuple[int, int, int]:
+        """Documents, tokens and work done so far, read without the locks."""
+        return self.docs.get_obj().value, self.toks.get_obj().value, self.done.get_obj().value
 
 
 # ---------------------------------------------------------------------------------------- build
@@ -453,15 +469,15 @@ class _Progress:
         if self.quiet or (not force and now - self.last < (0.5 if self.tty else 10.0)):
             return
         self.last = now
-        c = self.counters
-        done = self.base + c.done.value
-        rate = c.toks.value / max(now - self.t0, 1e-9)
+        docs, toks, work = self.counters.read()
+        done = self.base + work
+        rate = toks / max(now - self.t0, 1e-9)
         frac = done / max(self.total, 1)
         fresh = done - self.base
         eta = (now - self.t0) * (self.total - done) / fresh if fresh else float("nan")
         eta_text = time.strftime("%H:%M:%S", time.gmtime(eta)) if eta == eta else "?"
         line = (
-            f"prepare: {c.docs.value:,} docs  {c.toks.value / 1e6:.1f}M tokens  "
+            f"prepare: {docs:,} docs  {toks / 1e6:.1f}M tokens  "
             f"{rate / 1e6:.2f}M tokens/s  {100 * frac:.0f}%  ETA {eta_text}"
         )
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
