@@ -24,6 +24,7 @@ from moara_jax import MODULE_TYPES
 from moara_jax.hosts import host_class
 from train.errors import UserError, yaml_problem
 from train.rundir import CONFIG
+from train.xla_flags import configured_flags
 
 
 @dataclass(frozen=True)
@@ -348,42 +349,50 @@ def validate(cfg: RunConfig) -> None:
         )
     _validate_optimizer(cfg.optimizer)
     _validate_train(cfg.train)
-    m = cfg.mesh  # the device count is the machine's (make_mesh); these are the config's alone
-    _need(min(m.fsdp, m.tensor) >= 1, f"mesh.fsdp and mesh.tensor must be >= 1, got {m.fsdp} and {m.tensor}")
-    _need(
-        m.data == -1 or m.data >= 1,
-        f"mesh.data must be -1 (the devices fsdp x tensor leave) or >= 1, got {m.data}",
-    )
+    _validate_mesh(cfg.mesh)
     _validate_data(cfg.data)
     _need(
         cfg.checkpoint.keep >= 1 and cfg.checkpoint.every >= 0,
         "checkpoint.keep must be >= 1 and checkpoint.every >= 0",
     )
-    from train.xla_flags import configured_flags
-
     configured_flags(cfg.xla.gpu_flag_sets, cfg.xla.flags, gpu=True)  # names and forms only
     unknown_writers = [w for w in cfg.metrics.writers if w not in WRITERS]
     _need(not unknown_writers, f"metrics.writers: unknown {unknown_writers} (known: {', '.join(WRITERS)})")
+    _validate_profile(cfg)
+
+
+def _validate_mesh(m: MeshSection) -> None:
+    """The config's own checks; the device count is the machine's (``make_mesh``)."""
+    _need(min(m.fsdp, m.tensor) >= 1, f"mesh.fsdp and mesh.tensor must be >= 1, got {m.fsdp} and {m.tensor}")
+    _need(
+        m.data == -1 or m.data >= 1,
+        f"mesh.data must be -1 (the devices fsdp x tensor leave) or >= 1, got {m.data}",
+    )
+
+
+def _validate_profile(cfg: RunConfig) -> None:
+    """``profile``'s settings; those of a profiling run (``mode: profile``) against its steps."""
     p = cfg.profile
     _need(p.every >= 1 and p.steps >= 1, "profile.steps and profile.every must be >= 1")
-    if cfg.mode == "profile":
-        _need(
-            cfg.optimizer.name != "adamw",
-            "mode profile needs optimizer.name galore or moara (it profiles projections)",
-        )
-        profiled = min(cfg.train.steps, p.steps)
-        _need(p.every <= profiled, f"profile.every ({p.every}) must be <= the profiled steps ({profiled})")
-        _need(p.num_receivers >= 1, f"profile.num_receivers must be >= 1, got {p.num_receivers}")
-        _need(0 <= p.ema < 1, f"profile.ema must be in [0, 1), got {p.ema}")
-        last = profiled - profiled % p.every  # the last recording
-        _need(
-            0 <= p.from_step < last,
-            f"profile.from_step must be in [0, {last}) (the profile's last recording is at step "
-            f"{last}), got {p.from_step}",
-        )
-        unknown = [x for x in p.donors if x not in MODULE_TYPES]
-        _need(bool(p.donors) and not unknown, f"profile.donors must be module types {list(MODULE_TYPES)}")
-        _need(len(set(p.donors)) == len(p.donors), f"profile.donors: repeated module types in {p.donors}")
+    if cfg.mode != "profile":
+        return
+    _need(
+        cfg.optimizer.name != "adamw",
+        "mode profile needs optimizer.name galore or moara (it profiles projections)",
+    )
+    profiled = min(cfg.train.steps, p.steps)
+    _need(p.every <= profiled, f"profile.every ({p.every}) must be <= the profiled steps ({profiled})")
+    _need(p.num_receivers >= 1, f"profile.num_receivers must be >= 1, got {p.num_receivers}")
+    _need(0 <= p.ema < 1, f"profile.ema must be in [0, 1), got {p.ema}")
+    last = profiled - profiled % p.every  # the last recording
+    _need(
+        0 <= p.from_step < last,
+        f"profile.from_step must be in [0, {last}) (the profile's last recording is at step "
+        f"{last}), got {p.from_step}",
+    )
+    unknown = [x for x in p.donors if x not in MODULE_TYPES]
+    _need(bool(p.donors) and not unknown, f"profile.donors must be module types {list(MODULE_TYPES)}")
+    _need(len(set(p.donors)) == len(p.donors), f"profile.donors: repeated module types in {p.donors}")
 
 
 def _need(ok: bool, message: str) -> None:
