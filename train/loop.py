@@ -219,6 +219,11 @@ def jit_train_step(setup: Setup, rules=ACTIVATION_RULES):
     )
 
 
+class _Unsaved(Exception):
+    """A save refused, or a stop asked, where a process holds a fault: the steps end there with
+    the status ``io_error``, nothing saved after the fault."""
+
+
 class StepLoop:
     """The jitted steps and what happens between them.
 
@@ -276,6 +281,7 @@ class StepLoop:
         # The steps read since the last logged row, and their time (evaluations and saves left
         # out): a row's step time is their mean (see read_metrics).
         self.window_steps, self.window_s = 0, 0.0
+        self.pending: tuple | None = None  # (step, metrics) of a step dispatched, not read yet
         self._cpu = jax.local_devices(backend="cpu")[0]
         # The schedule as one jitted program: ten times faster a call than its operations
         # dispatched one by one (measured on tiny.yaml's, 2026-11).
@@ -307,8 +313,14 @@ class StepLoop:
         return Outcome("io_error", outcome.steps, None, fault) if fault else outcome
 
     def _steps(self, state: TrainState, signals: StopSignals) -> Outcome:
+        try:
+            return self._step_until_stopped(state, signals)
+        except _Unsaved:  # nothing is saved after a fault a process holds
+            return Outcome("io_error", self.checked, None)
+
+    def _step_until_stopped(self, state: TrainState, signals: StopSignals) -> Outcome:
         total, t = self.setup.total_steps, self.setup.cfg.train
-        stop, pending = None, None  # pending: (step, metrics) not read yet
+        stop = None
         batch = self.batches.next() if self.step < total else None
         # Resumed at the last step: its evaluation, unless the record has it (every process
         # evaluates where any finds it missing: a collective).
@@ -320,43 +332,55 @@ class StepLoop:
             state, metrics = self.step_fn(state, batch)
             self.step = step = self.step + 1
             batch = self.batches.next() if step < total else None
-            if pending is not None:
-                stop, pending = self.read_metrics(*pending), None
             evaluating = step % t.eval_every == 0 or step == total
             saving = self.ckpt.should_save(step) or step == total
-            if stop is None and (evaluating or saving):
-                stop = self.read_metrics(step, metrics)
-            elif stop is None:
-                pending = (step, metrics)
-            if stop is not None:
+            # Steps that evaluate or save read their own metrics at once (they may not go on).
+            if (stop := self._read(step, metrics, now=evaluating or saving)) is not None:
                 break
             if evaluating:
                 self.evaluate(step, state.params)
-            if saving and not self._may_save():
-                return Outcome("io_error", self.checked, None)
-            if saving and (stop := self.save(step, state, drawn_ahead=batch is not None)):
-                break
+            if saving:
+                stop = self._checked_save(step, state, drawn_ahead=batch is not None)
+                if stop is not None:
+                    break
             if evaluating or saving:  # the next step's time starts here, not before them
                 self.last_done = time.perf_counter()
             self.ckpt.record_if_finished()
             why = signals.at_step(self._held() is not None)  # the same step in every process
             if why == signals.FAULT:  # held by a process: nothing saved after it
-                return Outcome("io_error", self.checked, None)
+                raise _Unsaved
             if why and step < total:  # after the last step it waits for the wrap-up (finish)
-                if pending is not None:
-                    stop, pending = self.read_metrics(*pending), None
+                stop = self._read_pending()
                 if stop is None and not saving:  # the steps done so far are saved, then it stops
-                    if not self._may_save():
-                        return Outcome("io_error", self.checked, None)
-                    stop = self.save(step, state, drawn_ahead=batch is not None)
+                    stop = self._checked_save(step, state, drawn_ahead=batch is not None)
                 if stop is None:
                     return Outcome("interrupted", step, None)
                 break
-        if pending is not None and stop is None:
-            stop = self.read_metrics(*pending)
+        if stop is None:
+            stop = self._read_pending()
         if stop is not None:
             return Outcome(stop.status, stop.first_bad_step - 1, stop)
         return Outcome("completed", self.step, None)
+
+    def _read(self, step: int, metrics, now: bool) -> Stop | None:
+        """Reads the metrics of the step before (``pending``), then ``step``'s: ``now``, or kept
+        pending until the next step is dispatched."""
+        stop = self._read_pending()
+        if stop is None and now:
+            return self.read_metrics(step, metrics)
+        if stop is None:
+            self.pending = (step, metrics)
+        return stop
+
+    def _read_pending(self) -> Stop | None:
+        pending, self.pending = self.pending, None
+        return None if pending is None else self.read_metrics(*pending)
+
+    def _checked_save(self, step: int, state: TrainState, drawn_ahead: bool) -> Stop | None:
+        """``save``, once ``_may_save`` lets it (else ``_Unsaved``)."""
+        if not self._may_save():
+            raise _Unsaved
+        return self.save(step, state, drawn_ahead=drawn_ahead)
 
     def _held(self) -> IOFault | None:
         """The fault of the machine this process holds (``HeldFaults``: several processes)."""
