@@ -9,7 +9,7 @@ Kernel time summed is busy time: gaps between kernels (launch latency) are not i
 it can be less than the loop's wall time per step.
 
 Usage:
-  python benchmarks/kernel_profile.py [--size 350m] [--only moara_full galore_vanilla] [--top 15]
+  python benchmarks/kernel_profile.py [--size 350m] [--only moara_full_exact galore_vanilla_exact] [--top 15]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def kernel_times(tx, params, grads, steps: int, trace_dir: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="350m", choices=sorted(SIZES))
-    parser.add_argument("--only", nargs="*", default=["moara_full", "galore_vanilla"])
+    parser.add_argument("--only", nargs="*", default=["moara_full_exact", "galore_vanilla_exact"])
     parser.add_argument("--loop-steps", type=positive, default=10)
     parser.add_argument("--top", type=positive, default=15)
     parser.add_argument("--stacked", action="store_true", help="one stacked leaf per module type")
