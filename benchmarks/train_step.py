@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from _args import check_micro_batches, check_names, check_out, non_negative, positive
-from optimizer_step import _with_count
+from optimizer_step import GAP, _with_count
 
 import moara_jax as mj
 import models
@@ -37,7 +37,7 @@ from train.step import TrainState, make_train_step
 
 
 def optimizers(r_base: int, block: int) -> dict[str, optax.GradientTransformation]:
-    common = dict(r_base=r_base, update_proj_gap=200, svd="eigh")
+    common = dict(r_base=r_base, update_proj_gap=GAP, svd="eigh")
     return {
         "adamw": mj.adamw(0.01),
         "galore_vanilla": mj.moara_adamw(0.01, decompose=False, rank_allocation=False, **common),

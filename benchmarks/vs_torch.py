@@ -1,12 +1,13 @@
 """Whole training steps of this project against its PyTorch peer, on the same device, in one run.
 
-The peer: ``transformers``' ``LlamaForCausalLM`` with the same config (SDPA attention, bf16,
-``torch.compile``), trained with ``galore_torch.GaLoreAdamW`` on the paper's two parameter groups
-(attention and MLP matrices: rank ``--r-base``, T = 200, scale 0.25, ``proj_type='std'``; the rest
-plain) and with ``torch.optim.AdamW`` (fused on CUDA) as the full-rank reference. This project:
-AdamW, vanilla GaLore and MoARa Full (``svd='eigh'``), one jitted donated step as ``python -m
-train`` runs it. Both sides run the same shapes and the same tokens per optimizer step (the global
-batch in micro-batches, gradients accumulated).
+The peer: ``transformers``' model of the same config (``LlamaForCausalLM`` for Llama, the family's
+own class for the others; SDPA attention, bf16, ``torch.compile``), trained with
+``galore_torch.GaLoreAdamW`` on the paper's two parameter groups (attention and MLP matrices: rank
+``--r-base``, T = 200, scale 0.25, ``proj_type='std'``; the rest plain) and with
+``torch.optim.AdamW`` (fused on CUDA) as the full-rank reference. This project: AdamW, vanilla
+GaLore and MoARa Full (``svd='eigh'``), one jitted donated step as ``python -m train`` runs it.
+Both sides run the same shapes and the same tokens per optimizer step (the global batch in
+micro-batches, gradients accumulated).
 
 Per optimizer: median ms of a plain step (no basis refresh), tokens/s, MFU, peak device memory,
 and tokens/s with the refresh amortized over T (a refresh step timed on its own: galore-torch's
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -47,7 +49,7 @@ import types
 
 import jax
 from _args import check_names, check_out, positive
-from optimizer_step import _with_count
+from optimizer_step import GAP, _with_count
 from train_step import (
     add_step_arguments,
     apply_flag_sets,
@@ -92,6 +94,17 @@ def galore_adamw():
     return GaLoreAdamW
 
 
+def peer_model(cfg):
+    """The ``transformers`` model of ``cfg`` (its family's class: ``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM``, ...), with SDPA attention and no key/value cache, in float32 on the CPU."""
+    import transformers
+
+    hf_config = models.to_hf_config(cfg)
+    hf_config._attn_implementation = "sdpa"
+    hf_config.use_cache = False  # training: no key/value cache returned
+    return transformers.AutoModelForCausalLM.from_config(hf_config)
+
+
 def torch_peer(cfg, optimizer: str, args) -> dict:
     """The PyTorch peer at ``--micro-batch``, or where that runs out of device memory (the peer has
     no remat) at the largest half of it that fits: the row says which (``micro_batch``)."""
@@ -115,14 +128,10 @@ def torch_peer(cfg, optimizer: str, args) -> dict:
 def _torch_peer_at(cfg, optimizer: str, args, micro_batch: int) -> dict:
     """Median plain-step and refresh-step ms, peak memory of the PyTorch peer."""
     import torch
-    import transformers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf_config = models.to_hf_config(cfg)
-    hf_config._attn_implementation = "sdpa"
-    hf_config.use_cache = False  # training: no key/value cache returned
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=torch.bfloat16)
+    model = peer_model(cfg).to(device=device, dtype=torch.bfloat16)
     low_rank, rest = paper_groups(model)
     if optimizer == "galore_torch":
         GaLoreAdamW = galore_adamw()
@@ -131,7 +140,7 @@ def _torch_peer_at(cfg, optimizer: str, args, micro_batch: int) -> dict:
             {
                 "params": low_rank,
                 "rank": args.r_base,
-                "update_proj_gap": 200,
+                "update_proj_gap": GAP,
                 "scale": 0.25,
                 "proj_type": "std",
             },
@@ -184,9 +193,12 @@ def _torch_peer_at(cfg, optimizer: str, args, micro_batch: int) -> dict:
     def due():  # every GaLore matrix refreshes at the next step
         for p in low_rank:
             if p in opt.state:
-                opt.state[p]["step"] = 200 * (1 + opt.state[p]["step"] // 200)
+                opt.state[p]["step"] = GAP * (1 + opt.state[p]["step"] // GAP)
 
-    refresh = statistics.median(timed(args.refresh_steps, due)) if optimizer == "galore_torch" else plain
+    refresh = plain
+    if optimizer == "galore_torch":  # one refresh step first, untimed, as on this project's side
+        timed(1, due)
+        refresh = statistics.median(timed(args.refresh_steps, due))
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     n_params = sum(p.numel() for p in model.parameters())
     return {
@@ -216,10 +228,11 @@ def jax_side(cfg, name: str, tx, args) -> dict:
         "peak_memory_bytes": stats.get("peak_bytes_in_use"),
         "compiled_peak_bytes": compiled_peak_bytes(step),
         "params": models.param_count(cfg),
+        "micro_batch": args.micro_batch,
     }
 
 
-def derive(row: dict, tokens: int, peak_tflops: float, gap: int = 200) -> dict:
+def derive(row: dict, tokens: int, peak_tflops: float, gap: int = GAP) -> dict:
     amortized = row["plain_ms"] + (row["refresh_ms"] - row["plain_ms"]) / gap
     return {
         **row,
@@ -257,13 +270,22 @@ def plot(result: dict, path: pathlib.Path) -> None:
         [i + 0.2 for i in x],
         [result["runs"][n]["tokens_per_s_refresh_amortized"] for n in names],
         0.4,
-        label="refresh amortized over T = 200",
+        label=f"refresh amortized over T = {GAP}",
     )
     ax.set_xticks(list(x), names, rotation=20)
     ax.set_ylabel("tokens/s")
     ax.set_title(f"{result['model']}, batch {result['batch']} x {result['seq_len']}, {result['device']}")
     ax.legend()
     fig.savefig(path, dpi=120)
+
+
+def _installed_version(package: str) -> str | None:
+    """The installed version of ``package`` (None where it is not), without importing it: a run of
+    the JAX side alone records the torch its peers' runs had."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 PEERS = ("galore_torch", "adamw_torch")
@@ -303,7 +325,7 @@ def main() -> None:
         "batch": args.batch,
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
-        "versions": {"jax": jax.__version__, "torch": torch and torch.__version__},
+        "versions": {"jax": jax.__version__, "torch": _installed_version("torch")},
         "date": time.strftime("%Y-%m-%d"),
         "flop_formula": "6 x params x tokens per step (attention FLOPs not counted)",
         "xla_flags_added": flags,
