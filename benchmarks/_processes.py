@@ -11,6 +11,10 @@ import signal
 import subprocess
 import time
 
+# Where both drivers record the process groups they start (``Groups``), relative to the repository
+# root: either ends what a call cut off at its limit left of the other's.
+CHILDREN_FILE = pathlib.Path(".evidence") / "children.json"
+
 
 def kill_group(proc: subprocess.Popen) -> None:
     """Kills a process started with ``start_new_session`` and every process of its group (a

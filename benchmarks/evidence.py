@@ -73,7 +73,7 @@ CODE = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(CODE))
 
 import yaml  # noqa: E402
-from _processes import Groups, kill_group  # noqa: E402  (this script's folder: sys.path[0])
+from _processes import CHILDREN_FILE, Groups, kill_group  # noqa: E402  (this script's folder: sys.path[0])
 
 from train import sweep  # noqa: E402
 from train.errors import EXIT_USER_ERROR, UserError, yaml_problem  # noqa: E402
@@ -97,7 +97,6 @@ SCRATCH = ".evidence"  # run dirs on the GPU machine
 ARCHIVE = "evidence.tar.gz"
 LOG = "evidence.log"
 RUNNER_FILE = "runner.json"  # the runner's record of a run: process wall time, concurrency, versions
-GROUPS = "children.json"  # under SCRATCH: the process groups of the runs started (``Groups``)
 TRAIN_LOG = "train.log"  # the run's output (its tail)
 # What comes back of a finished run: its record (no checkpoints) and the runner's files.
 PACKED = (*RECORD_FILES, RUNNER_FILE, TRAIN_LOG)
@@ -614,7 +613,7 @@ class Runner:
         }
         self.stop_requested = False
         self.shared_at = self.t0  # when Runner.share last counted
-        self.groups = Groups(root / SCRATCH / GROUPS)  # the children's process groups
+        self.groups = Groups(root / CHILDREN_FILE)  # the children's process groups
         self.configs: dict = {}  # each planned run's config, as resolved once
         self.reports: dict = {}  # each experiment's report_points, as resolved once
 

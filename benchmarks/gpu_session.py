@@ -60,7 +60,7 @@ BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
-from _processes import Groups, kill_group  # noqa: E402
+from _processes import CHILDREN_FILE, Groups, kill_group  # noqa: E402
 
 from train.rundir import RunDir  # noqa: E402  (neither starts a JAX backend)
 from train.xla_flags import GPU_FLAG_SETS  # noqa: E402
@@ -85,8 +85,8 @@ GPU_TESTS_S = 300.0
 # group at the limit.
 GRACE_S = 10.0
 # Off --smoke: the children's process groups, in the file the evidence runner keeps its runs' in
-# (evidence.py's SCRATCH, GROUPS), so that either driver ends what a call cut off at its limit
-# left running on a machine kept warm for the next call.
+# (``CHILDREN_FILE``), so that either driver ends what a call cut off at its limit left running on
+# a machine kept warm for the next call.
 GROUPS: Groups | None = None
 
 
@@ -572,7 +572,10 @@ def phase_train_loop(s: Session, model: str) -> dict:
         result["host_ms"] = {k: v for k, v in host.items() if k.endswith("_ms") or k.endswith("iterations")}
         shutil.copy(waits, s.out / waits.name)
     out = s.work / f"train_step_same_model-{model}.json"
-    args = same_step_args(run)
+    try:
+        args = same_step_args(run)
+    except ValueError as e:
+        return {**result, "error": f"no benchmark of the same step: {e}"}
     cmd = [sys.executable, "benchmarks/train_step.py", *args]
     cmd += ["--only", "moara_full", "--steps", "10", "--warmup", "3", "--out", str(out)]
     bench = s.run(cmd)
@@ -588,14 +591,21 @@ def phase_train_loop(s: Session, model: str) -> dict:
 
 def same_step_args(run: RunDir) -> list[str]:
     """train_step.py's arguments for the step a run took: its model (preset, vocabulary, remat,
-    layer layout), batch, micro-batch, sequence length, r_base and block size."""
+    layer layout, attention, loss chunks), batch, micro-batch, sequence length, r_base and block
+    size. A ValueError for a run whose parameters or compute are not bf16 (train_step.py's)."""
     model, config = json.loads(run.model_file.read_text()), run.config()
+    if (model["param_dtype"], model["dtype"]) != ("bfloat16", "bfloat16"):
+        raise ValueError(
+            f"the run's parameters and compute are {model['param_dtype']} and {model['dtype']}; "
+            "train_step.py times bf16 steps only"
+        )
     t, o = config["train"], config["optimizer"]
     sh = dict(model=config["model"]["name"], batch=t["batch_size"], seq=t["seq_len"])
     args = step_args(sh | {"micro": t["micro_batch_size"] or t["batch_size"]})
     args += ["--vocab-size", str(model["vocab_size"]), "--r-base", str(o["r_base"])]
     layers = "scanned" if model["scan_layers"] else "unrolled"
-    return args + ["--block-size", str(o["block_size"]), "--remat", model["remat"], "--layers", layers]
+    args += ["--block-size", str(o["block_size"]), "--remat", model["remat"], "--layers", layers]
+    return args + ["--attention", model["attention_impl"] or "auto", "--loss-chunk", str(model["loss_chunk"])]
 
 
 def loop_step_times(rows: list[dict], skip: int) -> dict:
@@ -635,6 +645,21 @@ PHASES = {
 }
 
 
+# train_step.py options that say what both sides run (the peers take them from the session's
+# shapes): --jax-args may not set them for this project's runs alone.
+SHARED_WORKLOAD = (
+    "--model",
+    "--batch",
+    "--seq-len",
+    "--vocab-size",
+    "--r-base",
+    "--block-size",
+    "--steps",
+    "--warmup",
+    "--refresh-steps",
+)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "gpu-session-out")
@@ -652,14 +677,22 @@ def main(argv=None) -> int:
     unknown = [p for p in args.phases if p not in PHASES]
     if unknown:
         parser.error(f"unknown phase(s) {unknown}; known: {', '.join(PHASES)}")
+    jax_args = shlex.split(args.jax_args)
+    shared = [a for a in jax_args if a.split("=")[0] in SHARED_WORKLOAD]
+    if shared:
+        parser.error(
+            f"--jax-args: {' '.join(shared)} would change the workload of this project's runs alone "
+            f"({', '.join(SHARED_WORKLOAD)} are both sides'); give how the step runs (remat, layers, "
+            "attention, micro-batch, loss chunks, XLA flag sets)"
+        )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.smoke:
         global GROUPS
-        GROUPS = Groups(ROOT / ".evidence" / "children.json")
+        GROUPS = Groups(ROOT / CHILDREN_FILE)
         for what in GROUPS.end_leftovers():
             print(f"ended {what}, left running by an earlier call that did not end", flush=True)
-    s = Session(out, args.budget_s, args.smoke, args.variant_steps, shlex.split(args.jax_args))
+    s = Session(out, args.budget_s, args.smoke, args.variant_steps, jax_args)
     s.results["jax_args"] = s.jax_args
     # Off --smoke the phases time a GPU: env first, which says whether JAX has one.
     phases = args.phases if args.smoke else ["env", *(p for p in args.phases if p != "env")]

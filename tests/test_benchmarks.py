@@ -2,6 +2,7 @@
 timing guard, vs_torch.py's and refresh_methods.py's CPU smoke runs, the GPU session driver's
 readers."""
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -68,7 +69,7 @@ def test_anatomy_of_adamw_reads_and_writes_every_state_buffer():
 def test_in_jit_loop_refuses_to_cross_a_refresh():
     hidden, inter, layers, r_base, block = optimizer_step.SIZES["tiny"]
     params = optimizer_step.llama2_params(hidden, inter, layers)
-    tx = optimizer_step.optimizers(r_base, block)["galore_vanilla"]
+    tx = optimizer_step.optimizers(r_base, block)["galore_vanilla_exact"]
     with pytest.raises(ValueError, match="refresh gap"):
         optimizer_step.time_device_loop(tx, params, params, steps=optimizer_step.GAP)
 
@@ -151,17 +152,30 @@ def test_train_step_benchmark_times_finite_donated_steps():
     assert ms > 0
 
 
-def test_vs_torch_peer_has_the_papers_groups_and_the_same_model():
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize(
+    "name, peer_class",
+    [
+        ("llama2-tiny", "LlamaForCausalLM"),
+        ("qwen2.5-tiny", "Qwen2ForCausalLM"),
+        ("qwen3-tiny", "Qwen3ForCausalLM"),
+        ("deepseek-v2-tiny", "DeepseekV2ForCausalLM"),
+    ],
+)
+def test_vs_torch_peer_has_the_papers_groups_and_the_same_model(name, peer_class):
+    """The peer is the model of the same family and size (each family's transformers class:
+    Qwen's attention biases, DeepSeek-V2's MLA and experts), with the paper's groups."""
+    pytest.importorskip("transformers")
     pytest.importorskip("torch")  # the peer is a PyTorch model
     import models
 
-    cfg = models.get_config("llama2-tiny")
-    peer = transformers.LlamaForCausalLM(models.to_hf_config(cfg))
+    cfg = models.get_config(name)
+    peer = vs_torch.peer_model(cfg)
+    assert type(peer).__name__ == peer_class
     low_rank, rest = vs_torch.paper_groups(peer)
-    assert len(low_rank) == 7 * cfg.num_hidden_layers  # q k v o gate up down in every layer
     assert sum(p.numel() for p in low_rank + rest) == models.param_count(cfg)
-    assert all(p.ndim == 1 for p in rest if p.shape[0] != cfg.vocab_size)  # norms; embedding, head
+    if name == "llama2-tiny":
+        assert len(low_rank) == 7 * cfg.num_hidden_layers  # q k v o gate up down in every layer
+        assert all(p.ndim == 1 for p in rest if p.shape[0] != cfg.vocab_size)  # norms; embedding, head
 
 
 def test_vs_torch_derived_figures():
@@ -375,7 +389,10 @@ def test_vs_torch_cpu_smoke_run_writes_both_sides(tmp_path):
     assert set(result["runs"]) == {"galore_torch", "moara_full"}
     for run in result["runs"].values():
         assert run["plain_ms"] > 0 and run["refresh_ms"] > 0 and run["tokens_per_s"] > 0
+        assert run["micro_batch"] == 4  # each side's row says the micro-batch it ran
     assert result["runs"]["moara_full"]["compiled_peak_bytes"] > 0
+    # (read without importing torch: a run of the JAX side alone records it too)
+    assert result["versions"]["torch"] == importlib.metadata.version("torch")
     assert result["jax_model"]["attention"] == "xla" and result["jax_preallocate"] == "false"
     assert result["moara_over_peer_tokens_per_s"] > 0
 
@@ -679,6 +696,7 @@ def test_gpu_session_benchmarks_the_step_the_60m_loop_run_took(tmp_path):
     settings = dict(zip(args[::2], args[1::2], strict=True))
     assert settings == {
         **{"--model": "llama2-60m", "--vocab-size": "32000", "--remat": "none", "--layers": "unrolled"},
+        **{"--attention": "auto", "--loss-chunk": "0"},
         **{
             "--batch": "128",
             "--micro-batch": "128",
@@ -687,6 +705,16 @@ def test_gpu_session_benchmarks_the_step_the_60m_loop_run_took(tmp_path):
             "--block-size": "64",
         },
     }
+    # How the model computes goes along (the loss in chunks, the attention); a float32 run has
+    # no bf16 benchmark of the same step.
+    changed = dataclasses.replace(model_config(cfg, 259), loss_chunk=32, attention_impl="xla")
+    run.write_model(dataclasses.asdict(changed))
+    args = gpu_session.same_step_args(run)
+    settings = dict(zip(args[::2], args[1::2], strict=True))
+    assert settings["--loss-chunk"] == "32" and settings["--attention"] == "xla"
+    run.write_model(dataclasses.asdict(dataclasses.replace(changed, param_dtype="float32")))
+    with pytest.raises(ValueError, match="parameters and compute are float32 and bfloat16"):
+        gpu_session.same_step_args(run)
 
 
 def test_gpu_session_variants_run_over_the_paper_settings():
@@ -788,7 +816,7 @@ def test_sharded_step_counts_fewer_collective_bytes_with_activation_rules(tmp_pa
     "script, argv, message",
     [
         ("optimizer_step", ["--repeats", "0"], "argument --repeats: must be at least 1, got 0"),
-        ("optimizer_step", ["--only", "moara_fll"], "--only: unknown moara_fll (known: moara_full, "),
+        ("optimizer_step", ["--only", "moara_fll"], "--only: unknown moara_fll (known: moara_full_exact, "),
         ("optimizer_step", ["--loop-steps", "200"], "--loop-steps must be under the refresh interval (200)"),
         ("optimizer_step", ["--out", "."], "--out . is a directory: give a file path"),
         ("kernel_profile", ["--only", "x"], "--only: unknown x (known: "),
@@ -861,6 +889,21 @@ def test_vs_torch_names_a_missing_peer_package_and_runs_the_jax_side_without_tor
     )
 
 
+@pytest.mark.parametrize("jax_args", ["--batch 256", "--remat dots --seq-len=512", "--r-base 128"])
+def test_gpu_session_refuses_jax_args_that_change_one_sides_workload(jax_args, tmp_path, capsys):
+    """``--jax-args`` goes to this project's runs alone: an option that says what both sides run
+    (the batch, the sequence, the rank, ...) would compare two workloads, and is refused before
+    anything runs."""
+    import gpu_session
+
+    with pytest.raises(SystemExit) as e:
+        gpu_session.main(["--out", str(tmp_path / "out"), "--smoke", "--jax-args", jax_args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--jax-args:" in err and "would change the workload of this project's runs alone" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_gpu_session_off_smoke_stops_in_one_line_where_jax_has_no_gpu(tmp_path, monkeypatch, capsys):
     """Without ``--smoke`` the phases time a GPU: on a machine whose JAX has none, ``env`` runs
     (first, whatever the order asked) and nothing else does (350M at batch 512 would run on the
@@ -878,7 +921,7 @@ def test_gpu_session_off_smoke_stops_in_one_line_where_jax_has_no_gpu(tmp_path, 
     monkeypatch.setattr(gpu_session, "GROUPS", None)  # main() sets it: put back after the test
     left = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        left_by_a_driver_gone(tmp_path / ".evidence" / "children.json", left, "tiny/full-seed0")
+        left_by_a_driver_gone(tmp_path / gpu_session.CHILDREN_FILE, left, "tiny/full-seed0")
         assert gpu_session.main(["--out", str(tmp_path / "out"), "--phases", "vs_torch_350m"]) == 2
         assert left.wait(timeout=10) == -9
     finally:

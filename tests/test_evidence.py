@@ -836,7 +836,7 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
     budget = 60
     gpu = machine(tmp_path, "gpu")
     # A run an earlier call cut off at its limit left running: the call ends it first.
-    children = gpu / evidence.SCRATCH / evidence.GROUPS
+    children = gpu / evidence.CHILDREN_FILE
     left = subprocess.Popen(["sleep", "120"], start_new_session=True)
     try:
         left_by_a_driver_gone(children, left, "tiny/full-seed0")
