@@ -1,8 +1,8 @@
 """What one plain optimizer step compiles to: kernels, HBM traffic and scratch memory, per optimizer.
 
-Compiles ``apply_updates(params, update(grads, state, params))`` (parameters and state donated, the
-step counter off the refresh) on Llama 2 shapes in bf16, as a training step would run it, and reads
-the optimised HLO of the entry computation (the refresh branch excluded):
+Compiles ``apply_updates(params, update(grads, state, params))`` (parameters and state donated) on
+Llama 2 shapes in bf16, as a training step would run it, and reads the optimised HLO of the entry
+computation, whose refresh is a conditional whose branch is not counted (a plain step's kernels):
 
 - kernels: top-level fusions, custom calls and copies, each one launch on a GPU;
 - HBM traffic: the sum over those kernels of the bytes of their operands and results (each buffer
@@ -213,8 +213,7 @@ def main() -> None:
     check_out(parser, args.out)
     hidden, inter, layers, r_base, block = SIZES[args.size]
     sharding, device = _placement(args.target)
-    with jax.default_device(jax.devices("cpu")[0]):
-        params = jax.eval_shape(lambda: llama2_params(hidden, inter, layers))
+    params = jax.eval_shape(lambda: llama2_params(hidden, inter, layers))
     result = {"size": args.size, "device": device, "jax": jax.__version__, "target_matrices": 7 * layers}
     for name, tx in optimizers(r_base, block).items():
         if args.only and name not in args.only:

@@ -80,7 +80,7 @@ def inner_adam(
     Args:
       b1, b2, eps: Adam's decay rates and stabiliser.
       mu_dtype: dtype of the (direction and plain) moments; ``None`` follows the leaf's dtype
-        (float32 for float16: :func:`moment_dtype`).
+        (float32 for float16 parameters, whose moments would underflow).
       mag_dtype: dtype of the magnitude moments (float32 by default, as in the paper).
 
     Returns:
@@ -200,7 +200,9 @@ def node_adam(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def torch_adam_direction(g, mu, nu, count_inc, b1, b2, eps):
+def torch_adam_direction(
+    g: jax.Array, mu: jax.Array, nu: jax.Array, count_inc: jax.Array, b1: float, b2: float, eps: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Adam step in PyTorch ``AdamW``'s formula, ``(m / c1) / (sqrt(v / c2) + eps)``: returns
     ``(direction, new_mu, new_nu)`` with float32 math, moments in their dtypes and the direction
     in ``g``'s."""

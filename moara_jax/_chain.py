@@ -159,11 +159,11 @@ def decompose(
     ``(..., ceil(fan_in / B), fan_out)`` (float32) and a direction of the leaf's shape and dtype.
     Stateless.
 
-    ``keep_gradient=True`` also carries the gradient in
-    the node (``Decomposed.gradient``), from which a directly following
-    ``project`` recomputes the direction inside its refresh branch (so a plain step never keeps
-    every direction alive at once; :func:`scale_by_moara` sets it). Leave it off when other
-    transforms sit between ``decompose`` and ``project``: they would see, and change, the gradient.
+    ``keep_gradient=True`` also carries the gradient in the node (``Decomposed.gradient``), from
+    which a directly following ``project`` recomputes the direction inside its refresh branch (so
+    a plain step never keeps every direction alive at once; :func:`scale_by_moara` sets it). Leave
+    it off when other transforms sit between ``decompose`` and ``project``: they would see, and
+    change, the gradient.
     """
     block_size = check_block_size(block_size)
 

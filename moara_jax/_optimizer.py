@@ -84,11 +84,10 @@ def moara_adamw(
     ``host`` runs the same four conditions on another low-rank method (the paper's cross-method
     study): ``'fira'`` (``fira.FiraAdamW`` with both flags off), ``'q_galore'``
     (q-galore-torch's ``QGaLoreAdamW8bit``: INT4 bases with layer-adaptive refresh, 8-bit
-    Adam for every parameter, INT8 target weights), ``'osd'`` (Online Subspace Descent) or
+    Adam for every parameter, INT8 target weights), ``'osd'`` (Online Subspace Descent),
     ``'ldadam'`` (``LDAdamW``'s method: a basis moving every step, transported moments, error
-    feedback; with this function's defaults, not LDAdamW's: scale 1, b1 0.908, b2 0.99, eps 1e-8
-    there)
-    or ``'subtrack_pp'`` (SubTrack++'s Grassmann tracking), or their settings objects
+    feedback; with this function's defaults, not LDAdamW's scale 1, b1 0.908, b2 0.99 and eps
+    1e-8) or ``'subtrack_pp'`` (SubTrack++'s Grassmann tracking), or their settings objects
     (:class:`Fira`, :class:`QGaLore`, :class:`OSD`, :class:`LDAdam`, :class:`SubTrackPP`).
 
     To change ``learning_rate``, ``b1``, ``b2``, ``eps``, ``scale`` or ``weight_decay`` during
@@ -121,9 +120,9 @@ def moara_adamw(
         ``lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)`` leaves norms and biases undecayed
         (a stacked layer axis, as of ``nn.scan``, makes a norm 2-D: count it out). Masked-out
         parameters step as with ``weight_decay=0``, on every host.
-      mu_dtype: moment dtype; ``None`` follows the parameter dtype (float32 for float16:
-        ``moment_dtype``). Magnitude moments use
-        ``mag_dtype`` (float32).
+      mu_dtype: moment dtype; ``None`` follows the parameter dtype (float32 for float16
+        parameters, whose moments would underflow). Magnitude moments use ``mag_dtype``
+        (float32).
       svd: ``'exact'`` (SVD), ``'eigh'`` (Gram eigendecomposition, fast on GPU) or
         ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
       canonical_signs: make each basis vector's largest entry positive (backend-independent).

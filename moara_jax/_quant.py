@@ -350,9 +350,10 @@ def adam8bit(
     """Adam with 8-bit blockwise moments, on leaves and the chain's nodes (bitsandbytes' 8-bit
     ``AdamW`` update, ``m_hat / (sqrt(v_hat) + eps)``, without weight decay or learning rate).
 
-    A unit (:func:`moment_units`: what PyTorch would hold as one tensor) with fewer than
-    ``min_8bit_size`` entries keeps float32 moments, as bitsandbytes does. ``mag_bits=32``
-    keeps the block magnitudes' moments in float32 (the paper's Q-GaLore precision ablation).
+    A unit (what PyTorch would hold as one tensor: each matrix of a stacked leaf, each norm) with
+    fewer than ``min_8bit_size`` entries keeps float32 moments, as bitsandbytes does.
+    ``mag_bits=32`` keeps the block magnitudes' moments in float32 (the paper's Q-GaLore
+    precision ablation).
     """
     check_adam(b1, b2, eps)
     if mag_bits not in (8, 32):
