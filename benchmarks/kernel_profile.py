@@ -23,7 +23,7 @@ import tempfile
 
 import jax
 from _args import check_names, check_out, positive
-from optimizer_step import SIZES, _with_count, decaying_gradients, llama2_params, optimizers, plain_step_loop
+from optimizer_step import SIZES, decaying_gradients, llama2_params, optimizers, plain_step_loop, with_count
 
 
 def _device_plane(data):
@@ -36,7 +36,7 @@ def _device_plane(data):
 
 def kernel_times(tx, params, grads, steps: int, trace_dir: str) -> dict:
     """Per-name device time (ms per step) and launches per step of ``steps`` in-jit plain steps."""
-    state = _with_count(tx.init(params), 1)
+    state = with_count(tx.init(params), 1)
     run = plain_step_loop(tx, steps)
     jax.block_until_ready(run(params, state, grads))  # compile and warm up outside the trace
     with jax.profiler.trace(trace_dir):

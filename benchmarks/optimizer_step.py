@@ -135,7 +135,7 @@ def optimizers(r_base: int, block: int) -> dict[str, optax.GradientTransformatio
     }
 
 
-def _with_count(state, value):
+def with_count(state, value):
     """The state with every step counter set to ``value`` (refresh: a multiple of the gap)."""
 
     def set_count(path, x):
@@ -149,7 +149,7 @@ def _with_count(state, value):
 
 def time_update(tx, params, grads, count: int, repeats: int) -> float:
     """Median wall time (ms) of one jitted update at step counter ``count``."""
-    state = _with_count(tx.init(params), count)
+    state = with_count(tx.init(params), count)
     update = jax.jit(tx.update)
     jax.block_until_ready(update(grads, state, params))  # compile + warm up
     times = []
@@ -163,7 +163,7 @@ def time_update(tx, params, grads, count: int, repeats: int) -> float:
 def time_pipelined(tx, params, grads, steps: int = 20) -> float:
     """Mean ms per plain step over ``steps`` updates dispatched back to back, the state threaded
     through (as in a training loop: host dispatch overlaps device work)."""
-    state = _with_count(tx.init(params), 1)
+    state = with_count(tx.init(params), 1)
     update = jax.jit(tx.update)
     _, state = jax.block_until_ready(update(grads, state, params))
     t0 = time.perf_counter()
@@ -195,7 +195,7 @@ def time_device_loop(tx, params, grads, steps: int = 20, repeats: int = 5) -> fl
     """Median ms per plain step, ``steps`` steps (update + ``optax.apply_updates``) run inside one
     jitted ``lax.fori_loop``: the device's time per step, without the host's per-call dispatch of
     every parameter, gradient and state buffer (which dominates single calls at 350M)."""
-    state = _with_count(tx.init(params), 1)
+    state = with_count(tx.init(params), 1)
     run = plain_step_loop(tx, steps)
     jax.block_until_ready(run(params, state, grads))
     times = []

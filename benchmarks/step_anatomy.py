@@ -158,7 +158,7 @@ def entry_kernels(hlo_text: str) -> tuple[collections.Counter, int]:
     return kinds, traffic
 
 
-def _placement(target: str):
+def placement(target: str):
     """``(sharding or None, device label)`` for the compilation target."""
     if target == "local":
         device = jax.devices()[0]
@@ -212,7 +212,7 @@ def main() -> None:
     check_names(parser, "--only", args.only, list(optimizers(8, 8)))
     check_out(parser, args.out)
     hidden, inter, layers, r_base, block = SIZES[args.size]
-    sharding, device = _placement(args.target)
+    sharding, device = placement(args.target)
     params = jax.eval_shape(lambda: llama2_params(hidden, inter, layers))
     result = {"size": args.size, "device": device, "jax": jax.__version__, "target_matrices": 7 * layers}
     for name, tx in optimizers(r_base, block).items():

@@ -51,7 +51,7 @@ if any(t in sys.argv or f"--target={t}" in sys.argv for t in ("h100", "h200")): 
 import jax
 import jax.numpy as jnp
 from _args import check_micro_batches, check_names, check_out, non_negative, positive
-from step_anatomy import TARGETS, _placement
+from step_anatomy import TARGETS, placement
 from train_step import apply_flag_sets, compiled_peak_bytes, optimizers
 
 import models
@@ -272,7 +272,7 @@ def main() -> None:
     check_out(parser, args.out)
     apply_flag_sets(args.xla_flag_sets)  # before the backend starts
 
-    sharding, device = _placement(args.target)
+    sharding, device = placement(args.target)
     memory = device_memory(args.target)
     tx = optimizers(256, 32)[args.optimizer]
     result = {

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from _args import check_micro_batches, check_names, check_out, non_negative, positive
-from optimizer_step import GAP, _with_count
+from optimizer_step import GAP, with_count
 
 import moara_jax as mj
 import models
@@ -51,7 +51,7 @@ def build_step(cfg, tx, batch: int, micro: int, seq_len: int, count: int = 1):
     (built inside jit, so that no two state leaves share a buffer: the step donates them all), and
     random tokens."""
     state = jax.jit(
-        lambda key: (lambda p: TrainState(jnp.zeros([], jnp.int32), p, _with_count(tx.init(p), count)))(
+        lambda key: (lambda p: TrainState(jnp.zeros([], jnp.int32), p, with_count(tx.init(p), count)))(
             models.init_params(cfg, key)
         )
     )(jax.random.PRNGKey(0))

@@ -49,7 +49,7 @@ import types
 
 import jax
 from _args import check_names, check_out, positive
-from optimizer_step import GAP, _with_count
+from optimizer_step import GAP, with_count
 from train_step import (
     add_step_arguments,
     apply_flag_sets,
@@ -218,7 +218,7 @@ def jax_side(cfg, name: str, tx, args) -> dict:
     if name != "adamw":  # every optimizer counter on a refresh (count % T == 0) before each step
 
         def due(s):
-            return s._replace(opt_state=_with_count(s.opt_state, 0))
+            return s._replace(opt_state=with_count(s.opt_state, 0))
 
         refresh, state = median_ms(step, state, tokens, args.refresh_steps, 1, before=due)
     stats = jax.devices()[0].memory_stats() or {}

@@ -19,7 +19,7 @@ from models.model import abstract_params
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _names(path) -> tuple[str, ...]:
+def key_names(path) -> tuple[str, ...]:
     return tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
 
 
@@ -35,9 +35,17 @@ def _leaf_name(names: tuple[str, ...]) -> tuple[str, bool]:
     raise ValueError(f"unexpected parameter {'/'.join(names)}")
 
 
-def _hf_entries(cfg: ModelConfig, path) -> list[tuple[str, int | None, bool]]:
+def check_shape(what: str, have: tuple, want, transpose: bool, expecting: str = "the config") -> None:
+    """A ``ValueError`` naming ``what`` where an HF tensor's shape ``have`` is not the Flax leaf
+    shape ``want`` (``transpose``: the tensor is the leaf's transpose, as a PyTorch weight)."""
+    if (have[::-1] if transpose else have) != tuple(want):
+        hf_shape = tuple(want)[::-1] if transpose else tuple(want)
+        raise ValueError(f"{what} has shape {have}, {expecting} expects {hf_shape}")
+
+
+def hf_entries(cfg: ModelConfig, path) -> list[tuple[str, int | None, bool]]:
     """``(hf_name, layer_index_or_None, transpose)`` for one Flax leaf (one per layer if scanned)."""
-    names = _names(path)
+    names = key_names(path)
     if names[0] == "layers":  # scanned: ('layers', 'layer', ...)
         sub, transpose = _leaf_name(names[2:])
         return [(f"model.layers.{i}.{sub}", i, transpose) for i in range(cfg.num_hidden_layers)]
@@ -57,7 +65,7 @@ def to_hf(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         arr = np.asarray(leaf)
-        for name, layer, transpose in _hf_entries(cfg, path):
+        for name, layer, transpose in hf_entries(cfg, path):
             x = arr[layer] if layer is not None else arr
             out[name] = np.ascontiguousarray(x.T if transpose else x)
     if cfg.tie_word_embeddings:
@@ -139,18 +147,14 @@ def from_hf(cfg: ModelConfig, state_dict: dict[str, Any]) -> dict[str, Any]:
 
     def fill(path, spec):
         parts = []
-        scanned = _names(path)[0] == "layers"
+        scanned = key_names(path)[0] == "layers"
         want = spec.shape[1:] if scanned else spec.shape
-        for name, _, transpose in _hf_entries(cfg, path):
+        for name, _, transpose in hf_entries(cfg, path):
             key = stored_name(name, state_dict)
             if key is None:
                 raise ValueError(f"from_hf: missing key {name!r} for config {cfg.name!r}")
             x = _loaded(key, state_dict[key])
-            if (x.shape[::-1] if transpose else x.shape) != tuple(want):
-                hf_shape = tuple(want[::-1]) if transpose else tuple(want)
-                raise ValueError(
-                    f"from_hf: {key!r} has shape {tuple(x.shape)}, config {cfg.name!r} expects {hf_shape}"
-                )
+            check_shape(f"from_hf: {key!r}", tuple(x.shape), want, transpose, f"config {cfg.name!r}")
             parts.append(x.T if transpose else x)
             used.add(key)
         arr = np.stack(parts) if scanned else parts[0]

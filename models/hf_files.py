@@ -23,11 +23,12 @@ import numpy as np
 
 from models.configs import DTYPES, FAMILIES, ModelConfig, replace_config, rope_scaling_type
 from models.hf import (
-    _hf_entries,
-    _names,
+    check_shape,
     config_error_line,
     config_errors,
     config_from_hf,
+    hf_entries,
+    key_names,
     listed,
     stored_name,
     to_hf_config,
@@ -107,7 +108,7 @@ def _tensor_plan(cfg: ModelConfig, params) -> list[tuple[str, Any, int | None, b
     as ``save_pretrained`` leaves it out."""
     first, layers, last = [], {}, []
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        for name, layer, transpose in _hf_entries(cfg, path):
+        for name, layer, transpose in hf_entries(cfg, path):
             if name.startswith("model.layers."):
                 layers.setdefault(int(name.split(".")[2]), []).append((name, leaf, layer, transpose))
             else:
@@ -337,8 +338,8 @@ def load_hf_params(directory, cfg: ModelConfig, shardings=None) -> dict[str, Any
             return opened[files[name]].get_slice(name)
 
         def load(path, spec, sharding):
-            entries = _hf_entries(cfg, path)
-            scanned = _names(path)[0] == "layers"
+            entries = hf_entries(cfg, path)
+            scanned = key_names(path)[0] == "layers"
             slices = [tensor(name) for name, _, _ in entries]
             transpose = entries[0][2]
             want = spec.shape[1:] if scanned else spec.shape
@@ -348,12 +349,7 @@ def load_hf_params(directory, cfg: ModelConfig, shardings=None) -> dict[str, Any
                         f"{directory}: tensor {name!r} is {s.get_dtype()}; the weights must be "
                         f"one of {', '.join(FLOAT_DTYPES)}"
                     )
-                have = tuple(s.get_shape())
-                if (have[::-1] if transpose else have) != tuple(want):
-                    raise ValueError(
-                        f"{directory}: tensor {name!r} has shape {have}, the config expects "
-                        f"{tuple(want)[::-1] if transpose else tuple(want)}"
-                    )
+                check_shape(f"{directory}: tensor {name!r}", tuple(s.get_shape()), want, transpose)
 
             def block(index):
                 def read(s, idx):
