@@ -46,6 +46,16 @@ def _residual(x: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x, ACTIVATION_AXES)
 
 
+def _layer(cfg: ModelConfig, scanned: bool) -> type[nn.Module]:
+    """``DecoderLayer``, rematerialised as ``cfg.remat`` says. Inside ``nn.scan`` its
+    recomputation needs no barrier against common-subexpression elimination (the scan's loop
+    keeps XLA from merging it with the forward pass), so ``prevent_cse`` is off there, as JAX's
+    ``checkpoint`` documentation advises; unrolled layers keep it on."""
+    if cfg.remat == "none":
+        return DecoderLayer
+    return nn.remat(DecoderLayer, policy=_REMAT[cfg.remat], prevent_cse=not scanned)
+
+
 class _ScanBody(nn.Module):
     """``DecoderLayer`` in the ``(carry, x) -> (carry, y)`` form ``nn.scan`` wants."""
 
@@ -53,10 +63,7 @@ class _ScanBody(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions):
-        layer = DecoderLayer
-        if self.cfg.remat != "none":
-            layer = nn.remat(layer, policy=_REMAT[self.cfg.remat], prevent_cse=False)
-        return layer(self.cfg, name="layer")(x, positions), None
+        return _layer(self.cfg, scanned=True)(self.cfg, name="layer")(x, positions), None
 
 
 class _LMHead(nn.Module):
@@ -116,9 +123,7 @@ class CausalLM(nn.Module):
             )
             x, _ = body(cfg, name="layers")(x, positions)
         else:
-            layer = DecoderLayer
-            if cfg.remat != "none":
-                layer = nn.remat(layer, policy=_REMAT[cfg.remat], prevent_cse=True)
+            layer = _layer(cfg, scanned=False)
             for i in range(cfg.num_hidden_layers):
                 x = layer(cfg, name=f"layers_{i}")(x, positions)
         x = rms_norm(cfg, "norm", "embed")(x)
