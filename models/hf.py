@@ -222,48 +222,9 @@ def unsupported_family(kind: str) -> str:
 def config_from_hf(hf_config, **overrides) -> ModelConfig:
     """A :class:`ModelConfig` from a ``transformers`` config (Llama, Qwen2, Qwen3, DeepseekV2),
     or from its dict (``config.json``'s content, with its ``model_type``)."""
-    if not isinstance(hf_config, Mapping) and not hasattr(hf_config, "model_type"):
-        raise ValueError(
-            f"config_from_hf takes a transformers config or a config.json dict, got {hf_config!r} "
-            "(a directory or file: models.read_hf_config)"
-        )
-    if isinstance(hf_config, Mapping):
-        import transformers
-
-        fields = dict(hf_config)
-        if "model_type" not in fields:
-            raise ValueError("config_from_hf: a config dict needs its model_type (as config.json has)")
-        try:
-            hf_config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-        except config_errors() as e:
-            raise ValueError(f"config_from_hf: {config_error_line(e)}") from None
+    hf_config = _transformers_config(hf_config)
+    _refuse_unsupported(hf_config)
     kind = hf_config.model_type
-    if kind not in FAMILIES:
-        raise ValueError(unsupported_family(kind))
-    quantized = getattr(hf_config, "quantization_config", None)
-    if quantized:
-        method = quantized.get("quant_method") if isinstance(quantized, Mapping) else None
-        raise ValueError(
-            f"quantized checkpoints are not supported (quantization_config, quant_method {method!r}): "
-            "load it with transformers, dequantize it and save_pretrained it again"
-        )
-    sliding = _sliding_layers(hf_config)
-    if sliding:
-        raise ValueError(
-            f"sliding-window attention is not supported: layers {sliding} use it (use_sliding_window, "
-            "max_window_layers, layer_types)"
-        )
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
-        raise ValueError(f"only the SiLU (SwiGLU) MLP is supported, got hidden_act={act!r}")
-    if getattr(hf_config, "mlp_bias", False):
-        raise ValueError("MLP biases are not supported (mlp_bias=True)")
-    dropout = getattr(hf_config, "attention_dropout", 0.0) or 0.0
-    if dropout:  # an export would say 0.0: the models here have no dropout
-        raise ValueError(
-            f"attention dropout is not supported (attention_dropout={dropout!r}): the models train "
-            "without dropout; set it to 0.0 to load the weights"
-        )
     theta, scaling = _rope(hf_config)
     fields = dict(
         model_type=kind,
@@ -292,14 +253,68 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
     if kind == "deepseek_v2":
         for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             fields[f] = getattr(hf_config, f)
-        dense = getattr(hf_config, "first_k_dense_replace", 0)
-        if dense < hf_config.num_hidden_layers:
-            raise ValueError(
-                "only the dense DeepSeek-V2 variant is supported (first_k_dense_replace >= "
-                f"num_hidden_layers): this one has mixture-of-experts layers from layer {dense} "
-                f"(first_k_dense_replace={dense}, num_hidden_layers={hf_config.num_hidden_layers})"
-            )
     return replace_config(ModelConfig(**fields), **overrides)
+
+
+def _transformers_config(hf_config):
+    """``hf_config`` as a ``transformers`` config (a ``config.json`` dict built with
+    ``AutoConfig.for_model``); a ``ValueError`` for anything else."""
+    if not isinstance(hf_config, Mapping) and not hasattr(hf_config, "model_type"):
+        raise ValueError(
+            f"config_from_hf takes a transformers config or a config.json dict, got {hf_config!r} "
+            "(a directory or file: models.read_hf_config)"
+        )
+    if not isinstance(hf_config, Mapping):
+        return hf_config
+    import transformers
+
+    fields = dict(hf_config)
+    if "model_type" not in fields:
+        raise ValueError("config_from_hf: a config dict needs its model_type (as config.json has)")
+    try:
+        return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    except config_errors() as e:
+        raise ValueError(f"config_from_hf: {config_error_line(e)}") from None
+
+
+def _refuse_unsupported(hf_config) -> None:
+    """A ``ValueError`` saying what a ``transformers`` config asks for that the models here do
+    not have: another family, quantized weights, sliding-window attention, another activation,
+    MLP biases, attention dropout, DeepSeek-V2's experts."""
+    kind = hf_config.model_type
+    if kind not in FAMILIES:
+        raise ValueError(unsupported_family(kind))
+    quantized = getattr(hf_config, "quantization_config", None)
+    if quantized:
+        method = quantized.get("quant_method") if isinstance(quantized, Mapping) else None
+        raise ValueError(
+            f"quantized checkpoints are not supported (quantization_config, quant_method {method!r}): "
+            "load it with transformers, dequantize it and save_pretrained it again"
+        )
+    sliding = _sliding_layers(hf_config)
+    if sliding:
+        raise ValueError(
+            f"sliding-window attention is not supported: layers {sliding} use it (use_sliding_window, "
+            "max_window_layers, layer_types)"
+        )
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
+        raise ValueError(f"only the SiLU (SwiGLU) MLP is supported, got hidden_act={act!r}")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("MLP biases are not supported (mlp_bias=True)")
+    dropout = getattr(hf_config, "attention_dropout", 0.0) or 0.0
+    if dropout:  # an export would say 0.0: the models here have no dropout
+        raise ValueError(
+            f"attention dropout is not supported (attention_dropout={dropout!r}): the models train "
+            "without dropout; set it to 0.0 to load the weights"
+        )
+    dense = getattr(hf_config, "first_k_dense_replace", 0)
+    if kind == "deepseek_v2" and dense < hf_config.num_hidden_layers:
+        raise ValueError(
+            "only the dense DeepSeek-V2 variant is supported (first_k_dense_replace >= "
+            f"num_hidden_layers): this one has mixture-of-experts layers from layer {dense} "
+            f"(first_k_dense_replace={dense}, num_hidden_layers={hf_config.num_hidden_layers})"
+        )
 
 
 def to_hf_config(cfg: ModelConfig):
