@@ -184,25 +184,7 @@ def moara_adamw(
         check_block_size(block_size)
     elif decompose:
         raise ValueError("block_size is required when decompose=True")
-    donors = None if donors is None else type_names("donors", donors)
-    receivers = None if receivers is None else type_names("receivers", receivers)
-    allocation = dict(
-        r_base=r_base,
-        rank_allocation=rank_allocation,
-        ranks=ranks,
-        donors=donors,
-        receivers=receivers,
-        delta=delta,
-    )
-    # Validate the rank arguments now, not at the first update, on a block with every module type
-    # the labels can name (with a custom label_fn, also the types named here); whether the model
-    # has the donors and receivers is checked at init.
-    known = MODULE_TYPES if label_fn is module_label else (*MODULE_TYPES, *(donors or ()), *(receivers or ()))
-    resolve_module_ranks(known, present=False, **allocation)
-    if ranks is not None and label_fn is module_label:
-        unknown = sorted(set(ranks) - set(MODULE_TYPES))
-        if unknown:
-            raise ValueError(f"ranks: unknown module types {unknown}; known: {list(MODULE_TYPES)}")
+    allocation = _allocation_arguments(r_base, rank_allocation, ranks, donors, receivers, delta, label_fn)
 
     # A host whose methods predate weight-decay masks is called as before; given a mask to use, refused.
     other = with_decay_mask(host, "other_adam", decay_mask, b1, b2, eps, mu_dtype, weight_decay)
@@ -233,6 +215,29 @@ def moara_adamw(
     directions = optax.GradientTransformation(init_fn, update_fn)
     tx = optax.chain(directions, *finish)
     return tx if matrix_axes is None else as_matrices(tx, matrix_axes)
+
+
+def _allocation_arguments(r_base, rank_allocation, ranks, donors, receivers, delta, label_fn) -> dict:
+    """The rank arguments as :func:`tree_ranks` takes them, checked now, not at the first update,
+    on a block with every module type the labels can name (with a custom ``label_fn``, also the
+    types named here); whether the model has the donors and receivers is checked at init."""
+    donors = None if donors is None else type_names("donors", donors)
+    receivers = None if receivers is None else type_names("receivers", receivers)
+    allocation = dict(
+        r_base=r_base,
+        rank_allocation=rank_allocation,
+        ranks=ranks,
+        donors=donors,
+        receivers=receivers,
+        delta=delta,
+    )
+    known = MODULE_TYPES if label_fn is module_label else (*MODULE_TYPES, *(donors or ()), *(receivers or ()))
+    resolve_module_ranks(known, present=False, **allocation)
+    if ranks is not None and label_fn is module_label:
+        unknown = sorted(set(ranks) - set(MODULE_TYPES))
+        if unknown:
+            raise ValueError(f"ranks: unknown module types {unknown}; known: {list(MODULE_TYPES)}")
+    return allocation
 
 
 def _refuse_discrete_targets(params, label_fn) -> None:
