@@ -25,6 +25,7 @@ from train.sources import builtin_documents
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import _evidence_plan as plan_module  # noqa: E402
 import evidence  # noqa: E402
 
 WIKI = ROOT / "configs" / "experiments" / "wiki60m"
@@ -126,7 +127,7 @@ def test_estimates_scale_the_fixed_part_and_the_steps_of_finished_runs():
     )
     # Only another kind: its fixed part (10 s) plus 400 x 0.4 s x 1.3, times the safety factor.
     est, basis = evidence.estimate(kind, 400, 1, [p], 999, 1.5)
-    assert est == pytest.approx((10 + 400 * 0.4 * evidence.OTHER_KIND) * 1.5) and "other kinds" in basis
+    assert est == pytest.approx((10 + 400 * 0.4 * plan_module.OTHER_KIND) * 1.5) and "other kinds" in basis
     # Two runs sharing the device: no gain from sharing is assumed (the fixed part is kept).
     assert evidence.estimate(kind, 400, 2, [m], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
     assert evidence.estimate(kind, 400, 2, [], 300, 1.0)[0] == 600
@@ -141,7 +142,7 @@ def test_estimates_take_the_gain_from_sharing_the_device_measured_so_far():
     paired = evidence.Measured("b", kind, 200, 160.0, 0.6, 2, "gpu")  # 40 s fixed, 200 x 0.6 s
     costs = {1: 0.3, 2: 0.24}  # device-seconds per step: two at a time do 1.25x the work
     # From a run alone to two at a time: 2 x 0.24 / 0.3 = 1.6 times its step, not 2.
-    assert evidence.share_factor(1, 2, costs) == pytest.approx(1.6)
+    assert plan_module.share_factor(1, 2, costs) == pytest.approx(1.6)
     assert evidence.estimate(kind, 400, 2, [alone], 999, 1.0, costs)[0] == pytest.approx(40 + 400 * 0.3 * 1.6)
     # From a run two at a time to one alone: 0.3 / (2 x 0.24) of its step and of its fixed part,
     # which shared the device as well.
@@ -149,18 +150,19 @@ def test_estimates_take_the_gain_from_sharing_the_device_measured_so_far():
         40 * 0.625 + 400 * 0.375
     )
     # Three at a time, not measured: two's cost 1.1 times over, 3 x 0.24 x 1.1 / 0.3 = 2.64.
-    assert evidence.share_factor(1, 3, costs) == pytest.approx(3 * 0.24 * evidence.UNMEASURED / 0.3)
+    assert plan_module.share_factor(1, 3, costs) == pytest.approx(3 * 0.24 * plan_module.UNMEASURED / 0.3)
     # ... but never more than no gain at all (from a run two at a time: 3 / 2).
-    assert evidence.share_factor(2, 3, {1: 0.3, 2: 0.29}) == pytest.approx(1.5)
+    assert plan_module.share_factor(2, 3, {1: 0.3, 2: 0.29}) == pytest.approx(1.5)
     # Measured at three: its own cost, whatever the level below it gave.
-    assert evidence.share_factor(2, 3, {1: 0.3, 2: 0.24, 3: 0.2}) == pytest.approx(3 * 0.2 / (2 * 0.24))
+    assert plan_module.share_factor(2, 3, {1: 0.3, 2: 0.24, 3: 0.2}) == pytest.approx(3 * 0.2 / (2 * 0.24))
     # A run that met 1.8 runs (level 2): its own device-seconds per step are its step over 1.8.
-    assert evidence.share_factor(1.8, 3, {1: 0.3, 2: 0.24, 3: 0.2}) == pytest.approx(3 * 0.2 / (1.8 * 0.24))
+    three = {1: 0.3, 2: 0.24, 3: 0.2}
+    assert plan_module.share_factor(1.8, 3, three) == pytest.approx(3 * 0.2 / (1.8 * 0.24))
     # No gain assumed where the costs are unknown: none measured, the run's own level not measured
     # (a run that ran half its time alone), or no level at or below the one asked for.
-    assert evidence.share_factor(1, 2, {}) == 2.0
-    assert evidence.share_factor(4 / 3, 2, costs) == pytest.approx(1.5)
-    assert evidence.share_factor(2, 1, {2: 0.24}) == 1.0
+    assert plan_module.share_factor(1, 2, {}) == 2.0
+    assert plan_module.share_factor(4 / 3, 2, costs) == pytest.approx(1.5)
+    assert plan_module.share_factor(2, 1, {2: 0.24}) == 1.0
     assert evidence.estimate(kind, 400, 2, [alone], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
 
 
@@ -174,18 +176,18 @@ def test_estimates_take_the_largest_fixed_part_of_the_kind_and_leave_profiles_ou
     cached = evidence.Measured("cached", kind, 200, 70.0, 0.3, 2, "gpu")  # 10 s fixed, two at a time
     cold = evidence.Measured("cold", kind, 200, 130.0, 0.4, 3, "gpu")  # 50 s fixed, three at a time
     costs = {1: 0.3, 2: 0.15, 3: 0.12}
-    to_two = evidence.share_factor(3, 2, costs)  # 2 x 0.15 / (3 x 0.12)
+    to_two = plan_module.share_factor(3, 2, costs)  # 2 x 0.15 / (3 x 0.12)
     est, basis = evidence.estimate(kind, 400, 2, [cached, cold], 999, 1.0, costs)
     assert est == pytest.approx(50 * to_two + 400 * 0.3) and basis.startswith("1 finished run(s)")
     # Alone: the cold run's fixed part scaled down; its steps too, the larger of the two guesses.
-    alone = [evidence.share_factor(m.concurrency, 1, costs) for m in (cached, cold)]
+    alone = [plan_module.share_factor(m.concurrency, 1, costs) for m in (cached, cold)]
     assert evidence.estimate(kind, 400, 1, [cached, cold], 999, 1.0, costs)[0] == pytest.approx(
         50 * alone[1] + max(400 * 0.3 * alone[0], 400 * 0.4 * alone[1])
     )
     profile = evidence.Measured("p", ("profile", *kind[1:]), 100, 90.0, 0.2, 1, "gpu")  # 70 s fixed
     other = ("train", "moara", "fira", True, "uniform")
     est, basis = evidence.estimate(other, 400, 2, [cached, profile], 999, 1.0, costs)
-    assert est == pytest.approx(10 + 400 * 0.3 * evidence.OTHER_KIND) and "other kinds" in basis
+    assert est == pytest.approx(10 + 400 * 0.3 * plan_module.OTHER_KIND) and "other kinds" in basis
     config = {"mode": "train", "optimizer": {"name": "moara", "host": "galore", "decompose": True}}
     kinds = {
         allocation: evidence.kind_of(
@@ -505,7 +507,7 @@ def test_auto_levels_go_up_while_sharing_pays_and_keep_the_fastest():
     assert evidence.choose_level({1: one, 2: two}, 2)[0] == 2  # --max-concurrent 2
     assert evidence.choose_level({1: one, 2: two, 3: three}, 3)[0] == 3
     # What a run met: a level, or none for one that ran half its time alone.
-    assert [evidence.level_of(c) for c in (1.0, 1.9, 4 / 3, 3.8)] == [1, 2, None, 4]
+    assert [plan_module.level_of(c) for c in (1.0, 1.9, 4 / 3, 3.8)] == [1, 2, None, 4]
     kind = ("train", "galore", "galore", False, "uniform")
     runs = [
         evidence.Measured("a", kind, 100, 30.0, 0.25, 1.0, "gpu"),
