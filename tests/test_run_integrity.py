@@ -906,6 +906,40 @@ def test_banner_warns_when_the_embedding_and_head_hold_most_parameters(tmp_path)
     assert not banner(params=133_568, embedding_params=32_896, **common)[-1].startswith("warning")
 
 
+def test_the_banner_says_where_magnitude_blocks_span_two_devices(tmp_path):
+    """A block size that does not divide a target matrix's fan_in shard puts blocks across two
+    devices (XLA then gathers the matrix: "Involuntary full rematerialization", seen with
+    tiny.yaml on fsdp=8 at block 16 and gone at block 8): said at start, naming the block size,
+    how many matrices, and one of them with its shard; nothing where every block lies on one
+    device."""
+    import jax
+
+    import models
+    from train.rundir import banner
+    from train.sharding import param_shardings, straddling_blocks
+
+    cfg = models.get_config("tiny")  # hidden 64, intermediate 176
+    logical, abstract = models.logical_axes(cfg), models.abstract_params(cfg)
+
+    def said(fsdp: int, tensor: int, block: int):
+        mesh = jax.sharding.AbstractMesh((1, fsdp, tensor), ("data", "fsdp", "tensor"))
+        return straddling_blocks(param_shardings(logical, abstract, mesh), abstract, block)
+
+    # fsdp=8 shards the fan_in of q, k, v, gate and up (64 -> 8 rows a device) in both layers.
+    straddle = said(8, 1, 16)
+    assert straddle.startswith(
+        "optimizer.block_size 16 does not divide the device shard of 10 target matrices' fan_in "
+        "(['layers_0']['mlp']['gate_proj']['kernel']: fan_in 64 over fsdp=8 and 9 more)"
+    ), straddle
+    assert said(8, 1, 8) is None and said(2, 1, 16) is None  # 8 rows in blocks of 8; 32 in 16
+    # tensor=2 shards o's and down's fan_in (64 -> 32, 176 -> 88): only 88 is no multiple of 16.
+    down = "['layers_0']['mlp']['down_proj']['kernel']: fan_in 176 over tensor=2 and 1 more"
+    assert f"of 2 target matrices' fan_in ({down})" in said(1, 2, 16)
+    common = dict(model="tiny", optimizer="moara", ranks=None, data="data: x", tokens_per_step=256)
+    lines = banner(params=133_568, embedding_params=32_896, run_dir=tmp_path, straddle=straddle, **common)
+    assert lines[-1] == f"warning: {straddle}"
+
+
 def test_the_banner_names_the_mesh_and_the_dimensions_its_axes_do_not_divide(tmp_path):
     """A mesh axis that does not divide a dimension the rules put on it leaves that dimension
     whole on every device (right numbers, none of the memory the axis was for): said at start,

@@ -511,11 +511,13 @@ def banner(
     mesh: str | None = None,
     whole: list[str] = (),
     split_heads: str | None = None,
+    straddle: str | None = None,
 ) -> list[str]:
     """The lines printed when a run starts (a warning when the embedding and LM head hold most
     of the parameters: the step's cost is then mostly theirs, not the blocks'). ``mesh``: the
     mesh as made; ``whole``: parameter dimensions a mesh axis does not divide, left whole;
-    ``split_heads``: what a tensor axis that splits attention heads does."""
+    ``split_heads``: what a tensor axis that splits attention heads does; ``straddle``: what
+    magnitude blocks that span two devices do."""
     share = embedding_params / params
     lines = [
         f"model: {model}, {params:,} parameters ({share:.0%} in the embedding and LM head)",
@@ -531,8 +533,7 @@ def banner(
             f"warning: {len(whole)} parameter dimension(s) the mesh would shard stay whole on every "
             f"device, their mesh axis not dividing them: {'; '.join(whole[:2])}{more}"
         )
-    if split_heads:
-        lines.append(f"warning: {split_heads}")
+    lines += [f"warning: {said}" for said in (split_heads, straddle) if said]
     if share > 0.5:
         lines.append(
             f"warning: the embedding and LM head hold {share:.0%} of the parameters, so they dominate "

@@ -33,6 +33,7 @@ from train.sharding import (
     param_shardings,
     split_heads,
     state_shardings,
+    straddling_blocks,
     whole_dims,
 )
 from train.step import Allocation, TrainState, all_finite, make_optimizer, module_types, schedule
@@ -257,7 +258,7 @@ def open_run_dir(run: RunDir, setup: Setup, step: int) -> None:
 
 
 def banner_lines(setup: Setup, run: RunDir) -> list[str]:
-    ranks = rank_summary(setup)
+    ranks, opt = rank_summary(setup), setup.cfg.optimizer
     return banner(
         model=setup.model_cfg.name,
         params=models.param_count(setup.model_cfg),
@@ -270,6 +271,9 @@ def banner_lines(setup: Setup, run: RunDir) -> list[str]:
         mesh=describe_mesh(setup.mesh),
         whole=whole_dims(models.logical_axes(setup.model_cfg), setup.abstract_params, setup.mesh),
         split_heads=split_heads(setup.model_cfg, setup.mesh),
+        straddle=straddling_blocks(setup.shardings.params, setup.abstract_params, opt.block_size)
+        if opt.name == "moara" and opt.decompose and not setup.profiling
+        else None,
     )
 
 

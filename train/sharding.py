@@ -23,7 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moara_jax._labels import find_param, path_key
+import moara_jax as mj
+from moara_jax._labels import OTHER, find_param, path_key
 from moara_jax._sharding import kept_spec, params_by_path, spread_spec
 from train.config import MeshSection
 from train.errors import UserError
@@ -110,6 +111,37 @@ def split_heads(model_cfg, mesh) -> str | None:
         f"mesh tensor={tensor} does not divide the {heads} query and {kv} key/value heads, so heads are "
         "split across devices and their attention gathers them (the numbers are the same); a tensor "
         "axis that divides the head counts keeps each head on one device"
+    )
+
+
+def straddling_blocks(shardings, abstract_params, block_size: int) -> str | None:
+    """What MoARa's magnitude blocks do where ``block_size`` does not divide a target matrix's
+    fan_in shard (``shardings``: the parameters' ``NamedSharding``s): a block spans two devices,
+    so XLA gathers the whole matrix for the decomposition (its "Involuntary full
+    rematerialization" warning), the memory and traffic the sharding was meant to save; ``None``
+    when every block lies on one device."""
+    found = []
+
+    def one(path, sharding, x):
+        if x.ndim < 2 or mj.module_label(path) == OTHER:
+            return
+        axes = sharding.spec[x.ndim - 2] if len(sharding.spec) > x.ndim - 2 else None
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        devices = int(np.prod([sharding.mesh.shape[a] for a in names]))
+        if devices > 1 and (x.shape[-2] // devices) % block_size:
+            found.append(
+                f"{jax.tree_util.keystr(path)}: fan_in {x.shape[-2]} over {'x'.join(names)}={devices}"
+            )
+
+    jax.tree_util.tree_map_with_path(one, shardings, abstract_params)
+    if not found:
+        return None
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    return (
+        f"optimizer.block_size {block_size} does not divide the device shard of {len(found)} target "
+        f"matrices' fan_in ({found[0]}{more}): their magnitude blocks span two devices, and XLA "
+        "gathers each such matrix whole for the decomposition; a block size that divides the shard, "
+        "or fewer devices on that mesh axis, keeps each block on one device"
     )
 
 
