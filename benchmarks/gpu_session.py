@@ -678,7 +678,9 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown phase(s) {unknown}; known: {', '.join(PHASES)}")
     jax_args = shlex.split(args.jax_args)
-    shared = [a for a in jax_args if a.split("=")[0] in SHARED_WORKLOAD]
+    # (argparse takes an option's unambiguous prefix too: --seq is --seq-len)
+    names = [a.split("=")[0] for a in jax_args if a.startswith("--")]
+    shared = [n for n in names if any(s.startswith(n) for s in SHARED_WORKLOAD)]
     if shared:
         parser.error(
             f"--jax-args: {' '.join(shared)} would change the workload of this project's runs alone "

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import check_out  # noqa: E402
-from step_anatomy import _bytes  # noqa: E402
+from step_anatomy import hlo_bytes  # noqa: E402
 
 from train import loop  # noqa: E402
 from train import setup as setting  # noqa: E402
@@ -45,7 +45,7 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     for line in hlo_text.splitlines():
         m = _COLLECTIVE.match(line)
         if m:
-            out[m.group(2)] += _bytes(m.group(1))
+            out[m.group(2)] += hlo_bytes(m.group(1))
     return dict(out)
 
 

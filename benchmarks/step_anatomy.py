@@ -121,7 +121,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([\w\-]+)\((.*)$")
 _NO_KERNEL = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "conditional"}
 
 
-def _bytes(type_text: str) -> int:
+def hlo_bytes(type_text: str) -> int:
     total = 0
     for dtype, dims in _ARRAY.findall(type_text):
         n = 1
@@ -154,7 +154,7 @@ def entry_kernels(hlo_text: str) -> tuple[collections.Counter, int]:
             kind = f"fusion:{k.group(1) if k else '?'}"
         kinds[kind] += 1
         operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-        traffic += _bytes(type_text) + sum(_bytes(types.get(o, "")) for o in operands)
+        traffic += hlo_bytes(type_text) + sum(hlo_bytes(types.get(o, "")) for o in operands)
     return kinds, traffic
 
 

@@ -391,10 +391,23 @@ def test_vs_torch_cpu_smoke_run_writes_both_sides(tmp_path):
         assert run["plain_ms"] > 0 and run["refresh_ms"] > 0 and run["tokens_per_s"] > 0
         assert run["micro_batch"] == 4  # each side's row says the micro-batch it ran
     assert result["runs"]["moara_full"]["compiled_peak_bytes"] > 0
-    # (read without importing torch: a run of the JAX side alone records it too)
-    assert result["versions"]["torch"] == importlib.metadata.version("torch")
     assert result["jax_model"]["attention"] == "xla" and result["jax_preallocate"] == "false"
     assert result["moara_over_peer_tokens_per_s"] > 0
+
+
+def test_vs_torch_of_the_jax_side_alone_records_the_installed_torch(tmp_path, monkeypatch):
+    """A run of this project's side alone (``--only moara_full``, as the GPU session runs each
+    optimizer in a process of its own) imports no torch, and still records the version its
+    peers' runs have: the session's merged file takes the first run's versions."""
+    pytest.importorskip("torch")
+    out = tmp_path / "vs.json"
+    argv = ["--model", "llama2-tiny", "--batch", "8", "--micro-batch", "4", "--seq-len", "32", "--steps", "1"]
+    argv += ["--warmup", "1", "--refresh-steps", "1", "--only", "moara_full", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["vs_torch.py", *argv])
+    vs_torch.main()
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"moara_full"} and result["runs"]["moara_full"]["micro_batch"] == 4
+    assert result["versions"]["torch"] == importlib.metadata.version("torch")
 
 
 def test_vs_torch_peer_halves_its_micro_batch_where_the_device_runs_out_of_memory(monkeypatch):
@@ -889,7 +902,9 @@ def test_vs_torch_names_a_missing_peer_package_and_runs_the_jax_side_without_tor
     )
 
 
-@pytest.mark.parametrize("jax_args", ["--batch 256", "--remat dots --seq-len=512", "--r-base 128"])
+@pytest.mark.parametrize(
+    "jax_args", ["--batch 256", "--remat dots --seq-len=512", "--r-base 128", "--seq 512", "--block=8"]
+)
 def test_gpu_session_refuses_jax_args_that_change_one_sides_workload(jax_args, tmp_path, capsys):
     """``--jax-args`` goes to this project's runs alone: an option that says what both sides run
     (the batch, the sequence, the rank, ...) would compare two workloads, and is refused before
@@ -897,7 +912,7 @@ def test_gpu_session_refuses_jax_args_that_change_one_sides_workload(jax_args, t
     import gpu_session
 
     with pytest.raises(SystemExit) as e:
-        gpu_session.main(["--out", str(tmp_path / "out"), "--smoke", "--jax-args", jax_args])
+        gpu_session.main(["--out", str(tmp_path / "out"), "--smoke", f"--jax-args={jax_args}"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--jax-args:" in err and "would change the workload of this project's runs alone" in err
