@@ -346,11 +346,11 @@ def _warn_if_the_harness_reads_it_otherwise(tok, directory: pathlib.Path) -> Non
     """A warning where ``AutoTokenizer`` (what lm-evaluation-harness reads) encodes otherwise
     than the directory's ``tokenizer.json`` says (``train.sources.autotokenizer_mismatch``): the
     harness would score other ids than this evaluation."""
-    mismatch = autotokenizer_mismatch(tok)
-    if mismatch is not None:
+    text = autotokenizer_mismatch(tok)
+    if text is not None:
         warnings.warn(
             f"{directory}: transformers.AutoTokenizer, which lm-evaluation-harness reads, encodes "
-            f"{mismatch[1]!r} otherwise than its tokenizer.json, which this evaluation reads (the "
+            f"{text!r} otherwise than its tokenizer.json, which this evaluation reads (the "
             "tokenizer class its tokenizer_config.json or model type names replaces the file's "
             "rules): the harness would score other tokens. To score the file's in both, put "
             "tokenizer.json in a directory of its own with a tokenizer_config.json whose "

@@ -317,18 +317,16 @@ def autotokenizer_difference(tok, directory: pathlib.Path) -> str | None:
     return None
 
 
-def autotokenizer_mismatch(tok) -> tuple[pathlib.Path, str] | None:
-    """For a ``tokenizer.json`` tokenizer: its directory and the probe text that
-    ``AutoTokenizer`` on that directory encodes otherwise, where it does (its tokenizer class
-    replaces the file's rules); None where it encodes alike, or transformers is missing or builds
-    no tokenizer there."""
+def autotokenizer_mismatch(tok) -> str | None:
+    """For a ``tokenizer.json`` tokenizer: the probe text that ``AutoTokenizer`` on the file's
+    directory encodes otherwise, where it does (its tokenizer class replaces the file's rules);
+    None where it encodes alike, or transformers is missing or builds no tokenizer there."""
     if not isinstance(tok, HFTokenizer):
         return None
     try:
-        differs = autotokenizer_difference(tok, tok.path.parent)
+        return autotokenizer_difference(tok, tok.path.parent)
     except Exception:  # noqa: BLE001 - transformers missing, or no tokenizer it can build there
         return None
-    return None if differs is None else (tok.path.parent, differs)
 
 
 def tokenizer_option(spec: str):

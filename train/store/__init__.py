@@ -125,12 +125,12 @@ def build_warnings(manifest: dict, p: Plan) -> list[str]:
             "a document boundary or BOS inside a document (split_special_tokens: true in "
             "tokenizer_config.json encodes it as text)"
         )
-    mismatch = autotokenizer_mismatch(make_tokenizer(p.tokenizer))
-    if mismatch is not None:
-        directory, text = mismatch
+    tok = make_tokenizer(p.tokenizer)
+    text = autotokenizer_mismatch(tok)
+    if text is not None:
         said.append(
-            f"the store holds {directory / 'tokenizer.json'}'s tokens, but transformers.AutoTokenizer "
-            f"on {directory} encodes {text!r} otherwise (the tokenizer class its tokenizer_config.json "
+            f"the store holds {tok.path}'s tokens, but transformers.AutoTokenizer "
+            f"on {tok.path.parent} encodes {text!r} otherwise (the tokenizer class its tokenizer_config.json "
             "or model type names replaces the file's rules): a model trained on this store reads other "
             "ids than that tokenizer gives (train.export writes tokenizer files that give the store's)"
         )
