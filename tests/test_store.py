@@ -638,7 +638,15 @@ def test_max_documents_takes_the_first_documents_across_pieces(tmp_path, monkeyp
     paths = write_corpus(tmp_path / "corpus", files=3, docs=30)
     plan = token_store.plan(files_section(paths, max_documents=47))
     assert len(plan.pieces) > 6 and all(q.role == "mixed" for q in plan.pieces)
+    stop, managers = building._stop, []
+
+    def stop_and_look(pool):  # the workers stopped at the limit: their manager thread ends with them
+        stop(pool)
+        managers.extend(t for t in threading.enumerate() if type(t).__name__ == "_ExecutorManagerThread")
+
+    monkeypatch.setattr(building, "_stop", stop_and_look)
     token_store.build(tmp_path / "two", plan, workers=2, quiet=True)
+    assert not managers, "the pool's manager thread outlives the build's stop"
     token_store.build(tmp_path / "one", plan, workers=1, quiet=True)
     assert tree_hashes(tmp_path / "two") == tree_hashes(tmp_path / "one")
     opened = token_store.TokenStore(tmp_path / "two")

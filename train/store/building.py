@@ -415,12 +415,16 @@ def _next_record(results, parallel: bool, progress, p: Plan, records: dict) -> d
 def _stop(pool: futures.ProcessPoolExecutor) -> None:
     """Ends the workers now, their running pieces discarded (their shards stay ``.tmp``), before
     anything after the build (the cut at ``max_documents``) looks at the shards."""
-    processes = list((pool._processes or {}).values())  # (shutdown forgets them; no public list)
+    # shutdown(wait=False) forgets the processes and the thread that manages them; no public names
+    processes = list((pool._processes or {}).values())
+    manager = pool._executor_manager_thread
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in processes:
         proc.terminate()
     for proc in processes:
         proc.join()
+    if manager is not None:
+        manager.join()  # it sees its workers gone and ends; no thread of the build outlives it
 
 
 def _train_documents(p: Plan, records: dict) -> int:
