@@ -26,13 +26,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _evidence_plan as plan_module  # noqa: E402
+import _evidence_runner as runner_module  # noqa: E402
 import evidence  # noqa: E402
 
 WIKI = ROOT / "configs" / "experiments" / "wiki60m"
 
 
 def test_plan_orders_the_runs_as_the_issue_does_and_every_config_resolves():
-    plan = evidence.load_plan(WIKI / "plan.yaml")
+    plan = plan_module.load_plan(WIKI / "plan.yaml")
     names = [p.name for p in plan.runs]
     four = ["galore", "full", "rank", "decomp"]
     assert names == [
@@ -45,7 +46,7 @@ def test_plan_orders_the_runs_as_the_issue_does_and_every_config_resolves():
         "wiki60m-osd/galore-osd-seed0",
         "wiki60m-osd/full-osd-seed0",
     ]
-    configs = {p.name: evidence.run_config(plan, p) for p in plan.runs}
+    configs = {p.name: plan_module.run_config(plan, p) for p in plan.runs}
     for config in configs.values():
         assert config["model"]["name"] == "llama2-60m" and config["train"]["seq_len"] == 256
         assert (config["train"]["steps"], config["train"]["batch_size"]) == (2000, 128)
@@ -60,7 +61,7 @@ def test_plan_orders_the_runs_as_the_issue_does_and_every_config_resolves():
         assert config["data"]["validation_paths"] == [".data/wikipedia_en_2015/validation-00000.jsonl.gz"]
     profile = configs["wiki60m/profile-seed0"]
     assert profile["mode"] == "profile" and profile["optimizer"]["name"] == "galore"
-    assert evidence.steps_of(profile) == 400
+    assert plan_module.steps_of(profile) == 400
     galore, rank = configs["wiki60m/galore-seed1"]["optimizer"], configs["wiki60m/rank-seed2"]["optimizer"]
     assert (galore["name"], galore["rank_allocation"], galore["decompose"]) == ("galore", "uniform", False)
     assert (rank["name"], rank["rank_allocation"], rank["decompose"]) == ("moara", "default", False)
@@ -119,34 +120,36 @@ def test_estimates_scale_the_fixed_part_and_the_steps_of_finished_runs():
     kind = ("train", "galore", "galore", False, "uniform")
     other = ("profile", "galore", "galore", False, "uniform")
     # 100 s in all, of which 40 s fixed and 200 steps of 0.3 s.
-    m = evidence.Measured("a", kind, 200, 100.0, 0.3, 1, "cpu")
-    p = evidence.Measured("p", other, 100, 50.0, 0.4, 1, "cpu")
-    assert evidence.estimate(kind, 400, 1, [m, p], 999, 1.0) == (
+    m = plan_module.Measured("a", kind, 200, 100.0, 0.3, 1, "cpu")
+    p = plan_module.Measured("p", other, 100, 50.0, 0.4, 1, "cpu")
+    assert plan_module.estimate(kind, 400, 1, [m, p], 999, 1.0) == (
         pytest.approx(160.0),
         "1 finished run(s) of the same kind",
     )
     # Only another kind: its fixed part (10 s) plus 400 x 0.4 s x 1.3, times the safety factor.
-    est, basis = evidence.estimate(kind, 400, 1, [p], 999, 1.5)
+    est, basis = plan_module.estimate(kind, 400, 1, [p], 999, 1.5)
     assert est == pytest.approx((10 + 400 * 0.4 * plan_module.OTHER_KIND) * 1.5) and "other kinds" in basis
     # Two runs sharing the device: no gain from sharing is assumed (the fixed part is kept).
-    assert evidence.estimate(kind, 400, 2, [m], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
-    assert evidence.estimate(kind, 400, 2, [], 300, 1.0)[0] == 600
+    assert plan_module.estimate(kind, 400, 2, [m], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
+    assert plan_module.estimate(kind, 400, 2, [], 300, 1.0)[0] == 600
     # A run measured while it shared the device half its time with one other (concurrency 4/3).
-    shared = evidence.Measured("s", kind, 200, 100.0, 0.3, 4 / 3, "cpu")
-    assert evidence.estimate(kind, 400, 2, [shared], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 1.5)
+    shared = plan_module.Measured("s", kind, 200, 100.0, 0.3, 4 / 3, "cpu")
+    assert plan_module.estimate(kind, 400, 2, [shared], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 1.5)
 
 
 def test_estimates_take_the_gain_from_sharing_the_device_measured_so_far():
     kind = ("train", "galore", "galore", False, "uniform")
-    alone = evidence.Measured("a", kind, 200, 100.0, 0.3, 1, "gpu")  # 40 s fixed, 200 x 0.3 s
-    paired = evidence.Measured("b", kind, 200, 160.0, 0.6, 2, "gpu")  # 40 s fixed, 200 x 0.6 s
+    alone = plan_module.Measured("a", kind, 200, 100.0, 0.3, 1, "gpu")  # 40 s fixed, 200 x 0.3 s
+    paired = plan_module.Measured("b", kind, 200, 160.0, 0.6, 2, "gpu")  # 40 s fixed, 200 x 0.6 s
     costs = {1: 0.3, 2: 0.24}  # device-seconds per step: two at a time do 1.25x the work
     # From a run alone to two at a time: 2 x 0.24 / 0.3 = 1.6 times its step, not 2.
     assert plan_module.share_factor(1, 2, costs) == pytest.approx(1.6)
-    assert evidence.estimate(kind, 400, 2, [alone], 999, 1.0, costs)[0] == pytest.approx(40 + 400 * 0.3 * 1.6)
+    assert plan_module.estimate(kind, 400, 2, [alone], 999, 1.0, costs)[0] == pytest.approx(
+        40 + 400 * 0.3 * 1.6
+    )
     # From a run two at a time to one alone: 0.3 / (2 x 0.24) of its step and of its fixed part,
     # which shared the device as well.
-    assert evidence.estimate(kind, 400, 1, [paired], 999, 1.0, costs)[0] == pytest.approx(
+    assert plan_module.estimate(kind, 400, 1, [paired], 999, 1.0, costs)[0] == pytest.approx(
         40 * 0.625 + 400 * 0.375
     )
     # Three at a time, not measured: two's cost 1.1 times over, 3 x 0.24 x 1.1 / 0.3 = 2.64.
@@ -163,7 +166,7 @@ def test_estimates_take_the_gain_from_sharing_the_device_measured_so_far():
     assert plan_module.share_factor(1, 2, {}) == 2.0
     assert plan_module.share_factor(4 / 3, 2, costs) == pytest.approx(1.5)
     assert plan_module.share_factor(2, 1, {2: 0.24}) == 1.0
-    assert evidence.estimate(kind, 400, 2, [alone], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
+    assert plan_module.estimate(kind, 400, 2, [alone], 999, 1.0)[0] == pytest.approx(40 + 400 * 0.3 * 2)
 
 
 def test_estimates_take_the_largest_fixed_part_of_the_kind_and_leave_profiles_out_of_training_runs():
@@ -173,24 +176,24 @@ def test_estimates_take_the_largest_fixed_part_of_the_kind_and_leave_profiles_ou
     of a kind not measured yet is estimated from training runs, not from a profile's start-up.
     The allocation counts only as uniform or moved."""
     kind = ("train", "moara", "galore", True, "allocated")
-    cached = evidence.Measured("cached", kind, 200, 70.0, 0.3, 2, "gpu")  # 10 s fixed, two at a time
-    cold = evidence.Measured("cold", kind, 200, 130.0, 0.4, 3, "gpu")  # 50 s fixed, three at a time
+    cached = plan_module.Measured("cached", kind, 200, 70.0, 0.3, 2, "gpu")  # 10 s fixed, two at a time
+    cold = plan_module.Measured("cold", kind, 200, 130.0, 0.4, 3, "gpu")  # 50 s fixed, three at a time
     costs = {1: 0.3, 2: 0.15, 3: 0.12}
     to_two = plan_module.share_factor(3, 2, costs)  # 2 x 0.15 / (3 x 0.12)
-    est, basis = evidence.estimate(kind, 400, 2, [cached, cold], 999, 1.0, costs)
+    est, basis = plan_module.estimate(kind, 400, 2, [cached, cold], 999, 1.0, costs)
     assert est == pytest.approx(50 * to_two + 400 * 0.3) and basis.startswith("1 finished run(s)")
     # Alone: the cold run's fixed part scaled down; its steps too, the larger of the two guesses.
     alone = [plan_module.share_factor(m.concurrency, 1, costs) for m in (cached, cold)]
-    assert evidence.estimate(kind, 400, 1, [cached, cold], 999, 1.0, costs)[0] == pytest.approx(
+    assert plan_module.estimate(kind, 400, 1, [cached, cold], 999, 1.0, costs)[0] == pytest.approx(
         50 * alone[1] + max(400 * 0.3 * alone[0], 400 * 0.4 * alone[1])
     )
-    profile = evidence.Measured("p", ("profile", *kind[1:]), 100, 90.0, 0.2, 1, "gpu")  # 70 s fixed
+    profile = plan_module.Measured("p", ("profile", *kind[1:]), 100, 90.0, 0.2, 1, "gpu")  # 70 s fixed
     other = ("train", "moara", "fira", True, "uniform")
-    est, basis = evidence.estimate(other, 400, 2, [cached, profile], 999, 1.0, costs)
+    est, basis = plan_module.estimate(other, 400, 2, [cached, profile], 999, 1.0, costs)
     assert est == pytest.approx(10 + 400 * 0.3 * plan_module.OTHER_KIND) and "other kinds" in basis
     config = {"mode": "train", "optimizer": {"name": "moara", "host": "galore", "decompose": True}}
     kinds = {
-        allocation: evidence.kind_of(
+        allocation: plan_module.kind_of(
             config | {"optimizer": config["optimizer"] | {"rank_allocation": allocation}}
         )
         for allocation in ("uniform", "default", "runs/profile/allocation.json")
@@ -200,7 +203,7 @@ def test_estimates_take_the_largest_fixed_part_of_the_kind_and_leave_profiles_ou
 
 def test_the_safety_factor_applies_to_the_plans_estimate_too():
     kind = ("train", "galore", "galore", False, "uniform")
-    est, basis = evidence.estimate(kind, 400, 2, [], 300, 1.5)
+    est, basis = plan_module.estimate(kind, 400, 2, [], 300, 1.5)
     assert est == pytest.approx(300 * 2 * 1.5) and "x 1.5" in basis
 
 
@@ -233,12 +236,12 @@ def test_carried_wheels_install_offline_into_the_site_and_installed_ones_are_lef
     _probe_wheel(wheels, dist)
     (wheels / "numpy-0.0-py3-none-any.whl").write_bytes(b"not a wheel")
     said = []
-    assert evidence.install_wheels(wheels, tmp_path / "site", said.append)
+    assert runner_module.install_wheels(wheels, tmp_path / "site", said.append)
     assert said == [f"wheels: installed {dist} into {tmp_path / 'site'}"]
     assert (tmp_path / "site" / dist / "__init__.py").read_text() == "VALUE = 7\n"
     assert not (tmp_path / "site" / "numpy").exists()
     (wheels / f"{dist}-0.1-py3-none-any.whl").unlink()
-    assert not evidence.install_wheels(wheels, tmp_path / "site2", said.append)
+    assert not runner_module.install_wheels(wheels, tmp_path / "site2", said.append)
     assert said[-1] == f"wheels: nothing to install from {wheels}"
 
 
@@ -251,13 +254,15 @@ def test_a_carried_wheel_replaces_an_installed_one_older_than_its_floor(
     when the installed one is older; a newer one is left, as the machine's packages need it."""
     wheels = tmp_path / "whl"
     _probe_wheel(wheels, "moara_floor_probe", "5.29.6")
-    monkeypatch.setattr(evidence, "FLOORS", {"moara_floor_probe": "5.28.3"})
-    real = evidence.importlib.metadata.version
+    monkeypatch.setattr(runner_module, "FLOORS", {"moara_floor_probe": "5.28.3"})
+    real = runner_module.importlib.metadata.version
     monkeypatch.setattr(
-        evidence.importlib.metadata, "version", lambda d: installed if d == "moara_floor_probe" else real(d)
+        runner_module.importlib.metadata,
+        "version",
+        lambda d: installed if d == "moara_floor_probe" else real(d),
     )
     said = []
-    assert evidence.install_wheels(wheels, tmp_path / "site", said.append) == replaced
+    assert runner_module.install_wheels(wheels, tmp_path / "site", said.append) == replaced
     assert (tmp_path / "site" / "moara_floor_probe").is_dir() == replaced
     assert ("older than the 5.28.3 grain needs" in said[0]) == replaced, said
 
@@ -267,7 +272,7 @@ def test_unpack_refuses_members_outside_the_results(tmp_path):
     with tarfile.open(archive, "w:gz") as tar:
         (tmp_path / "x").write_text("x")
         tar.add(tmp_path / "x", arcname="benchmarks/results/../../evil.txt")
-    plan = evidence.load_plan(WIKI / "plan.yaml")
+    plan = plan_module.load_plan(WIKI / "plan.yaml")
     with pytest.raises(evidence.UserError, match="unexpected member"):
         evidence.unpack(archive, tmp_path, plan)
     assert not (tmp_path.parent / "evil.txt").exists()
@@ -330,7 +335,7 @@ def machine(tmp_path: pathlib.Path, name: str) -> pathlib.Path:
 
 
 class FakeClock:
-    """``evidence.time`` for the runner's loop: seconds pass only as it sleeps. The runs alive
+    """``runner_module.time`` for the runner's loop: seconds pass only as it sleeps. The runs alive
     share a device that does ``rate(n)`` runs' worth of work per second with ``n`` of them alive
     (by default ``n``: each goes as fast as alone)."""
 
@@ -419,21 +424,23 @@ def fake_runner(monkeypatch, plan_path, root, script, rate=lambda n: n, **option
         procs[run_dir.name] = FakeRun(clock, run_dir, *script[run_dir.name], fraction=fraction)
         return procs[run_dir.name]
 
-    monkeypatch.setattr(evidence, "time", clock)
+    monkeypatch.setattr(runner_module, "time", clock)
     fake = types.SimpleNamespace(Popen=popen, TimeoutExpired=subprocess.TimeoutExpired)
-    monkeypatch.setattr(evidence, "subprocess", fake)
-    monkeypatch.setattr(evidence, "kill_group", lambda proc: proc.kill())
+    monkeypatch.setattr(runner_module, "subprocess", fake)
+    monkeypatch.setattr(runner_module, "kill_group", lambda proc: proc.kill())
     args = {"budget_s": 1000, "out": str(root / "out"), "concurrent": 1, "max_concurrent": 4}
     args |= {"max_runs": None, "estimate_s": None, "safety": 1.0, "no_timing_runs": True}
     args = types.SimpleNamespace(**{**args, **options})
     (root / "out").mkdir(parents=True, exist_ok=True)
-    runner = evidence.Runner(args, evidence.load_plan(plan_path), root, lines.append)
+    runner = runner_module.Runner(args, plan_module.load_plan(plan_path), root, lines.append)
     runner.site, runner.xla_cache, runner.device, runner.versions = None, None, "cpu", {}
     return runner, procs, lines
 
 
 def runner_record(root: pathlib.Path, name: str) -> dict:
-    return json.loads((root / evidence.SCRATCH / "runs" / "tiny" / name / evidence.RUNNER_FILE).read_text())
+    return json.loads(
+        (root / plan_module.SCRATCH / "runs" / "tiny" / name / plan_module.RUNNER_FILE).read_text()
+    )
 
 
 def test_each_run_records_the_concurrency_it_met_not_the_setting(tmp_path, monkeypatch):
@@ -446,7 +453,7 @@ def test_each_run_records_the_concurrency_it_met_not_the_setting(tmp_path, monke
     assert sorted(procs) == sorted(script)
     met = {name: runner_record(root, name)["concurrency"] for name in script}
     assert met == {"profile-seed0": 2.0, "full-seed0": 2.0, "galore-seed0": pytest.approx(4 / 3, abs=1e-3)}
-    galore = evidence.measure(root / evidence.SCRATCH / "runs" / "tiny" / "galore-seed0")
+    galore = plan_module.measure(root / plan_module.SCRATCH / "runs" / "tiny" / "galore-seed0")
     assert galore.concurrency == pytest.approx(4 / 3, abs=1e-3)  # what the estimates scale from
     # The next call, under --concurrent 2 too, runs one run: alone.
     script = {"rank-seed0": (2, True)}
@@ -495,34 +502,34 @@ def test_groups_end_what_a_driver_that_ended_left_running_and_nothing_else(tmp_p
 
 def test_auto_levels_go_up_while_sharing_pays_and_keep_the_fastest():
     one, two, three, four = 0.25, 0.25 / 1.6, 0.25 / 1.8, 0.25 / 1.85  # device-seconds per step
-    assert evidence.choose_level({}, 4)[0] == 1
-    assert evidence.choose_level({1: one}, 4)[0] == 2
-    assert evidence.choose_level({1: one, 2: two}, 4)[0] == 3  # 1.6x: the next level is measured
-    assert evidence.choose_level({1: one, 2: two, 3: three}, 4)[0] == 4  # 3 pays 1.125x over 2
-    level, why = evidence.choose_level({1: one, 2: two, 3: three, 4: four}, 4)  # 4: 1.03x over 3
+    assert plan_module.choose_level({}, 4)[0] == 1
+    assert plan_module.choose_level({1: one}, 4)[0] == 2
+    assert plan_module.choose_level({1: one, 2: two}, 4)[0] == 3  # 1.6x: the next level is measured
+    assert plan_module.choose_level({1: one, 2: two, 3: three}, 4)[0] == 4  # 3 pays 1.125x over 2
+    level, why = plan_module.choose_level({1: one, 2: two, 3: three, 4: four}, 4)  # 4: 1.03x over 3
     assert level == 3 and "3 at a time 0.1389 s (1.80x), 4 at a time 0.1351 s (1.85x)" in why
-    assert evidence.choose_level({1: one, 2: two, 3: two * 0.95}, 4)[0] == 2  # 3 did not pay
-    assert evidence.choose_level({1: one, 2: one * 0.95}, 4)[0] == 1  # sharing did not pay
-    assert evidence.choose_level({2: two}, 4)[0] == 1  # one at a time measured first
-    assert evidence.choose_level({1: one, 2: two}, 2)[0] == 2  # --max-concurrent 2
-    assert evidence.choose_level({1: one, 2: two, 3: three}, 3)[0] == 3
+    assert plan_module.choose_level({1: one, 2: two, 3: two * 0.95}, 4)[0] == 2  # 3 did not pay
+    assert plan_module.choose_level({1: one, 2: one * 0.95}, 4)[0] == 1  # sharing did not pay
+    assert plan_module.choose_level({2: two}, 4)[0] == 1  # one at a time measured first
+    assert plan_module.choose_level({1: one, 2: two}, 2)[0] == 2  # --max-concurrent 2
+    assert plan_module.choose_level({1: one, 2: two, 3: three}, 3)[0] == 3
     # What a run met: a level, or none for one that ran half its time alone.
     assert [plan_module.level_of(c) for c in (1.0, 1.9, 4 / 3, 3.8)] == [1, 2, None, 4]
     kind = ("train", "galore", "galore", False, "uniform")
     runs = [
-        evidence.Measured("a", kind, 100, 30.0, 0.25, 1.0, "gpu"),
-        evidence.Measured("b", kind, 100, 40.0, 0.3, 2.0, "gpu"),
-        evidence.Measured("c", kind, 100, 45.0, 0.34, 2.0, "gpu"),
-        evidence.Measured("d", kind, 100, 30.0, 0.3, 4 / 3, "gpu"),  # mixed: left out
-        evidence.Measured("p", ("profile", *kind[1:]), 100, 30.0, 0.1, 1.0, "gpu"),  # no training run
+        plan_module.Measured("a", kind, 100, 30.0, 0.25, 1.0, "gpu"),
+        plan_module.Measured("b", kind, 100, 40.0, 0.3, 2.0, "gpu"),
+        plan_module.Measured("c", kind, 100, 45.0, 0.34, 2.0, "gpu"),
+        plan_module.Measured("d", kind, 100, 30.0, 0.3, 4 / 3, "gpu"),  # mixed: left out
+        plan_module.Measured("p", ("profile", *kind[1:]), 100, 30.0, 0.1, 1.0, "gpu"),  # no training run
     ]
-    assert evidence.sharing_costs(runs) == {1: 0.25, 2: pytest.approx(0.16)}
+    assert plan_module.sharing_costs(runs) == {1: 0.25, 2: pytest.approx(0.16)}
     # An estimate at 2 at a time takes the runs measured 2 at a time (none: no gain assumed).
-    assert evidence.estimate(kind, 100, 2, runs[:3], 999, 1.0) == (
+    assert plan_module.estimate(kind, 100, 2, runs[:3], 999, 1.0) == (
         pytest.approx(11 + 34),  # c: its fixed part and 100 steps
         "2 finished run(s) of the same kind, measured 2 at a time",
     )
-    assert evidence.estimate(kind, 100, 2, runs[:1], 999, 1.0)[0] == pytest.approx(5 + 50)
+    assert plan_module.estimate(kind, 100, 2, runs[:1], 999, 1.0)[0] == pytest.approx(5 + 50)
 
 
 SEEDS_PLAN = """\
@@ -556,7 +563,7 @@ def test_auto_measures_whether_sharing_the_device_pays_and_keeps_the_fastest(tmp
         if fraction is None:  # JAX's default share of the device: alone only
             assert not alive
         else:
-            assert sum(p.fraction for p in alive) + fraction <= evidence.MEMORY + 1e-9
+            assert sum(p.fraction for p in alive) + fraction <= plan_module.MEMORY + 1e-9
         starts.append((planned.run.name, level))
         return r
 
@@ -593,7 +600,7 @@ def test_the_first_run_of_each_grid_point_runs_alone_so_that_the_report_can_time
     alone = [line.split(":")[0] for line in lines if line.endswith(timing)]
     assert alone == [f"tiny/{c}-seed0" for c in ("galore", "rank", "decomp", "full")]
     runs = sweep.expand(runner.plan.base, ["conditions/galore,rank,decomp,full"], [0, 1, 2])
-    scratch = root / evidence.SCRATCH / "runs" / "tiny"
+    scratch = root / plan_module.SCRATCH / "runs" / "tiny"
     assert evidence.shared_device(scratch, runs) == {n for n in names if not n.endswith("seed0")}
     # A timed run committed from this device counts; in an experiment timed on this device, one
     # committed from another does not: its point is timed again here.
@@ -605,8 +612,8 @@ def test_the_first_run_of_each_grid_point_runs_alone_so_that_the_report_can_time
     committed = runner.where(rank["rank-seed0"], False)
     shutil.move(scratch / "rank-seed0", committed)
     assert not runner.needs_alone(rank["rank-seed1"])
-    record = json.loads((committed / evidence.RUNNER_FILE).read_text())
-    (committed / evidence.RUNNER_FILE).write_text(json.dumps({**record, "device": "another"}))
+    record = json.loads((committed / plan_module.RUNNER_FILE).read_text())
+    (committed / plan_module.RUNNER_FILE).write_text(json.dumps({**record, "device": "another"}))
     assert runner.needs_alone(rank["rank-seed1"]) and runner.untimed_here(runner.plan.runs) == {}
     assert not runner.needs_alone(dataclasses.replace(planned, timed=False))  # a plan entry's timed: false
     runner.args.no_timing_runs = True
@@ -631,7 +638,8 @@ def test_in_an_experiment_timed_on_another_device_no_run_waits_for_the_device_to
     record = runner_record(root, "galore-seed0")  # timed there: it had that device to itself
     assert (record["device"], record["shared"]) == ("another", False)
     shutil.move(
-        root / evidence.SCRATCH / "runs" / "tiny" / "galore-seed0", runner.where(runner.plan.runs[0], False)
+        root / plan_module.SCRATCH / "runs" / "tiny" / "galore-seed0",
+        runner.where(runner.plan.runs[0], False),
     )
     names = [f"{c}-seed{s}" for c in ("galore", "rank", "decomp", "full") for s in range(3)][1:]
     runner, procs, lines = fake_runner(
@@ -652,7 +660,7 @@ def test_in_an_experiment_timed_on_another_device_no_run_waits_for_the_device_to
     # on the device its baseline's runs had alone, and so does the runner.
     for name in names:
         planned = next(p for p in runner.plan.runs if p.run.name == name)
-        shutil.move(root / evidence.SCRATCH / "runs" / "tiny" / name, runner.where(planned, False))
+        shutil.move(root / plan_module.SCRATCH / "runs" / "tiny" / name, runner.where(planned, False))
     runner, _, _ = fake_runner(monkeypatch, plan_path, root, {}, concurrent=2, no_timing_runs=False)
     assert runner.untimed_here(runner.plan.runs) == {"tiny": "another"}
     assert not any(runner.needs_alone(p) for p in runner.plan.runs)
@@ -667,20 +675,20 @@ def test_a_run_that_shared_the_device_before_a_resume_alone_is_not_timed(tmp_pat
     run_dir = runner.where(runner.plan.runs[0], True)
     (run_dir / "checkpoints" / "2").mkdir(parents=True)  # stopped short at the end of a budget
     earlier = {"status": "unfinished (resumable)", "concurrency": 2.0, "shared": True, "device": "cpu"}
-    (run_dir / evidence.RUNNER_FILE).write_text(json.dumps(earlier))
+    (run_dir / plan_module.RUNNER_FILE).write_text(json.dumps(earlier))
     runner.loop()
     record = runner_record(root, "profile-seed0")
     assert list(procs) == ["profile-seed0"] and record["resumed"] and record["status"] == "completed"
     assert record["concurrency"] == 1.0 and record["shared"] is True  # alone now, shared before
-    assert not evidence.ran_alone(run_dir)
+    assert not plan_module.ran_alone(run_dir)
     runs = sweep.expand(plan_path.parent / "base.yaml", ["modes/profile"], [0])
     assert evidence.shared_device(run_dir.parent, runs) == {"profile-seed0"}
     # An older record: its concurrency says it.
     for concurrency, alone in ((1.0, True), (1.5, False)):
-        (run_dir / evidence.RUNNER_FILE).write_text(
+        (run_dir / plan_module.RUNNER_FILE).write_text(
             json.dumps({"status": "completed", "concurrency": concurrency})
         )
-        assert evidence.ran_alone(run_dir) is alone
+        assert plan_module.ran_alone(run_dir) is alone
         assert evidence.shared_device(run_dir.parent, runs) == (set() if alone else {"profile-seed0"})
 
 
@@ -690,9 +698,9 @@ def test_a_run_stopped_short_on_this_machine_is_estimated_from_its_checkpoint_on
     plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
     runner, _, _ = fake_runner(monkeypatch, plan_path, root, {})
     planned = runner.plan.runs[1]
-    config = evidence.run_config(runner.plan, planned)
-    steps = evidence.steps_of(config)
-    m = evidence.Measured("x", evidence.kind_of(config), steps, 10.0 + steps * 0.5, 0.5, 1, "cpu")
+    config = plan_module.run_config(runner.plan, planned)
+    steps = plan_module.steps_of(config)
+    m = plan_module.Measured("x", plan_module.kind_of(config), steps, 10.0 + steps * 0.5, 0.5, 1, "cpu")
     whole, basis = runner.estimate(planned, [m], 1, {})
     assert whole == pytest.approx(10 + steps * 0.5) and "left" not in basis
     (runner.where(planned, True) / "checkpoints" / "1").mkdir(parents=True)
@@ -711,7 +719,7 @@ def test_auto_starts_a_run_alone_where_only_alone_it_fits_the_budget(tmp_path, m
     script = {f"{c}-seed{s}": (10, True) for s in range(3) for c in ("galore", "rank", "decomp", "full")}
     # After the first run 15 s are left: one run alone (13 s: 10 s, times 1.3 for another kind of
     # run than the fakes record), not two at a time (26 s).
-    budget = 10 + evidence.RESERVE_S + 15
+    budget = 10 + plan_module.RESERVE_S + 15
     runner, procs, lines = fake_runner(
         monkeypatch, plan_path, root, script, concurrent="auto", budget_s=budget, estimate_s=10
     )
@@ -757,7 +765,7 @@ def test_an_error_in_the_loop_stops_and_records_the_runs_and_packs_what_finished
     assert any(
         line.startswith("tiny/full-seed0: unfinished") and "last logged step 2" in line for line in lines
     )
-    with tarfile.open(root / "out" / evidence.ARCHIVE) as tar:
+    with tarfile.open(root / "out" / runner_module.ARCHIVE) as tar:
         names = tar.getnames()
         session = next(n for n in names if n.startswith("results/sessions/") and n.endswith(".json"))
         runs = json.loads(tar.extractfile(session).read())["runs"]
@@ -782,7 +790,7 @@ def test_prepare_gets_what_is_left_of_the_budget(tmp_path):
         "time.sleep(30)\n"
     )
     args = types.SimpleNamespace(
-        budget_s=evidence.RESERVE_S + 5,
+        budget_s=plan_module.RESERVE_S + 5,
         out=str(tmp_path / "out"),
         concurrent=1,
         site=str(tmp_path / "site"),
@@ -790,7 +798,7 @@ def test_prepare_gets_what_is_left_of_the_budget(tmp_path):
         xla_cache=None,
         workers=None,
     )
-    runner = evidence.Runner(args, evidence.load_plan(plan_path), root, lambda line: None)
+    runner = runner_module.Runner(args, plan_module.load_plan(plan_path), root, lambda line: None)
     with pytest.raises(
         evidence.UserError, match=r"^train.prepare did not finish in the \d+s left of the budget$"
     ):
@@ -812,7 +820,7 @@ def test_a_failed_setup_ends_in_one_line_and_the_archived_log_keeps_it(tmp_path)
     (root / "train" / "prepare.py").write_text("import sys\n\nsys.exit('no protobuf here')\n")
     proc, _ = run_runner(plan_path, root, tmp_path / "out")
     assert proc.returncode == 2 and "error: train.prepare failed: no protobuf here" in proc.stderr
-    with tarfile.open(tmp_path / "out" / evidence.ARCHIVE) as tar:
+    with tarfile.open(tmp_path / "out" / runner_module.ARCHIVE) as tar:
         (log,) = [m for m in tar.getmembers() if m.name.endswith(".log")]
         text = tar.extractfile(log).read().decode()
     assert "error: train.prepare failed: no protobuf here" in text
@@ -834,11 +842,11 @@ def logged(stdout: str) -> list[str]:
 @pytest.mark.slow
 def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_them(tmp_path):
     plan_path = tiny_setting(tmp_path)
-    plan = evidence.load_plan(plan_path)
+    plan = plan_module.load_plan(plan_path)
     budget = 60
     gpu = machine(tmp_path, "gpu")
     # A run an earlier call cut off at its limit left running: the call ends it first.
-    children = gpu / evidence.CHILDREN_FILE
+    children = gpu / runner_module.CHILDREN_FILE
     left = subprocess.Popen(["sleep", "120"], start_new_session=True)
     try:
         left_by_a_driver_gone(children, left, "tiny/full-seed0")
@@ -875,15 +883,17 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
     assert f"{len(done)} run(s) finished in" in proc.stdout
 
     # One archive: the finished runs' small files (no checkpoint) and the session's record.
-    archive = tmp_path / "out" / evidence.ARCHIVE
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([evidence.ARCHIVE, evidence.LOG])
+    archive = tmp_path / "out" / runner_module.ARCHIVE
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [runner_module.ARCHIVE, runner_module.LOG]
+    )
     with tarfile.open(archive) as tar:
         names = tar.getnames()
     assert {n.rsplit("/", 1)[0] for n in names if n.endswith("/summary.json")} == {
         f"results/{r}" for r in done
     }
     assert not [n for n in names if "checkpoint" in n]
-    for name in evidence.PACKED:
+    for name in runner_module.PACKED:
         assert f"results/tiny/profile-seed0/{name}" in names
     with tarfile.open(archive) as tar:  # the session's log, its closing table included
         (log,) = [
@@ -926,13 +936,13 @@ def test_runner_keeps_its_budget_packs_finished_runs_and_the_repository_reports_
     assert [k for k, v in states.items() if v == "completed"] == [p.name for p in plan.runs if p.name in done]
     first_todo = next(p.name for p in plan.runs if p.name not in done)
     assert "finished run(s) of" in states[first_todo]
-    committed = [evidence.measure(repo / "results" / name) for name in done]
-    costs = evidence.sharing_costs(committed)  # the training runs' device-seconds per step
+    committed = [plan_module.measure(repo / "results" / name) for name in done]
+    costs = plan_module.sharing_costs(committed)  # the training runs' device-seconds per step
     assert ("sharing cpu" in states) == bool(costs)
     if costs:
-        assert states["sharing cpu"].startswith(evidence.describe_costs(costs) + " per training step")
+        assert states["sharing cpu"].startswith(plan_module.describe_costs(costs) + " per training step")
     # Each run to do is estimated alone, and at the level auto starts with where that shares.
-    level = evidence.choose_level(costs, evidence.LEVELS[-1])[0] if costs else 1
+    level = plan_module.choose_level(costs, plan_module.LEVELS[-1])[0] if costs else 1
     assert states[first_todo].split("; estimate ")[1].split("s alone")[0].isdigit()
     assert (f"s {level} at a time (" in states[first_todo]) == (level > 1)
 
@@ -1099,18 +1109,18 @@ def test_runs_of_other_settings_than_the_plans_are_refused_not_counted_as_done(t
     holding such a run before writing anything; a run of no plan it leaves out, naming it. What a
     run records or how it was split over devices is no difference."""
     plan_path = tiny_setting(tmp_path)
-    plan = evidence.load_plan(plan_path)
+    plan = plan_module.load_plan(plan_path)
     root = tmp_path / "repo"
     profile, full = plan.runs[0], plan.runs[1]
     committed = root / plan.results / full.experiment / full.run.name
-    config = evidence.run_config(plan, full)
+    config = plan_module.run_config(plan, full)
     finished_run(committed, {**config, "metrics": {**config["metrics"], "writers": ["tensorboard"]}})
-    evidence.check_finished_runs(plan, root)  # the same settings: done
+    plan_module.check_finished_runs(plan, root)  # the same settings: done
     base = plan_path.parent / "base.yaml"
     base.write_text(base.read_text().replace("steps: 4, batch_size", "steps: 6, batch_size"))
-    plan = evidence.load_plan(plan_path)
+    plan = plan_module.load_plan(plan_path)
     with pytest.raises(evidence.UserError, match=rf"{committed} \(train.steps: 4 -> 6\); remove them"):
-        evidence.check_finished_runs(plan, root)
+        plan_module.check_finished_runs(plan, root)
     run = ["run", "--out", tmp_path / "out", "--budget-s", 5]
     for command in (["status"], ["report"], run):
         code, lines = evidence_cli(*command, "--plan", plan_path, "--root", root)
@@ -1120,7 +1130,7 @@ def test_runs_of_other_settings_than_the_plans_are_refused_not_counted_as_done(t
     shutil.rmtree(committed)
     scratch = tmp_path / "gpu" / plan.results
     finished_run(scratch / full.experiment / full.run.name, config)  # made before the edit
-    finished_run(scratch / profile.experiment / "other-seed0", evidence.run_config(plan, profile))
+    finished_run(scratch / profile.experiment / "other-seed0", plan_module.run_config(plan, profile))
     archive = tmp_path / "evidence.tar.gz"
 
     def pack():
@@ -1136,7 +1146,7 @@ def test_runs_of_other_settings_than_the_plans_are_refused_not_counted_as_done(t
         "tiny/full-seed0 (train.steps: 4 -> 6)"
     )
     assert not [p for p in (root / plan.results).rglob("*") if p.is_file()]
-    finished_run(scratch / profile.experiment / profile.run.name, evidence.run_config(plan, profile))
+    finished_run(scratch / profile.experiment / profile.run.name, plan_module.run_config(plan, profile))
     shutil.rmtree(scratch / full.experiment / full.run.name)
     pack()
     assert evidence.unpack(archive, root, plan) == ([profile.name], [], ["tiny/other-seed0"])
@@ -1146,7 +1156,7 @@ def test_runs_of_other_settings_than_the_plans_are_refused_not_counted_as_done(t
 def test_the_runs_token_stores_are_under_the_runners_folder_unless_the_caller_says(tmp_path, monkeypatch):
     """A bare GPU machine's home may not be writable: train.prepare and the runs find the token
     store under the runner's own folder (``MOARA_JAX_CACHE``), where none was set."""
-    monkeypatch.setattr(evidence, "ORIGINAL_ENV", {"PATH": "/bin"})
-    assert evidence.child_env(None, 1, None, tmp_path / "c")["MOARA_JAX_CACHE"] == str(tmp_path / "c")
-    monkeypatch.setattr(evidence, "ORIGINAL_ENV", {"PATH": "/bin", "MOARA_JAX_CACHE": "/mine"})
-    assert evidence.child_env(None, 1, None, tmp_path / "c")["MOARA_JAX_CACHE"] == "/mine"
+    monkeypatch.setattr(runner_module, "ORIGINAL_ENV", {"PATH": "/bin"})
+    assert runner_module.child_env(None, 1, None, tmp_path / "c")["MOARA_JAX_CACHE"] == str(tmp_path / "c")
+    monkeypatch.setattr(runner_module, "ORIGINAL_ENV", {"PATH": "/bin", "MOARA_JAX_CACHE": "/mine"})
+    assert runner_module.child_env(None, 1, None, tmp_path / "c")["MOARA_JAX_CACHE"] == "/mine"
