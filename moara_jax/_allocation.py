@@ -120,11 +120,14 @@ def allocate_ranks(
 
 
 def default_donors(module_types: Iterable[str]) -> tuple[str, ...]:
-    """``('q', 'k')``, or ``('q_b', 'kv_b')`` for an MLA model (no q/k projections)."""
+    """The default donors among ``module_types``: ``q`` and ``k``, each replaced by its MLA
+    counterpart (``q_b``, ``kv_b``) where the types lack it, and left out where they lack both.
+    ``('q', 'k')`` for Llama and Qwen, ``('q_b', 'kv_b')`` for DeepSeek-V2's MLA, and
+    ``('q', 'kv_b')`` for an MLA model whose query has no low-rank factors (DeepSeek-V2-Lite:
+    a plain ``q_proj``)."""
     types = set(module_types)
-    if not {"q", "k"} <= types and set(MLA_DONORS) <= types:
-        return MLA_DONORS
-    return DEFAULT_DONORS
+    pairs = zip(DEFAULT_DONORS, MLA_DONORS, strict=True)
+    return tuple(d if d in types else mla for d, mla in pairs if d in types or mla in types)
 
 
 def resolve_module_ranks(
@@ -147,8 +150,9 @@ def resolve_module_ranks(
 
     ``donors``/``receivers`` ``None``: the defaults (:func:`default_donors`, ``('down',)``).
     With the default donors and receivers, a tree that lacks all the donors or all the receivers
-    moves no rank (every type keeps ``r_base``); ``warn=True`` says so with a warning (and where
-    ``r_base`` 1 leaves the default ``delta`` none to move, :func:`allocate_ranks`). Donors or
+    moves no rank (every type keeps ``r_base``), and one that has only one of the default donors
+    moves rank from it alone; ``warn=True`` says either with a warning (and where ``r_base`` 1
+    leaves the default ``delta`` none to move, :func:`allocate_ranks`). Donors or
     receivers named by the caller must all be present (``ValueError`` otherwise), and so must the
     default receivers when donors are named. ``ranks`` must be a mapping of positive integers;
     ``warn=True`` warns of the types it names that are not present (they set no rank). The rule's
@@ -175,7 +179,13 @@ def resolve_module_ranks(
     if donors is not None:
         _check_present("donors", type_names("donors", donors), types, present=present)
     if donors is None:
-        donors = tuple(t for t in default_donors(types) if t in types)
+        donors = default_donors(types)
+        if warn and donors and receivers and len(donors) < len(DEFAULT_DONORS):
+            _warn(
+                f"moara_adamw: of the default donors {DEFAULT_DONORS} (MLA: {MLA_DONORS}) the parameters "
+                f"have {list(donors)} alone: they donate, and {list(receivers)} receive what they give "
+                f"(the parameters' module types: {list(types)}). Pass donors= to choose others."
+            )
         if not donors or not receivers:
             if warn:
                 _warn_no_allocation(types, donors, receivers, r_base)

@@ -146,6 +146,34 @@ def test_explicit_ranks_and_mla_default_donors_in_rank_table():
     assert shapes, "down_proj's basis should have the explicit rank 24"
 
 
+def test_mla_without_query_factors_donates_from_q_and_kv_b():
+    """DeepSeek-V2-Lite's attention (no ``q_lora_rank``: a plain ``q_proj`` beside MLA's
+    ``kv_b_proj``): the default donors are q and kv_b, the paper's two (Appendix C.5: down gets
+    ``2 r_base``), and the trainer's mapping of a profile's q/k names gives the same two."""
+    from train.step import on_model
+
+    lite = {"self_attn": {k: v for k, v in _mla_tree()["self_attn"].items() if not k.startswith("q_")}}
+    lite["self_attn"]["q_proj"] = {"kernel": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    lite["mlp"] = _mla_tree()["mlp"]
+    types = ("q", "kv_a", "kv_b", "o", "down")
+    assert mj.default_donors(types) == ("q", "kv_b") == tuple(on_model("donors", ["q", "k"], types))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both default donors are there: nothing to say
+        rows = {r["module"]: r["requested"] for r in mj.rank_table(lite, r_base=16)}
+    assert rows == {"q": 8, "kv_a": 16, "kv_b": 8, "o": 16, "down": 32}
+    assert mj.default_donors(mj.MLA_MODULE_TYPES) == mj.MLA_DONORS
+    assert mj.default_donors(mj.LLAMA_MODULE_TYPES) == mj.DEFAULT_DONORS
+    assert mj.default_donors(("v", "o", "down")) == ()
+
+
+def test_one_default_donor_alone_donates_and_is_said():
+    """A tree with q but no k (nor kv_b): q alone gives ``r_base / 2``, down receives it, and
+    ``warn=True`` says that only part of the default donors is there."""
+    with pytest.warns(UserWarning, match=r"the parameters have \['q'\] alone: they donate"):
+        ranks = mj.resolve_module_ranks(("q", "v", "down"), r_base=16, warn=True)
+    assert ranks == {"q": 8, "v": 16, "down": 24}
+
+
 def test_moara_adamw_takes_explicit_mla_donors_and_custom_labels():
     mla = _mla_tree()
     tx = mj.moara_adamw(0.01, r_base=16, block_size=8, donors=mj.MLA_DONORS)
