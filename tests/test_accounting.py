@@ -59,7 +59,9 @@ def test_state_bytes_reproduce_paper_table(size):
         assert round(got["moments"] / 2**20, 2) == want, (size, decompose, allocate, got)
         assert got["magnitude_moments"] > 0 if decompose else got["magnitude_moments"] == 0
         assert got["projection_bases"] > 0  # reported, not counted in the paper's figure
-        assert got["total"] == got["moments"] + got["projection_bases"] + got["other"]
+        # Every array of the state counted once: the total is their bytes, and its parts add up to it.
+        arrays = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+        assert got["total"] == arrays == got["moments"] + got["projection_bases"] + got["other"]
 
 
 def test_components_at_7b_match_appendix_g_increments():

@@ -8,6 +8,30 @@ import pytest
 import moara_jax as mj
 
 
+def paper_alignment(kernel: np.ndarray, rank: int, block: int | None = None) -> float:
+    """S of one matrix by the paper's Eq. (module_alignment), in float64 from the kernel
+    ``(fan_in, fan_out)``: P the top-``rank`` singular vectors of G on its smaller side (fan_in on
+    a square matrix); without ``block`` the reconstruction is ``P P^T G``, with it
+    ``Rep_B(M) * (P P^T V)``, M the norms of ``block`` rows of fan_in in each fan_out column."""
+    g = np.asarray(kernel, np.float64)
+    fan_in, fan_out = g.shape
+    if block is None:
+        v, rep = g, np.ones_like(g)
+    else:
+        pad = -fan_in % block
+        blocks = np.pad(g, ((0, pad), (0, 0))).reshape(-1, block, fan_out)
+        m = np.linalg.norm(blocks, axis=1)  # (ceil(fan_in / B), fan_out)
+        rep = np.repeat(m, block, axis=0)[:fan_in]
+        v = g / (rep + 1e-12)
+    if fan_in <= fan_out:
+        u = np.linalg.svd(g)[0][:, :rank]
+        recon = rep * (u @ u.T @ v)
+    else:
+        w = np.linalg.svd(g)[2][:rank].T
+        recon = rep * (v @ w @ w.T)
+    return float((g * recon).sum() / np.linalg.norm(g) / np.linalg.norm(recon))
+
+
 def test_module_alignment_matches_manual_cosines():
     rng = np.random.default_rng(0)
     params = {
@@ -34,9 +58,12 @@ def test_module_alignment_matches_manual_cosines():
     v = np.linalg.svd(d)[2][:4].T
     r = d @ v @ v.T
     np.testing.assert_allclose(got["down"], (d * r).sum() / np.linalg.norm(d) / np.linalg.norm(r), rtol=1e-4)
-    # Higher rank aligns better; with decomposition S uses Rep_B(M) * (P P^T V).
+    np.testing.assert_allclose(got["q"], np.mean([paper_alignment(g, 4) for g in q]), rtol=1e-4)
+    # With a block size, S uses Rep_B(M) * (P P^T V), V the blocks of G divided by their norms.
     with_blocks = mj.module_alignment(grads, state, block_size=8)
-    assert all(0 < s <= 1 for s in with_blocks.values())
+    want = {"q": np.mean([paper_alignment(g, 4, 8) for g in q]), "down": paper_alignment(d, 4, 8)}
+    np.testing.assert_allclose([with_blocks[k] for k in want], list(want.values()), rtol=1e-4)
+    assert with_blocks["down"] != pytest.approx(got["down"], rel=1e-3)  # the blocks change S
 
 
 def test_the_state_of_a_decomposing_optimizer_needs_its_block_size():
@@ -77,9 +104,16 @@ def test_the_state_of_a_decomposing_optimizer_needs_its_block_size():
     ):
         mj.module_alignment(g8, state8)
     assert set(mj.module_alignment(g8, state8, block_size=16)) == {"q"}
-    plain = mj.moara_adamw(0.01, r_base=8, block_size=8, decompose=False)
+    # Vanilla GaLore's state: without block_size S is of P P^T G, with one of Rep_B(M) * (P P^T V).
+    plain = mj.moara_adamw(0.01, r_base=8, block_size=8, decompose=False, rank_allocation=False)
     _, state = plain.update(grads, plain.init(params), params)
-    assert set(mj.module_alignment(grads, state)) == set(mj.module_alignment(grads, state, block_size=4))
+    for block in (None, 4):
+        got = mj.module_alignment(grads, state, block_size=block)
+        want = {
+            "q": np.mean([paper_alignment(k, 8, block) for k in grads["q_proj"]["kernel"]]),
+            "down": paper_alignment(grads["down_proj"]["kernel"], 8, block),
+        }
+        np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -123,3 +157,20 @@ def test_alignment_reads_every_host_with_its_projected_side():
         recon = g @ basis @ basis.T if name == "ldadam" else basis @ basis.T @ g
         cos = (g * recon).sum() / np.linalg.norm(g) / np.linalg.norm(recon)
         np.testing.assert_allclose(got["q"], cos, rtol=1e-3, err_msg=name)
+
+
+def test_a_module_type_in_several_leaves_is_the_mean_over_its_matrices():
+    """S of a type is the mean over its matrices (the paper's E over W in tau): a leaf of two
+    stacked layers weighs twice a leaf of one, not a mean of the leaves' means."""
+    rng = np.random.default_rng(2)
+    params = {
+        "encoder": {"q_proj": {"kernel": jnp.zeros((2, 16, 24))}},
+        "decoder": {"q_proj": {"kernel": jnp.zeros((16, 24))}},
+    }
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params)
+    tx = mj.moara_adamw(0.01, r_base=4, decompose=False, rank_allocation=False)
+    _, state = tx.update(grads, tx.init(params), params)
+    matrices = [*grads["encoder"]["q_proj"]["kernel"], grads["decoder"]["q_proj"]["kernel"]]
+    scores = [paper_alignment(m, 4) for m in matrices]
+    np.testing.assert_allclose(mj.module_alignment(grads, state)["q"], np.mean(scores), rtol=1e-4)
+    assert np.mean(scores) != pytest.approx(np.mean([np.mean(scores[:2]), scores[2]]), rel=1e-4)
