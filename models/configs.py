@@ -274,6 +274,14 @@ PRESETS: dict[str, ModelConfig] = {
         num_key_value_heads=4,
         num_hidden_layers=24,
         rope_theta=500000.0,
+        # The released Llama 3.2 models' RoPE (their config.json): the llama3 scaling
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
         tie_word_embeddings=True,
         scan_layers=True,
         name="llama3.2-300m",

@@ -397,6 +397,22 @@ def test_param_count_equals_transformers(name):
     assert models.param_count(cfg) == sum(p.numel() for p in hf.parameters())
 
 
+def test_llama3_2_preset_has_the_released_rope():
+    """The Llama 3.2 preset's RoPE is the released models' (llama3 scaling): its frequencies are
+    transformers' for the exported config, and differ from unscaled RoPE at the same theta."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.layers import inv_frequencies
+
+    cfg = models.get_config("llama3.2-300m")
+    hf_config = models.to_hf_config(cfg)
+    assert hf_config.rope_scaling["rope_type"] == "llama3"
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    got = inv_frequencies(cfg.head_size, cfg.rope_theta, cfg.rope_scaling)
+    np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=1e-6)
+    assert not np.allclose(got, inv_frequencies(cfg.head_size, cfg.rope_theta, None), rtol=1e-3)
+
+
 @pytest.mark.slow
 def test_scanned_and_unscanned_params_give_same_logits():
     cfg = models.get_config("qwen3-tiny")

@@ -392,6 +392,26 @@ def test_labels_of_a_profile_config_are_what_profiling_runs():
     assert "magnitude_moments 0.00" in lines[-1]
 
 
+def test_every_run_config_of_the_repository_gives_a_model_its_sequences_fit():
+    """Each config file that names a model (the paper's sizes, the evidence base, tiny) loads,
+    builds its model's config, and trains sequences within the model's positions with whole
+    micro-batches: what the trainer checks only once the data is open."""
+    from train.setup import _model_before_data
+
+    named = 0
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        if path.name == "plan.yaml":  # the evidence runner's plan, not a run config
+            continue
+        cfg = load_config(path)
+        if cfg.model.name is None:  # a layer (condition, host, mode): over a model file
+            continue
+        named += 1
+        model, t = _model_before_data(cfg), cfg.train
+        assert t.seq_len <= model.max_position_embeddings, path
+        assert t.batch_size % (t.micro_batch_size or t.batch_size) == 0, path
+    assert named >= 12
+
+
 @pytest.mark.slow
 def test_sweep_then_compare(tmp_path):
     """A two-point sweep over condition layers (layered over tiny.yaml), run again (nothing to
@@ -450,6 +470,15 @@ def test_sweep_then_compare(tmp_path):
         (["metrics.writers=[jsonl,mlflow]"], "metrics.writers: unknown ['mlflow']"),
         (["train.eval_batches=0"], "train.eval_batches must be >= 1"),
         (["train.seq_len=300"], "train.seq_len (300) exceeds the model's max_position_embeddings (256)"),
+        # said before the data is read (a store may take hours to build)
+        (
+            ["train.seq_len=300", "data.source=files", "data.paths=['/nonexistent.jsonl']"],
+            "train.seq_len (300) exceeds the model's max_position_embeddings (256)",
+        ),
+        (
+            ["model.overrides.rms_norm_eps=0", "data.source=files", "data.paths=['/nonexistent.jsonl']"],
+            "model: rms_norm_eps must be a positive number, got 0",
+        ),
         (["model.overrides={loss_chunk: -8}"], "model: loss_chunk must be a non-negative integer"),
         (["model.overrides.rope_theta=abc"], "model: rope_theta must be a positive finite number, got 'abc'"),
         (["model.overrides.rms_norm_eps=0"], "model: rms_norm_eps must be a positive number, got 0"),

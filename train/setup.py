@@ -105,21 +105,35 @@ class Setup:
         return TrainState(jnp.zeros([], jnp.int32), params, self.tx.init(params))
 
 
+def _model_before_data(cfg: RunConfig) -> models.ModelConfig:
+    """The run's model with a placeholder vocabulary (the tokenizer's is known once the data is
+    opened; ``model.overrides.vocab_size`` is checked against it then)."""
+    overrides = {k: v for k, v in cfg.model.overrides.items() if k != "vocab_size"}
+    model = dataclasses.replace(cfg.model, overrides=overrides)
+    return model_config(dataclasses.replace(cfg, model=model), 1)
+
+
+def _check_positions(seq_len: int, model_cfg: models.ModelConfig) -> None:
+    if seq_len > model_cfg.max_position_embeddings:
+        raise UserError(
+            f"train.seq_len ({seq_len}) exceeds the model's max_position_embeddings "
+            f"({model_cfg.max_position_embeddings}): shorten it, or set "
+            "model.overrides.max_position_embeddings"
+        )
+
+
 def make_setup(cfg: RunConfig, quiet: bool, clock: Clock, built: models.ModelConfig | None = None) -> Setup:
     """The run's parts; ``built``: the model a resumed run from ``model.init_from`` built (its
     ``model.json``), taken in place of the directory's."""
     t = cfg.train
     if cfg.model.init_from is not None:
         check_init_from(cfg, built)  # a bad directory, a mismatch, a weight file missing: before any data
+    else:  # a bad override or too few positions, before any data (a store may take hours to build)
+        _check_positions(t.seq_len, _model_before_data(cfg))
     data = build_data(cfg.data, t.seq_len, quiet=quiet)
     clock.mark("data_s")
     model_cfg = model_config(cfg, data.vocab_size, built)
-    if t.seq_len > model_cfg.max_position_embeddings:
-        raise UserError(
-            f"train.seq_len ({t.seq_len}) exceeds the model's max_position_embeddings "
-            f"({model_cfg.max_position_embeddings}): shorten it, or set "
-            "model.overrides.max_position_embeddings"
-        )
+    _check_positions(t.seq_len, model_cfg)
     mesh = make_mesh(cfg.mesh)
     micro = t.batch_size // (t.micro_batch_size or t.batch_size)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
