@@ -535,6 +535,19 @@ def sweep_cli(argv, monkeypatch, capsys):
             ["--axis", "paper/conditions/galore,full,galore"],
             "--axis paper/conditions/galore,full,galore: galore is named more than once",
         ),
+        # what the trainer's start-up refuses, found before any run starts
+        (
+            ["--set", "data.tokenizer=no-such-spiece.model"],
+            "tiny-seed0: data.tokenizer: no-such-spiece.model: no such file or directory (a relative path",
+        ),
+        (
+            ["--set", "data.source=files", "data.paths=[/no/such/c4.json.gz]"],
+            "tiny-seed0: data file not found: /no/such/c4.json.gz",
+        ),
+        (
+            ["--axis", "paper/conditions/galore,full", "--set", "train.seq_len=300"],
+            "galore-seed0: train.seq_len (300) exceeds the model's max_position_embeddings (256)",
+        ),
     ],
     ids=[
         "out-is-a-file",
@@ -545,11 +558,15 @@ def sweep_cli(argv, monkeypatch, capsys):
         "seed-twice",
         "broken-base",
         "layer-twice",
+        "tokenizer-missing",
+        "data-file-missing",
+        "too-few-positions",
     ],
 )
 def test_bad_input_is_one_line_before_any_run_starts(tmp_path, monkeypatch, capsys, args, message):
     """A wrong argument, a config that does not load (a bad ``--set``, seed or base file: every
-    run's config is loaded as ``python -m train`` loads it) or a baseline off the grid: exit 2
+    run's config is loaded as ``python -m train`` loads it), one whose model or data inputs the
+    trainer's start-up would refuse, or a baseline off the grid: exit 2
     with one line, no run started and nothing written (no ``sweep.json``, the file left)."""
     file, broken = tmp_path / "file", tmp_path / "broken.yaml"
     file.write_text("kept\n")

@@ -20,6 +20,7 @@ import optax
 
 import models
 from train import profile as profiling
+from train import store as token_store
 from train.checkpoint import Checkpointer, abstract_with_shardings
 from train.config import RunConfig, to_dict
 from train.data import Data, build_data
@@ -36,6 +37,7 @@ from train.sharding import (
     straddling_blocks,
     whole_dims,
 )
+from train.sources import make_tokenizer
 from train.step import Allocation, TrainState, all_finite, make_optimizer, module_types, schedule
 
 
@@ -105,6 +107,28 @@ class Setup:
         return TrainState(jnp.zeros([], jnp.int32), params, self.tx.init(params))
 
 
+def check_model(cfg: RunConfig, built: models.ModelConfig | None = None) -> None:
+    """What the model section makes wrong, said before any data work (a store may take hours to
+    build): ``model.init_from``'s directory (``check_init_from``), or a preset's bad override, or
+    fewer positions than ``train.seq_len``."""
+    if cfg.model.init_from is not None:
+        check_init_from(cfg, built)
+    else:
+        _check_positions(cfg.train.seq_len, _model_before_data(cfg))
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """What a run's start-up would refuse, found without building anything: the model
+    (``check_model``) and the data's inputs (the tokenizer; the files, or the TFDS dataset, as
+    the token store's plan finds them). ``train.sweep`` checks every run of a grid so before it
+    starts one."""
+    check_model(cfg)
+    if cfg.data.source == "store":
+        make_tokenizer(cfg.data.tokenizer)
+    else:
+        token_store.plan(cfg.data)
+
+
 def _model_before_data(cfg: RunConfig) -> models.ModelConfig:
     """The run's model with a placeholder vocabulary (the tokenizer's is known once the data is
     opened; ``model.overrides.vocab_size`` is checked against it then)."""
@@ -126,10 +150,7 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock, built: models.ModelCon
     """The run's parts; ``built``: the model a resumed run from ``model.init_from`` built (its
     ``model.json``), taken in place of the directory's."""
     t = cfg.train
-    if cfg.model.init_from is not None:
-        check_init_from(cfg, built)  # a bad directory, a mismatch, a weight file missing: before any data
-    else:  # a bad override or too few positions, before any data (a store may take hours to build)
-        _check_positions(t.seq_len, _model_before_data(cfg))
+    check_model(cfg, built)
     data = build_data(cfg.data, t.seq_len, quiet=quiet)
     clock.mark("data_s")
     model_cfg = model_config(cfg, data.vocab_size, built)

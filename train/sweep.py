@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 from train.arguments import add_config_arguments
 from train.compare import eval_rows, evaluation, overlaps, problems, reach, reduction_pct
-from train.config import OPERATIONAL, changed_settings, check_writers, load_config, to_dict
+from train.config import OPERATIONAL, RunConfig, changed_settings, check_writers, load_config, to_dict
 from train.distributed import dies_with_parent
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import figure
@@ -86,20 +86,34 @@ def expand(base: pathlib.Path, axes: list[str], seeds: list[int]) -> list[Run]:
     return runs
 
 
+def load_run(base: pathlib.Path, run: Run, sets: list[str] = ()) -> RunConfig:
+    """One run's config as ``python -m train`` loads and validates it from the run's arguments
+    (``train_args``)."""
+    return load_config([str(base), *run.layers], [*sets, f"train.seed={run.seed}"])
+
+
 def run_config(base: pathlib.Path, run: Run, sets: list[str] = ()) -> dict:
-    """One run's config (a mapping) as ``python -m train`` loads and validates it from the run's
-    arguments (``train_args``)."""
-    return to_dict(load_config([str(base), *run.layers], [*sets, f"train.seed={run.seed}"]))
+    """``load_run``'s config as a mapping (what a run dir's ``config.yaml`` holds)."""
+    return to_dict(load_run(base, run, sets))
 
 
 def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[str, dict]:
-    """Each run's config (``run_config``): a bad layer, ``--set`` or seed is one line naming the
-    run before any run starts, not the same failure once per run."""
-    configs = {}
+    """Each run's config (``run_config``): a bad layer, ``--set`` or seed, a model the trainer
+    would refuse or data inputs it would not find (``train.setup.check_inputs``: a tokenizer
+    file missing, say) is one line naming the run before any run starts, not the same failure
+    once per run."""
+    from train.setup import check_inputs  # (JAX's import: only where a grid is run)
+
+    configs, checked = {}, set()
     for run in runs:
         try:
-            configs[run.name] = run_config(base, run, sets)
+            cfg = load_run(base, run, sets)
+            configs[run.name] = to_dict(cfg)
             check_writers(configs[run.name]["metrics"]["writers"])
+            inputs = json.dumps([configs[run.name][k] for k in ("model", "data", "train")], sort_keys=True)
+            if inputs not in checked:  # (the runs of a grid mostly share them)
+                check_inputs(cfg)
+                checked.add(inputs)
         except UserError as e:
             raise UserError(f"{run.name}: {e}") from None
     return configs
