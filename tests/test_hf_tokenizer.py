@@ -92,6 +92,35 @@ def qwen_like(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tok") / "qwen", bos=False, pad_token="<|pad|>")
 
 
+@pytest.mark.parametrize("model", ["unigram", "wordlevel"])
+def test_characters_the_model_has_no_piece_for_are_not_special_text(model, tmp_path):
+    """A model's unk (a T5 export's Unigram ``<unk>``, id 2) for characters it has no piece for is
+    no special token written in the text: such a document is not counted, one holding the text
+    ``<unk>`` or ``</s>`` is."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from train.sources import document_tokens, holds_special_text
+
+    words = ["the", "quick", "fox"]
+    if model == "unigram":
+        pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(w, -1.0) for w in words]
+        tok = Tokenizer(models.Unigram(pieces, unk_id=2))
+    else:
+        vocab = {t: i for i, t in enumerate(["<pad>", "</s>", "<unk>", *words])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = HFTokenizer(str(tmp_path))
+    assert hf.unknown == (2, "<unk>")
+    texts = ["the quick fox", "the zebra fox", "the <unk> fox", "the fox </s> quick"]
+    ids = document_tokens(hf, texts)
+    assert 2 in ids[1] and 2 in ids[2]  # the unknown word and the written token: both unk
+    said = [holds_special_text(hf, t, i) for t, i in zip(texts, ids, strict=True)]
+    assert said == [False, False, True, True]
+
+
 @pytest.mark.parametrize("kind", ["bos", "no_bos", "eos_after", "split_special_tokens"])
 def test_a_special_tokens_text_inside_a_document_is_counted_and_said(kind, tmp_path, capsys):
     """Documents holding a special token's text (encoded as that token, as AutoTokenizer does):

@@ -217,6 +217,13 @@ class HFTokenizer:
         matched = not self._tok.encode_special_tokens
         specials = sorted(i for i, t in decoder.items() if t.special and matched)
         self.text_specials = np.asarray(specials, np.int64)  # (an array once: read per document)
+        # The id the model gives characters it has no piece for (a Unigram or BPE model's unk):
+        # where it is a special token too, a text holds that token only if it holds its content.
+        model = json.loads(self._tok.to_str())["model"]  # (Unigram's unk_id is in no attribute)
+        unk = model.get("unk_id")
+        if unk is None and model.get("unk_token"):  # BPE, WordPiece, WordLevel
+            unk = self._tok.token_to_id(model["unk_token"])
+        self.unknown = (unk, decoder[unk].content) if unk in specials else None
         alone, framed = (self._tok.encode("a", add_special_tokens=s).ids for s in (False, True))
         before = next((k for k in range(len(framed)) if framed[k : k + len(alone)] == alone), 0)
         self.framing = (before, len(framed) - before - len(alone))
@@ -276,14 +283,20 @@ def document_tokens(tokenizer, texts: list[str]) -> list[np.ndarray]:
     return [np.concatenate([np.asarray(ids, np.int64), eos]) for ids in tokenizer.encode_batch(texts)]
 
 
-def holds_special_text(tokenizer, ids: np.ndarray) -> bool:
-    """Whether a document's ids (``document_tokens``') hold a special token its text encoded as
-    (e.g. ``<|endoftext|>`` written in a web page): a boundary the document does not have."""
+def holds_special_text(tokenizer, text: str, ids: np.ndarray) -> bool:
+    """Whether a document's ids (``document_tokens``' of ``text``) hold a special token its text
+    encoded as (e.g. ``<|endoftext|>`` written in a web page): a boundary the document does not
+    have. The unk id of characters the model has no piece for (``HFTokenizer.unknown``) counts
+    only where the text holds the unk token's own content."""
     if not tokenizer.text_specials.size:  # (no tokenizer but an HF one has a framing)
         return False
     before, after = tokenizer.framing
     end = len(ids) - after - (0 if tokenizer.ends_with_eos else 1)  # (the separator EOS, appended)
-    return bool(np.isin(ids[before:end], tokenizer.text_specials).any())
+    body = ids[before:end]
+    found = body[np.isin(body, tokenizer.text_specials)]
+    if tokenizer.unknown is not None and tokenizer.unknown[1] not in text:
+        found = found[found != tokenizer.unknown[0]]
+    return bool(found.size)
 
 
 # Texts on which a tokenizer that transformers builds must encode as this package's does.

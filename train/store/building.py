@@ -141,7 +141,7 @@ def tokenize_piece(job: tuple) -> dict:
                 split = "validation" if sources.is_validation(text, _worker["fraction"]) else "train"
             parts[split].append(ids)
             documents[split] += 1
-            special[split] += sources.holds_special_text(tok, ids)
+            special[split] += sources.holds_special_text(tok, text, ids)
         tokens = 0
         for split, arrays in parts.items():
             if arrays:
