@@ -211,8 +211,31 @@ def cmd_stage(args) -> int:
     parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sizes.items())
     print(f"a GPU command with carry [{DATA}, {WHEELS}] takes {total / 2**20:.2f} MiB ({parts})")
     if total > TRAVEL_LIMIT_MIB * 2**20:
-        raise UserError(f"that is over the {TRAVEL_LIMIT_MIB} MiB a GPU command may take")
+        largest = ", ".join(f"{name} {size / 2**20:.2f} MiB" for name, size in untracked(root)[:3])
+        raise UserError(
+            f"that is over the {TRAVEL_LIMIT_MIB} MiB a GPU command may take"
+            + (
+                f"; untracked files that travel with it: {largest} (move them, or ignore them in .gitignore)"
+                if largest
+                else ""
+            )
+        )
     return 0
+
+
+def untracked(root: pathlib.Path) -> list[tuple[str, int]]:
+    """The checkout's untracked, not ignored files (an export's folder, say) by top-level entry,
+    largest first: the part of what a GPU command takes that the repository does not need."""
+    listed = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z", "--others", "--exclude-standard"], capture_output=True
+    ).stdout.split(b"\0")
+    sizes: dict[str, int] = {}
+    for rel in filter(None, (p.decode() for p in listed)):
+        path = root / rel
+        if path.is_file():
+            top = rel.split("/")[0] + ("/" if "/" in rel else "")
+            sizes[top] = sizes.get(top, 0) + path.stat().st_size
+    return sorted(sizes.items(), key=lambda item: -item[1])
 
 
 # ------------------------------------------------------------------------------ unpack, report

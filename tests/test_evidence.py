@@ -1093,6 +1093,26 @@ def test_stage_outside_a_git_checkout_is_one_line_before_any_copy(tmp_path):
     assert not list(root.iterdir())
 
 
+def test_stage_over_the_limit_names_the_untracked_files_that_travel(tmp_path):
+    """What a GPU command takes over its 64 MiB: the refusal names the untracked, not ignored
+    folders that take it there (an export's ``hf/`` in the root), largest first."""
+    plan, shared, root = tiny_setting(tmp_path), machine(tmp_path, "shared") / ".data", tmp_path / "root"
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / ".gitignore").write_text("/.data/\n/.whl/\n")
+    subprocess.run(["git", "-C", str(root), "add", ".gitignore"], check=True)  # tracked
+    (root / "hf" / "export").mkdir(parents=True)
+    with (root / "hf" / "export" / "model.safetensors").open("wb") as f:
+        f.truncate(70 * 2**20)  # (sparse: no disk used)
+    (root / "notes.txt").write_text("x" * 1000)
+    code, err = evidence_cli("stage", "--plan", plan, "--root", root, "--shared", shared, "--no-wheels")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: that is over the 64 MiB a GPU command may take; untracked files that ")
+    assert (
+        "travel with it: hf/ 70.00 MiB, notes.txt 0.00 MiB (move them, or ignore them in .gitignore)"
+        in err[0]
+    )
+
+
 def finished_run(run_dir: pathlib.Path, config: dict) -> None:
     """A completed run's files as a run of ``config`` leaves them (what the checks read)."""
     run_dir.mkdir(parents=True)
