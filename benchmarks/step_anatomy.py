@@ -12,7 +12,8 @@ computation, whose refresh is a conditional whose branch is not counted (a plain
 
 Nothing is run, so the figures do not vary from run to run. ``--target h100`` (``h200``) compiles
 for an NVIDIA H100 (H200) without one (XLA's deviceless GPU compilation; needs the JAX CUDA plugin,
-``pip install jax-cuda12-plugin==`` the installed JAX's version, and no GPU); ``--target local`` compiles for the default backend.
+``pip install jax-cuda12-plugin==`` the installed JAX's version, and no GPU); ``--target local``
+compiles for the default backend.
 Without a device there is no autotuning, so GEMM tilings differ from a real run; fusion decisions
 and buffer sizes do not depend on it.
 
