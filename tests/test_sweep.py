@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+import yaml
 
 from train import sweep
 from train.config import load_config, to_dict
@@ -576,6 +577,25 @@ def test_bad_input_is_one_line_before_any_run_starts(tmp_path, monkeypatch, caps
     code, _, err, started = sweep_cli(argv, monkeypatch, capsys)
     assert code == 2 and len(err) == 1 and err[0].startswith("error: " + fill(message)), err
     assert started == [] and not (tmp_path / "sweep").exists() and file.read_text() == "kept\n"
+
+
+def test_the_inputs_of_finished_runs_are_not_looked_for(tmp_path, monkeypatch, capsys):
+    """A grid whose runs are finished in ``--out`` (made on another machine, whose tokenizer file
+    is not here) is reported, not refused: only runs the sweep would start need their inputs.
+    The one run not finished is refused by name for the missing file."""
+    sets = ["data.tokenizer=elsewhere/spiece.model"]
+    runs = sweep.expand(pathlib.Path(TINY), [], [0, 1])
+    out = tmp_path / "sweep"
+    for run in runs:
+        made = make_run(out, run.name, "completed", [30, 20])
+        (made / "config.yaml").write_text(yaml.safe_dump(sweep.run_config(pathlib.Path(TINY), run, sets)))
+    argv = ["--base", TINY, "--out", out, "--seeds", "0,1", "--set", *sets]
+    code, stdout, err, started = sweep_cli(argv, monkeypatch, capsys)
+    assert code == 0 and started == [] and "tiny-seed1: completed, skipped" in stdout, err
+    (out / "tiny-seed1" / "summary.json").unlink()  # no summary, no checkpoint: a run to start
+    code, _, err, started = sweep_cli(argv, monkeypatch, capsys)
+    assert code == 2 and started == [], err
+    assert err[0].startswith("error: tiny-seed1: data.tokenizer: elsewhere/spiece.model: no such file"), err
 
 
 @pytest.mark.parametrize("state", ["completed", "resumable"])

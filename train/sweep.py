@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from train.arguments import add_config_arguments
 from train.compare import eval_rows, evaluation, overlaps, problems, reach, reduction_pct
@@ -98,25 +98,37 @@ def run_config(base: pathlib.Path, run: Run, sets: list[str] = ()) -> dict:
 
 
 def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[str, dict]:
-    """Each run's config (``run_config``): a bad layer, ``--set`` or seed, a model the trainer
-    would refuse or data inputs it would not find (``train.setup.check_inputs``: a tokenizer
-    file missing, say) is one line naming the run before any run starts, not the same failure
-    once per run."""
-    from train.setup import check_inputs  # (JAX's import: only where a grid is run)
-
-    configs, checked = {}, set()
+    """Each run's config (``run_config``): a bad layer, ``--set`` or seed is one line naming the
+    run before any run starts, not the same failure once per run."""
+    configs = {}
     for run in runs:
         try:
-            cfg = load_run(base, run, sets)
-            configs[run.name] = to_dict(cfg)
+            configs[run.name] = run_config(base, run, sets)
             check_writers(configs[run.name]["metrics"]["writers"])
-            inputs = json.dumps([configs[run.name][k] for k in ("model", "data", "train")], sort_keys=True)
+        except UserError as e:
+            raise UserError(f"{run.name}: {e}") from None
+    return configs
+
+
+def check_starts(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[str]) -> None:
+    """What the start-up of each run the sweep would start (one not finished in ``out``) would
+    refuse, found without building anything (``train.setup.check_inputs``: the model's settings,
+    a tokenizer or data file missing): one line naming the run, not the same failure per run."""
+    from train.setup import check_inputs  # (JAX's import: only where runs are to start)
+
+    checked = set()
+    for run in runs:
+        if RunDir(out / run.name).state() in ("completed", "failed"):
+            continue  # skipped: its inputs need not be here
+        try:
+            cfg = load_run(base, run, sets)
+            t = cfg.train
+            inputs = json.dumps([asdict(cfg.model), asdict(cfg.data), t.seq_len, t.param_dtype, t.dtype])
             if inputs not in checked:  # (the runs of a grid mostly share them)
                 check_inputs(cfg)
                 checked.add(inputs)
         except UserError as e:
             raise UserError(f"{run.name}: {e}") from None
-    return configs
 
 
 def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, dict]) -> None:
@@ -669,6 +681,7 @@ def _sweep(args, out: pathlib.Path) -> int:
     grid_points(runs, args.baseline)
     if not args.report_only:  # a report reads the runs as they are, on any machine
         check_reuse(out, runs, run_configs(args.base, runs, args.overrides))
+        check_starts(args.base, runs, out, args.overrides)
     elif args.overrides:
         warnings.warn(
             f"--report-only reads no --set ({' '.join(args.overrides)}): the report is of the runs "
