@@ -41,6 +41,8 @@ def test_plan_orders_the_runs_as_the_issue_does_and_every_config_resolves():
         *[f"wiki60m/{c}-seed0" for c in four],
         *[f"wiki60m/{c}-seed{s}" for s in (1, 2) for c in four],
         *[f"wiki60m-lr/{c}-{lr}-seed0" for c in ("galore", "full") for lr in ("lr0.005", "lr0.02")],
+        "wiki60m-moments/galore-f32-seed0",
+        "wiki60m-moments/full-f32-seed0",
         "wiki60m-fira/galore-fira-seed0",
         "wiki60m-fira/full-fira-seed0",
         "wiki60m-osd/galore-osd-seed0",
@@ -75,8 +77,14 @@ def test_plan_orders_the_runs_as_the_issue_does_and_every_config_resolves():
         "galore-lr0.02",
         "full-lr0.005",
         "full-lr0.02",
+        "galore-f32",
+        "full-f32",
     ]
-    reports = ["wiki60m", "wiki60m-fira", "wiki60m-osd", "wiki60m-lr"]
+    # The moments' check: float32 moments alone changed (the base's follow the bf16 parameters).
+    for name, config in configs.items():
+        assert config["optimizer"]["mu_dtype"] == ("float32" if "-f32-" in name else None)
+        assert config["train"]["param_dtype"] == "bfloat16"
+    reports = ["wiki60m", "wiki60m-fira", "wiki60m-osd", "wiki60m-lr", "wiki60m-moments"]
     assert [r["experiment"] for r in plan.reports] == reports
 
 

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -392,6 +393,31 @@ def test_labels_of_a_profile_config_are_what_profiling_runs():
     assert "magnitude_moments 0.00" in lines[-1]
 
 
+@pytest.mark.parametrize("name", ["adamw", "galore", "moara"])
+def test_mu_dtype_sets_the_moments_dtype_of_bf16_parameters(name):
+    """``optimizer.mu_dtype``: null keeps Adam's moments in the parameters' bfloat16 (as
+    galore-torch's on a bf16 model), float32 stores them in float32, plain and projected alike;
+    MoARa's magnitude moments are float32 either way."""
+    import jax
+    import jax.numpy as jnp
+
+    from train.config import OptimizerSection
+    from train.step import make_optimizer
+
+    params = {
+        "self_attn": {"q_proj": {"kernel": jnp.zeros((32, 32), jnp.bfloat16)}},
+        "norm": {"scale": jnp.ones(32, jnp.bfloat16)},
+    }
+    for mu_dtype, want in ((None, jnp.bfloat16), ("float32", jnp.float32)):
+        opt = OptimizerSection(name, r_base=8, block_size=8, rank_allocation="uniform", mu_dtype=mu_dtype)
+        state = jax.eval_shape(make_optimizer(opt, 1e-3, 0.0).init, params)
+        paths = [(jax.tree_util.keystr(p), x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(state)]
+        moments = {d for p, d in paths if re.search(r"\.(dir_)?(mu|nu)\[", p)}
+        magnitudes = {d for p, d in paths if re.search(r"\.mag_(mu|nu)\[", p)}
+        assert moments == {jnp.dtype(want)}, (name, mu_dtype, paths)
+        assert magnitudes == ({jnp.dtype(jnp.float32)} if name == "moara" else set()), paths
+
+
 def test_every_run_config_of_the_repository_gives_a_model_its_sequences_fit():
     """Each config file that names a model (the paper's sizes, the evidence base, tiny) loads,
     builds its model's config, and trains sequences within the model's positions with whole
@@ -501,6 +527,7 @@ def test_sweep_then_compare(tmp_path):
             "optimizer.weight_decay_mask must be all or matrices, got 'norms'",
         ),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
+        (["optimizer.mu_dtype=float16"], "optimizer.mu_dtype must be null (the parameters' dtype), float32"),
         (["mode=profile", "profile.steps=6", "profile.every=10"], "profile.every (10) must be <="),
         (
             ["optimizer.host=apollo"],

@@ -56,6 +56,10 @@ class OptimizerSection:
     eps: float = 1e-6
     weight_decay: float = 0.0
     weight_decay_mask: str = "all"  # all | matrices (2+ dimensions per layer: no norms or biases)
+    # Adam's moments (plain and projected; MoARa's magnitude moments are float32 always): null
+    # follows the parameters' dtype (bfloat16 under train.param_dtype bfloat16, as galore-torch's
+    # moments follow a bf16 model's), or float32 | bfloat16.
+    mu_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -429,6 +433,10 @@ def _validate_optimizer(o: OptimizerSection) -> None:
     _need(
         o.weight_decay_mask in ("all", "matrices"),
         f"optimizer.weight_decay_mask must be all or matrices, got {o.weight_decay_mask!r}",
+    )
+    _need(
+        o.mu_dtype in (None, "float32", "bfloat16"),
+        f"optimizer.mu_dtype must be null (the parameters' dtype), float32 or bfloat16, got {o.mu_dtype!r}",
     )
     try:
         host_class(o.host)

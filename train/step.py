@@ -200,7 +200,7 @@ def make_optimizer(
     uniform ranks and no decomposition. ``allocation``: ``optimizer.rank_allocation`` as
     ``Allocation.of`` reads it for the model (needed for an allocation file; else made here)."""
     if opt.name == "adamw":
-        tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, mask=decay_mask(opt))
+        tx = mj.adamw(lr, opt.b1, opt.b2, opt.eps, opt.weight_decay, opt.mu_dtype, mask=decay_mask(opt))
     else:
         allocation = allocation or Allocation.of(opt, None, profiling=profiling)
         tx = mj.moara_adamw(
@@ -217,6 +217,7 @@ def make_optimizer(
             eps=opt.eps,
             weight_decay=opt.weight_decay,
             weight_decay_mask=decay_mask(opt),
+            mu_dtype=opt.mu_dtype,
             svd=opt.svd,
             host=host_settings(opt, peak_lr),
         )
