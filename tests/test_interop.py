@@ -740,6 +740,11 @@ def test_init_from_is_checked_before_any_data_work_and_warns_of_byte_ids(
     (message,) = [str(w.message) for w in caught if "init_from" in str(w.message)]
     assert message.startswith(f"model.init_from {exported} has its own tokenizer (tokenizer.json), but ")
     assert message.endswith(f"set data.tokenizer={exported}")
+    # fewer positions than train.seq_len: said before the data too (the export keeps the run's)
+    positions = json.loads((exported / "config.json").read_text())["max_position_embeddings"]
+    tokenizer = f"data.tokenizer={run['tokenizer']}"
+    with pytest.raises(UserError, match=rf"train.seq_len \({2 * positions}\) exceeds the model's"):
+        setup(f"model.init_from={exported}", tokenizer, f"train.seq_len={2 * positions}")
 
 
 SHARDED_LOAD = textwrap.dedent("""

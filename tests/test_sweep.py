@@ -598,6 +598,31 @@ def test_the_inputs_of_finished_runs_are_not_looked_for(tmp_path, monkeypatch, c
     assert err[0].startswith("error: tiny-seed1: data.tokenizer: elsewhere/spiece.model: no such file"), err
 
 
+def test_a_resumable_init_from_run_needs_not_its_directory_nor_a_store_its_manifest(tmp_path, monkeypatch):
+    """A run to resume takes an ``init_from`` model from its ``model.json`` (the directory may be
+    gone), so the sweep's checks do not ask for the directory; a new run of the same grid does.
+    A ``source: store`` whose store has no manifest is refused before any run starts."""
+    import dataclasses
+
+    import models
+
+    out, gone = tmp_path / "sweep", tmp_path / "gone-model"
+    sets = [f"model.init_from={gone}", "model.name=null", "model.overrides={}"]
+    (run,) = sweep.expand(pathlib.Path(TINY), [], [0])
+    made = out / run.name
+    (made / "checkpoints" / "10").mkdir(parents=True)
+    (made / "config.yaml").write_text(yaml.safe_dump(sweep.run_config(pathlib.Path(TINY), run, sets)))
+    model = dataclasses.asdict(models.get_config("tiny", vocab_size=257))
+    (made / "model.json").write_text(json.dumps(model))
+    assert RunDir(made).state() == "resumable"
+    sweep.check_starts(pathlib.Path(TINY), [run], out, sets)  # no refusal: the resume needs no directory
+    with pytest.raises(UserError, match=rf"tiny-seed0: model.init_from: {gone} is not a directory"):
+        sweep.check_starts(pathlib.Path(TINY), [run], tmp_path / "new", sets)
+    store = ["data.source=store", f"data.store={tmp_path / 'no-store'}"]
+    with pytest.raises(UserError, match=r"tiny-seed0: .*no-store is not a complete token store"):
+        sweep.check_starts(pathlib.Path(TINY), [run], tmp_path / "new", store)
+
+
 @pytest.mark.parametrize("state", ["completed", "resumable"])
 def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypatch, capsys, state):
     """A sweep run again into its ``--out`` with other settings: a run there (finished, or one to

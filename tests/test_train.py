@@ -528,6 +528,10 @@ def test_sweep_then_compare(tmp_path):
         ),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
         (["optimizer.mu_dtype=float16"], "optimizer.mu_dtype must be null (the parameters' dtype), float32"),
+        (
+            ["optimizer.host=q_galore", "optimizer.mu_dtype=float32"],
+            "optimizer.mu_dtype float32 with host q_galore: its moments are 8-bit or float32",
+        ),
         (["mode=profile", "profile.steps=6", "profile.every=10"], "profile.every (10) must be <="),
         (
             ["optimizer.host=apollo"],

@@ -438,6 +438,11 @@ def _validate_optimizer(o: OptimizerSection) -> None:
         o.mu_dtype in (None, "float32", "bfloat16"),
         f"optimizer.mu_dtype must be null (the parameters' dtype), float32 or bfloat16, got {o.mu_dtype!r}",
     )
+    _need(
+        o.mu_dtype is None or o.host != "q_galore" or o.name == "adamw",
+        f"optimizer.mu_dtype {o.mu_dtype} with host q_galore: its moments are 8-bit or float32 "
+        "(host_options min_8bit_size, mag_bits); leave mu_dtype null",
+    )
     try:
         host_class(o.host)
     except ValueError as e:

@@ -40,6 +40,7 @@ from train.setup import (
     open_run_dir,
     rank_summary,
     restore_or_init,
+    resumed_model,
     silent,
 )
 from train.sharding import ACTIVATION_RULES, global_batch, on_mesh, process_rows
@@ -66,7 +67,7 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
     clock = Clock()
     say = print if main and not quiet else silent
     changes = _check_run_dir(run, cfg, resume, main)
-    built = _resumed_model(run, cfg, resume)
+    built = resumed_model(run, cfg, resume)
     with errors_shared():  # e.g. one process's data file missing
         setup = make_setup(cfg, quiet, clock, built)
     with errors_shared():  # (a collective: after the block above, which every process passed)
@@ -135,23 +136,6 @@ def _check_run_dir(run: RunDir, cfg: RunConfig, resume: bool, main: bool) -> lis
             f"summary are replaced), or move a checkpoint back into {run.checkpoints}"
         )
     return changes
-
-
-def _resumed_model(run: RunDir, cfg: RunConfig, resume: bool) -> models.ModelConfig | None:
-    """The model a resumed ``model.init_from`` run built (its ``model.json``), else None: a
-    resume goes on from the checkpoint, so the directory it was initialised from may have moved
-    or gone since."""
-    if not (resume and run.has_checkpoints() and cfg.model.init_from is not None):
-        return None
-    if run.model_file.is_file():
-        return run.model_config()
-    had = run.setting("model", "init_from")  # a run dir of a version before model.json
-    if had != cfg.model.init_from:
-        raise UserError(
-            f"--resume: {run} holds no {run.model_file.name} to take the model from; give "
-            f"model.init_from as the run had it ({had})"
-        )
-    return None  # the directory is the model
 
 
 def _is_main_process() -> bool:

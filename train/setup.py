@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -107,34 +108,51 @@ class Setup:
         return TrainState(jnp.zeros([], jnp.int32), params, self.tx.init(params))
 
 
+def resumed_model(run: RunDir, cfg: RunConfig, resume: bool) -> models.ModelConfig | None:
+    """The model a resumed ``model.init_from`` run built (its ``model.json``), else None: a
+    resume goes on from the checkpoint, so the directory it was initialised from may have moved
+    or gone since."""
+    if not (resume and run.has_checkpoints() and cfg.model.init_from is not None):
+        return None
+    if run.model_file.is_file():
+        return run.model_config()
+    had = run.setting("model", "init_from")  # a run dir of a version before model.json
+    if had != cfg.model.init_from:
+        raise UserError(
+            f"--resume: {run} holds no {run.model_file.name} to take the model from; give "
+            f"model.init_from as the run had it ({had})"
+        )
+    return None  # the directory is the model
+
+
 def check_model(cfg: RunConfig, built: models.ModelConfig | None = None) -> None:
     """What the model section makes wrong, said before any data work (a store may take hours to
-    build): ``model.init_from``'s directory (``check_init_from``), or a preset's bad override, or
-    fewer positions than ``train.seq_len``."""
+    build): ``model.init_from``'s directory (``check_init_from``; ``built``: a resume's model,
+    ``resumed_model``), a bad override, or fewer positions than ``train.seq_len``."""
     if cfg.model.init_from is not None:
         check_init_from(cfg, built)
-    else:
-        _check_positions(cfg.train.seq_len, _model_before_data(cfg))
+    _check_positions(cfg.train.seq_len, _model_before_data(cfg, built))
 
 
-def check_inputs(cfg: RunConfig) -> None:
+def check_inputs(cfg: RunConfig, built: models.ModelConfig | None = None) -> None:
     """What a run's start-up would refuse, found without building anything: the model
     (``check_model``) and the data's inputs (the tokenizer; the files, or the TFDS dataset, as
-    the token store's plan finds them). ``train.sweep`` checks every run of a grid so before it
-    starts one."""
-    check_model(cfg)
+    the token store's plan finds them; a ``source: store``'s store). ``train.sweep`` checks the
+    runs of a grid it would start so before it starts one."""
+    check_model(cfg, built)
     if cfg.data.source == "store":
         make_tokenizer(cfg.data.tokenizer)
+        token_store.read_manifest(pathlib.Path(cfg.data.store).expanduser())
     else:
         token_store.plan(cfg.data)
 
 
-def _model_before_data(cfg: RunConfig) -> models.ModelConfig:
+def _model_before_data(cfg: RunConfig, built: models.ModelConfig | None = None) -> models.ModelConfig:
     """The run's model with a placeholder vocabulary (the tokenizer's is known once the data is
     opened; ``model.overrides.vocab_size`` is checked against it then)."""
     overrides = {k: v for k, v in cfg.model.overrides.items() if k != "vocab_size"}
     model = dataclasses.replace(cfg.model, overrides=overrides)
-    return model_config(dataclasses.replace(cfg, model=model), 1)
+    return model_config(dataclasses.replace(cfg, model=model), 1, built)
 
 
 def _check_positions(seq_len: int, model_cfg: models.ModelConfig) -> None:

@@ -114,17 +114,22 @@ def check_starts(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: l
     """What the start-up of each run the sweep would start (one not finished in ``out``) would
     refuse, found without building anything (``train.setup.check_inputs``: the model's settings,
     a tokenizer or data file missing): one line naming the run, not the same failure per run."""
-    from train.setup import check_inputs  # (JAX's import: only where runs are to start)
-
     checked = set()
     for run in runs:
-        if RunDir(out / run.name).state() in ("completed", "failed"):
+        run_dir = RunDir(out / run.name)
+        if run_dir.state() in ("completed", "failed"):
             continue  # skipped: its inputs need not be here
+        from train.setup import check_inputs, resumed_model  # (JAX's import: where runs are to start)
+
         try:
             cfg = load_run(base, run, sets)
+            # a resume takes an init_from run's model from its model.json, not the directory
+            built = resumed_model(run_dir, cfg, run_dir.state() == "resumable")
             t = cfg.train
             inputs = json.dumps([asdict(cfg.model), asdict(cfg.data), t.seq_len, t.param_dtype, t.dtype])
-            if inputs not in checked:  # (the runs of a grid mostly share them)
+            if built is not None:
+                check_inputs(cfg, built)
+            elif inputs not in checked:  # (the runs of a grid mostly share them)
                 check_inputs(cfg)
                 checked.add(inputs)
         except UserError as e:

@@ -412,6 +412,9 @@ def _next_record(results, parallel: bool, progress, p: Plan, records: dict) -> d
             ) from None
 
 
+STOP_WAIT_S = 10.0  # how long _stop waits for the pool's manager thread
+
+
 def _stop(pool: futures.ProcessPoolExecutor) -> None:
     """Ends the workers now, their running pieces discarded (their shards stay ``.tmp``), before
     anything after the build (the cut at ``max_documents``) looks at the shards."""
@@ -424,7 +427,9 @@ def _stop(pool: futures.ProcessPoolExecutor) -> None:
     for proc in processes:
         proc.join()
     if manager is not None:
-        manager.join()  # it sees its workers gone and ends; no thread of the build outlives it
+        # It sees its workers gone and ends. Not waited on without end: one stopped inside the
+        # write of a large result leaves it reading the rest of that message (it ends at exit).
+        manager.join(timeout=STOP_WAIT_S)
 
 
 def _train_documents(p: Plan, records: dict) -> int:
