@@ -145,13 +145,14 @@ def cmd_run(args) -> int:
 # ---------------------------------------------------------------------------------- stage here
 
 
-def checkout_files(root: pathlib.Path) -> list[bytes]:
-    """The files of the git checkout at ``root`` that a GPU command takes along (tracked, and
-    untracked but not ignored); a ``root`` that is no checkout is one line."""
+def checkout_files(root: pathlib.Path, tracked: bool = True) -> list[bytes]:
+    """The files of the git checkout at ``root`` that a GPU command takes along (tracked, unless
+    ``tracked`` is false, and untracked but not ignored); a ``root`` that is no checkout is one
+    line."""
+    which = ["--cached", "--others"] if tracked else ["--others"]
     try:
         listed = subprocess.run(
-            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            capture_output=True,
+            ["git", "-C", str(root), "ls-files", "-z", *which, "--exclude-standard"], capture_output=True
         )
     except OSError as e:
         raise UserError(f"git, which lists what a GPU command takes along, did not run: {e}") from None
@@ -226,11 +227,8 @@ def cmd_stage(args) -> int:
 def untracked(root: pathlib.Path) -> list[tuple[str, int]]:
     """The checkout's untracked, not ignored files (an export's folder, say) by top-level entry,
     largest first: the part of what a GPU command takes that the repository does not need."""
-    listed = subprocess.run(
-        ["git", "-C", str(root), "ls-files", "-z", "--others", "--exclude-standard"], capture_output=True
-    ).stdout.split(b"\0")
     sizes: dict[str, int] = {}
-    for rel in filter(None, (p.decode() for p in listed)):
+    for rel in filter(None, (p.decode() for p in checkout_files(root, tracked=False))):
         path = root / rel
         if path.is_file():
             top = rel.split("/")[0] + ("/" if "/" in rel else "")

@@ -615,12 +615,13 @@ def test_a_resumable_init_from_run_needs_not_its_directory_nor_a_store_its_manif
     model = dataclasses.asdict(models.get_config("tiny", vocab_size=257))
     (made / "model.json").write_text(json.dumps(model))
     assert RunDir(made).state() == "resumable"
-    sweep.check_starts(pathlib.Path(TINY), [run], out, sets)  # no refusal: the resume needs no directory
+    # no refusal: the resume needs no directory
+    sweep.check_starts([run], out, sweep.run_configs(pathlib.Path(TINY), [run], sets))
     with pytest.raises(UserError, match=rf"tiny-seed0: model.init_from: {gone} is not a directory"):
-        sweep.check_starts(pathlib.Path(TINY), [run], tmp_path / "new", sets)
+        sweep.check_starts([run], tmp_path / "new", sweep.run_configs(pathlib.Path(TINY), [run], sets))
     store = ["data.source=store", f"data.store={tmp_path / 'no-store'}"]
     with pytest.raises(UserError, match=r"tiny-seed0: .*no-store is not a complete token store"):
-        sweep.check_starts(pathlib.Path(TINY), [run], tmp_path / "new", store)
+        sweep.check_starts([run], tmp_path / "new", sweep.run_configs(pathlib.Path(TINY), [run], store))
 
 
 @pytest.mark.parametrize("state", ["completed", "resumable"])

@@ -171,8 +171,7 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock, built: models.ModelCon
     check_model(cfg, built)
     data = build_data(cfg.data, t.seq_len, quiet=quiet)
     clock.mark("data_s")
-    model_cfg = model_config(cfg, data.vocab_size, built)
-    _check_positions(t.seq_len, model_cfg)
+    model_cfg = model_config(cfg, data.vocab_size, built)  # (its positions checked by check_model)
     mesh = make_mesh(cfg.mesh)
     micro = t.batch_size // (t.micro_batch_size or t.batch_size)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]

@@ -219,10 +219,11 @@ class HFTokenizer:
         self.text_specials = np.asarray(specials, np.int64)  # (an array once: read per document)
         # The id the model gives characters it has no piece for (a Unigram or BPE model's unk):
         # where it is a special token too, a text holds that token only if it holds its content.
-        model = json.loads(self._tok.to_str())["model"]  # (Unigram's unk_id is in no attribute)
-        unk = model.get("unk_id")
-        if unk is None and model.get("unk_token"):  # BPE, WordPiece, WordLevel
-            unk = self._tok.token_to_id(model["unk_token"])
+        unk_token = getattr(self._tok.model, "unk_token", None)  # BPE, WordPiece, WordLevel
+        if isinstance(self._tok.model, tokenizers.models.Unigram):  # its unk_id is in no attribute
+            unk = json.loads(self._tok.to_str())["model"].get("unk_id")
+        else:
+            unk = self._tok.token_to_id(unk_token) if unk_token else None
         self.unknown = (unk, decoder[unk].content) if unk in specials else None
         alone, framed = (self._tok.encode("a", add_special_tokens=s).ids for s in (False, True))
         before = next((k for k in range(len(framed)) if framed[k : k + len(alone)] == alone), 0)

@@ -97,20 +97,20 @@ def run_config(base: pathlib.Path, run: Run, sets: list[str] = ()) -> dict:
     return to_dict(load_run(base, run, sets))
 
 
-def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[str, dict]:
-    """Each run's config (``run_config``): a bad layer, ``--set`` or seed is one line naming the
+def run_configs(base: pathlib.Path, runs: list[Run], sets: list[str]) -> dict[str, RunConfig]:
+    """Each run's config (``load_run``): a bad layer, ``--set`` or seed is one line naming the
     run before any run starts, not the same failure once per run."""
     configs = {}
     for run in runs:
         try:
-            configs[run.name] = run_config(base, run, sets)
-            check_writers(configs[run.name]["metrics"]["writers"])
+            configs[run.name] = load_run(base, run, sets)
+            check_writers(configs[run.name].metrics.writers)
         except UserError as e:
             raise UserError(f"{run.name}: {e}") from None
     return configs
 
 
-def check_starts(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: list[str]) -> None:
+def check_starts(runs: list[Run], out: pathlib.Path, configs: dict[str, RunConfig]) -> None:
     """What the start-up of each run the sweep would start (one not finished in ``out``) would
     refuse, found without building anything (``train.setup.check_inputs``: the model's settings,
     a tokenizer or data file missing): one line naming the run, not the same failure per run."""
@@ -121,8 +121,8 @@ def check_starts(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: l
             continue  # skipped: its inputs need not be here
         from train.setup import check_inputs, resumed_model  # (JAX's import: where runs are to start)
 
+        cfg = configs[run.name]
         try:
-            cfg = load_run(base, run, sets)
             # a resume takes an init_from run's model from its model.json, not the directory
             built = resumed_model(run_dir, cfg, run_dir.state() == "resumable")
             t = cfg.train
@@ -136,7 +136,7 @@ def check_starts(base: pathlib.Path, runs: list[Run], out: pathlib.Path, sets: l
             raise UserError(f"{run.name}: {e}") from None
 
 
-def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, dict]) -> None:
+def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, RunConfig]) -> None:
     """Refuses a run dir of the grid that holds a run (finished, or one to resume) whose settings
     differ from those the grid now gives it (``configs``): the sweep would skip or continue it
     and report it as this grid's. Every setting its results depend on counts (not
@@ -147,7 +147,7 @@ def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, dict]) ->
         state = run_dir.state()
         if state == "new" or not run_dir.config_file.is_file():
             continue  # nothing the sweep would reuse: a new run starts afresh
-        changed = changed_settings(run_dir.config(), configs[run.name], ignoring=OPERATIONAL)
+        changed = changed_settings(run_dir.config(), to_dict(configs[run.name]), ignoring=OPERATIONAL)
         if changed:
             raise UserError(
                 f"{run_dir} holds a {state} run whose config differs from the one this sweep gives it "
@@ -685,8 +685,9 @@ def _sweep(args, out: pathlib.Path) -> int:
     runs = expand(args.base, args.axis, seeds or [0])
     grid_points(runs, args.baseline)
     if not args.report_only:  # a report reads the runs as they are, on any machine
-        check_reuse(out, runs, run_configs(args.base, runs, args.overrides))
-        check_starts(args.base, runs, out, args.overrides)
+        configs = run_configs(args.base, runs, args.overrides)
+        check_reuse(out, runs, configs)
+        check_starts(runs, out, configs)
     elif args.overrides:
         warnings.warn(
             f"--report-only reads no --set ({' '.join(args.overrides)}): the report is of the runs "
