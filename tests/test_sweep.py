@@ -676,6 +676,35 @@ def test_a_run_made_with_other_settings_is_refused_not_reused(tmp_path, monkeypa
     assert (out / "sweep.json").read_text() == grid and "train.micro_batch_size=4" in grid
 
 
+@pytest.mark.parametrize("state", ["completed", "resumable"])
+def test_a_run_of_a_preset_defined_otherwise_now_is_refused_not_reused(tmp_path, monkeypatch, capsys, state):
+    """A run in the sweep's ``--out`` whose ``model.json`` is not the model its preset makes now
+    (this version defines it otherwise) is neither skipped nor resumed as this grid's, though its
+    config is the same: one line names its run dir and the fields. Its own model is reused."""
+    import dataclasses
+
+    import models
+
+    out = tmp_path / "sweep"
+    status = "completed" if state == "completed" else "interrupted"
+    run = make_run(out, "tiny-seed0", status, [30, 20], checkpoint=state == "resumable")
+    RunDir(run).write_config(to_dict(load_config([TINY], ["train.steps=2", "train.seed=0"])))
+    tiny = models.get_config("tiny", vocab_size=257, max_position_embeddings=256)
+    RunDir(run).write_model(dataclasses.asdict(tiny))
+    argv = ["--base", TINY, "--out", out, "--set", "train.steps=2"]
+    code, text, err, started = sweep_cli(argv, monkeypatch, capsys)
+    assert not err and [a[-1] for a in started] == ([] if state == "completed" else ["--resume"]), err
+    other = dataclasses.replace(models.PRESETS["tiny"], rms_norm_eps=1e-5)
+    monkeypatch.setitem(models.PRESETS, "tiny", other)
+    code, _, err, started = sweep_cli(argv, monkeypatch, capsys)
+    assert code == 2 and len(err) == 1 and started == [], err
+    assert err[0] == (
+        f"error: {run} holds a {state} run of another model than the one the preset tiny makes now "
+        f"(model.rms_norm_eps: {tiny.rms_norm_eps!r} -> 1e-05): this version defines it otherwise; use "
+        "another --out, or remove that run dir"
+    )
+
+
 PLOTS_IN_A_NOTEBOOK = textwrap.dedent("""
     import json, pathlib, sys
     import matplotlib

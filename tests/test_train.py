@@ -1145,6 +1145,44 @@ def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path)
     assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
 
 
+@pytest.mark.slow
+def test_a_resume_goes_on_with_the_model_it_began_with_where_its_preset_is_now_other(tmp_path, monkeypatch):
+    """A preset this version defines otherwise than when a run began (a fix of its RoPE, say):
+    the resume goes on with the model the run built (its ``model.json``), says which fields
+    differ, and logs the uninterrupted run's losses; how the model computes (remat) still comes
+    from the config."""
+    import models
+    from train.metrics import DivergenceGuard
+
+    sets = [*FAST, "train.steps=8", "train.eval_every=4"]
+    run_cli(tmp_path / "full", *sets)
+    check = DivergenceGuard.check
+
+    def check_then_signal(self, step, *args):
+        stop = check(self, step, *args)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stop
+
+    monkeypatch.setattr(DivergenceGuard, "check", check_then_signal)
+    assert run_cli(tmp_path / "cut", *sets, check=False).returncode == EXIT_PREEMPTED
+    monkeypatch.undo()
+    tiny = models.PRESETS["tiny"]
+    other = dataclasses.replace(tiny, rope_theta=tiny.rope_theta / 100)
+    monkeypatch.setitem(models.PRESETS, "tiny", other)
+    resumed = run_cli(tmp_path / "cut", *sets, "model.overrides.remat=full", extra=["--resume"])
+    assert (
+        f"note: the preset tiny is defined otherwise now (model.rope_theta: {tiny.rope_theta!r} -> "
+        f"{other.rope_theta!r}); the run goes on with the model it began with "
+        f"({tmp_path / 'cut' / 'model.json'})"
+    ) in resumed.stdout, resumed.stdout
+    built = json.loads((tmp_path / "cut" / "model.json").read_text())
+    assert (built["rope_theta"], built["remat"]) == (tiny.rope_theta, "full")
+    full, cut = losses(tmp_path / "full"), losses(tmp_path / "cut")
+    assert cut.keys() == full.keys() == set(range(1, 9))
+    np.testing.assert_allclose([cut[s] for s in full], [full[s] for s in full], rtol=1e-6)
+
+
 @pytest.mark.parametrize("during", ["the last evaluation", "the summary"])
 @pytest.mark.slow
 def test_a_signal_after_the_last_step_waits_for_the_summary(tmp_path, monkeypatch, during):

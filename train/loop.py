@@ -38,6 +38,7 @@ from train.setup import (
     banner_lines,
     make_setup,
     open_run_dir,
+    preset_note,
     rank_summary,
     restore_or_init,
     resumed_model,
@@ -89,6 +90,9 @@ def _run(cfg: RunConfig, run: RunDir, resume: bool, quiet: bool, main: bool) -> 
         if main:
             print(f"{run} is already complete at step {start.step}; nothing to do")
         return run.summary()
+    note = preset_note(run, cfg, setup, built) if start.resumed_from is not None else None
+    if main and note:
+        print(note)
     # Process 0's writes before the steps (the run files, metrics.jsonl rewritten on a resume,
     # the metric writers): a fault or refusal of one ends every process.
     with errors_shared():

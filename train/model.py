@@ -9,7 +9,7 @@ import warnings
 
 import models
 from models.hf_files import FRAMEWORK_FIELDS, architecture, weight_files
-from train.config import DEFAULT_MODEL, RunConfig, yaml_float
+from train.config import DEFAULT_MODEL, Change, RunConfig, yaml_float
 from train.errors import UserError
 from train.sources import make_tokenizer
 
@@ -18,11 +18,33 @@ def model_config(
     cfg: RunConfig, vocab_size: int, built: models.ModelConfig | None = None
 ) -> models.ModelConfig:
     """The ``models.ModelConfig`` of a run whose tokenizer has ``vocab_size`` ids. ``built``: the
-    model a run from ``model.init_from`` built (its ``model.json``), which a resume takes in place
-    of the directory's (the checkpoint holds the weights; the directory need not stay)."""
-    m, t = cfg.model, cfg.train
-    if m.init_from is not None:
+    model a resumed run built (its ``model.json``), which the resume goes on with: in place of
+    ``model.init_from``'s directory (the checkpoint holds the weights; the directory need not
+    stay), or of the preset as this version defines it (``preset_changes``), taking from the
+    config only how it computes (``COMPUTE_FIELDS``)."""
+    if cfg.model.init_from is not None:
         return _init_from_config(cfg, vocab_size, built)
+    now = _preset_config(cfg, vocab_size)
+    return now if built is None else built.replace(**{f: getattr(now, f) for f in COMPUTE_FIELDS})
+
+
+# The fields of a resumed run's model taken from its config (a resume may change how the model
+# computes, and train's dtypes set two); the others are the model.json's.
+COMPUTE_FIELDS = ("param_dtype", "dtype", "remat", "attention_impl", "loss_chunk")
+
+
+def preset_changes(built: models.ModelConfig, now: models.ModelConfig) -> list[Change]:
+    """What the model a run's config makes now (``now``) has other than the one the run built
+    (``built``, its ``model.json``): a preset this version defines otherwise. The fields that
+    make the model (``models.architecture``) and its initialization; not how it computes."""
+    old = architecture(built) | {"initializer_range": built.initializer_range}
+    new = architecture(now) | {"initializer_range": now.initializer_range}
+    keys = sorted(old.keys() | new.keys())
+    return [Change(f"model.{k}", old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
+
+
+def _preset_config(cfg: RunConfig, vocab_size: int) -> models.ModelConfig:
+    m, t = cfg.model, cfg.train
     overrides = {"vocab_size": vocab_size} | _numbers(m.overrides)
     wanted = overrides["vocab_size"]
     if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < vocab_size:

@@ -27,7 +27,7 @@ from train.config import RunConfig, to_dict
 from train.data import Data, build_data
 from train.data import describe as describe_data
 from train.errors import UserError, io_operation
-from train.model import check_init_from, init_from_params, model_config
+from train.model import check_init_from, init_from_params, model_config, preset_changes
 from train.rundir import RunDir, banner
 from train.sharding import (
     batch_sharding,
@@ -109,13 +109,16 @@ class Setup:
 
 
 def resumed_model(run: RunDir, cfg: RunConfig, resume: bool) -> models.ModelConfig | None:
-    """The model a resumed ``model.init_from`` run built (its ``model.json``), else None: a
-    resume goes on from the checkpoint, so the directory it was initialised from may have moved
-    or gone since."""
-    if not (resume and run.has_checkpoints() and cfg.model.init_from is not None):
+    """The model a resumed run built (its ``model.json``), else None (a new run; a preset's run
+    from a version before model.json, which goes on with the preset as it is now). A resume goes
+    on with it: the directory a ``model.init_from`` run was initialised from may have moved or
+    gone since, and a preset may be defined otherwise now (``train.model.preset_changes``)."""
+    if not (resume and run.has_checkpoints()):
         return None
     if run.model_file.is_file():
         return run.model_config()
+    if cfg.model.init_from is None:
+        return None
     had = run.setting("model", "init_from")  # a run dir of a version before model.json
     if had != cfg.model.init_from:
         raise UserError(
@@ -123,6 +126,20 @@ def resumed_model(run: RunDir, cfg: RunConfig, resume: bool) -> models.ModelConf
             f"model.init_from as the run had it ({had})"
         )
     return None  # the directory is the model
+
+
+def preset_note(run: RunDir, cfg: RunConfig, setup: Setup, built: models.ModelConfig | None) -> str | None:
+    """What a resumed preset run (``built``: its ``model.json``) says when this version defines its
+    preset otherwise: the fields that differ, and that it goes on with its own model."""
+    if built is None or cfg.model.init_from is not None:
+        return None
+    changes = preset_changes(built, model_config(cfg, setup.data.vocab_size))
+    if not changes:
+        return None
+    return (
+        f"note: the preset {built.name} is defined otherwise now ({', '.join(map(str, changes))}); "
+        f"the run goes on with the model it began with ({run.model_file})"
+    )
 
 
 def check_model(cfg: RunConfig, built: models.ModelConfig | None = None) -> None:

@@ -141,19 +141,32 @@ def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, RunConfig
     differ from those the grid now gives it (``configs``): the sweep would skip or continue it
     and report it as this grid's. Every setting its results depend on counts (not
     ``OPERATIONAL``'s, nor how the model computes, which a resume may change too), compared as a
-    resume compares them (``changed_settings``)."""
+    resume compares them (``changed_settings``). So does its model (its ``model.json``) where
+    this version defines its preset otherwise (``train.model.preset_changes``)."""
     for run in runs:
         run_dir = RunDir(out / run.name)
         state = run_dir.state()
         if state == "new" or not run_dir.config_file.is_file():
             continue  # nothing the sweep would reuse: a new run starts afresh
-        changed = changed_settings(run_dir.config(), to_dict(configs[run.name]), ignoring=OPERATIONAL)
+        cfg = configs[run.name]
+        changed = changed_settings(run_dir.config(), to_dict(cfg), ignoring=OPERATIONAL)
         if changed:
             raise UserError(
                 f"{run_dir} holds a {state} run whose config differs from the one this sweep gives it "
                 f"({', '.join(map(str, changed))}): give the layers and --set it was made with, use another "
                 "--out, or remove that run dir"
             )
+        if cfg.model.init_from is None and run_dir.model_file.is_file():
+            from train.model import model_config, preset_changes  # (JAX's import: only then)
+
+            built = run_dir.model_config()
+            changed = preset_changes(built, model_config(cfg, built.vocab_size))
+            if changed:
+                raise UserError(
+                    f"{run_dir} holds a {state} run of another model than the one the preset {built.name} "
+                    f"makes now ({', '.join(map(str, changed))}): this version defines it otherwise; use "
+                    "another --out, or remove that run dir"
+                )
 
 
 def train_args(
