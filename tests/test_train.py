@@ -527,6 +527,7 @@ def test_sweep_then_compare(tmp_path):
             "optimizer.weight_decay_mask must be all or matrices, got 'norms'",
         ),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
+        (["data.seed=-1"], "data.seed must be null or in [0, 2**32), got -1"),
         (["optimizer.mu_dtype=float16"], "optimizer.mu_dtype must be null (the parameters' dtype), float32"),
         (
             ["optimizer.host=q_galore", "optimizer.mu_dtype=float32"],
@@ -1143,6 +1144,36 @@ def test_run_dir_with_checkpoints_needs_resume_and_an_unchanged_config(tmp_path)
         assert over.returncode == 2, over.stderr
         assert "holds a run that stopped with status diverged (summary.json) and no checkpoint" in over.stderr
     assert {name: (tmp_path / "run" / name).read_bytes() for name in kept} == kept
+
+
+def test_data_seed_fixes_the_data_order_over_train_seeds(tmp_path, monkeypatch):
+    """``data.seed`` orders the train windows in place of ``train.seed``, which then sets the
+    initialization alone: two runs of one data.seed and two train.seeds read the same batches from
+    other starting parameters; without it the train.seed orders the windows too."""
+    import train.loop
+
+    drawn = {}
+    original = train.loop.Batches.next
+
+    def recording(self):
+        batch = original(self)
+        drawn.setdefault(run, np.asarray(batch))
+        return batch
+
+    monkeypatch.setattr(train.loop.Batches, "next", recording)
+    sets = [*FAST, "train.steps=1", "train.eval_every=1", "checkpoint.every=0"]
+    first = {}
+    for run, seeds in {
+        "a": ["train.seed=0", "data.seed=7"],
+        "b": ["train.seed=1", "data.seed=7"],
+        "c": ["train.seed=1"],
+        "d": ["train.seed=7"],
+    }.items():
+        run_cli(tmp_path / run, *sets, *seeds)
+        first[run] = losses(tmp_path / run)[1]
+    np.testing.assert_array_equal(drawn["a"], drawn["b"])
+    assert not np.array_equal(drawn["b"], drawn["c"]) and first["a"] != first["b"]
+    np.testing.assert_array_equal(drawn["a"], drawn["d"])  # data.seed 7 is train.seed 7's order
 
 
 @pytest.mark.slow

@@ -98,6 +98,9 @@ class DataSection:
     store: str | None = None
     cache_dir: str | None = None
     workers: int | None = None  # tokenizing processes (default: all cores)
+    # The train windows' order (default: train.seed). One data.seed over several train.seed values
+    # varies only the initialization, as GaLore's runs do (their data order is fixed).
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -490,6 +493,7 @@ def _validate_train(t: TrainSection) -> None:
 
 
 def _validate_data(d: DataSection) -> None:
+    _need(d.seed is None or 0 <= d.seed < 2**32, f"data.seed must be null or in [0, 2**32), got {d.seed}")
     _need(
         d.source in ("builtin", "files", "tfds", "store"),
         f"data.source must be builtin, files, tfds or store, got {d.source!r}",

@@ -168,7 +168,8 @@ class Batches:
         self.sharding = setup.batch_sharding
         self.shape = (t.batch_size, setup.data.window)
         self.rows = process_rows(self.sharding, self.shape)
-        self.iterator = setup.data.train_iterator(t.batch_size, t.seed, self.rows)
+        seed = t.seed if setup.cfg.data.seed is None else setup.cfg.data.seed
+        self.iterator = setup.data.train_iterator(t.batch_size, seed, self.rows)
         if iterator_state is not None:
             self.iterator.set_state(iterator_state)
         self.before = self.iterator.get_state()
