@@ -708,6 +708,36 @@ def test_a_worker_stopped_inside_a_counter_update_does_not_hang_the_cut(tmp_path
     assert tree_hashes(tmp_path / "two") == tree_hashes(tmp_path / "one")
 
 
+def test_the_stop_waits_for_a_stuck_manager_thread_only_so_long(monkeypatch):
+    """A pool whose manager thread does not end when its workers are gone (one stopped inside
+    the write of a large result leaves it reading): the stop waits ``STOP_WAIT_S`` for it, then
+    goes on, the workers ended and the pool shut down with its pending work cancelled."""
+    monkeypatch.setattr(building, "STOP_WAIT_S", 0.3)
+    release = threading.Event()
+    manager = threading.Thread(target=release.wait, daemon=True)
+    manager.start()
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    shut = []
+    pool = types.SimpleNamespace(
+        _processes={worker.pid: worker},
+        _executor_manager_thread=manager,
+        shutdown=lambda **how: shut.append(how),
+    )
+    worker.join = worker.wait  # (the multiprocessing.Process methods _stop uses)
+    stopping = threading.Thread(target=building._stop, args=(pool,), daemon=True)
+    started = time.monotonic()
+    stopping.start()
+    stopping.join(timeout=30)
+    try:
+        assert not stopping.is_alive(), "the stop waits on the manager thread without end"
+        assert 0.3 <= time.monotonic() - started < 10 and manager.is_alive()
+        assert worker.poll() is not None and shut == [{"wait": False, "cancel_futures": True}]
+    finally:
+        release.set()
+        worker.kill()
+        worker.wait()
+
+
 def test_validation_paths_are_the_validation_split(tmp_path):
     train = write_corpus(tmp_path / "train", files=2, seed=1)
     val = write_corpus(tmp_path / "val", files=1, docs=7, seed=2)
