@@ -75,6 +75,24 @@ def losses(run_dir):
     return {r["step"]: r["loss"] for r in rows}
 
 
+def sigterm_after(monkeypatch, at: int, before=None) -> None:
+    """SIGTERM to this process once the divergence guard has checked step ``at`` (as a scheduler
+    stopping the run there); ``before(guard)`` first, if given."""
+    from train.metrics import DivergenceGuard
+
+    check = DivergenceGuard.check
+
+    def check_then_signal(self, step, *args):
+        stop = check(self, step, *args)
+        if step == at:
+            if before is not None:
+                before(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stop
+
+    monkeypatch.setattr(DivergenceGuard, "check", check_then_signal)
+
+
 @pytest.mark.slow
 def test_cli_end_to_end_loss_falls_and_outputs_are_complete(tmp_path):
     # The real command line, in a process of its own.
@@ -1183,19 +1201,10 @@ def test_a_resume_goes_on_with_the_model_it_began_with_where_its_preset_is_now_o
     differ, and logs the uninterrupted run's losses; how the model computes (remat) still comes
     from the config."""
     import models
-    from train.metrics import DivergenceGuard
 
     sets = [*FAST, "train.steps=8", "train.eval_every=4"]
     run_cli(tmp_path / "full", *sets)
-    check = DivergenceGuard.check
-
-    def check_then_signal(self, step, *args):
-        stop = check(self, step, *args)
-        if step == 4:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return stop
-
-    monkeypatch.setattr(DivergenceGuard, "check", check_then_signal)
+    sigterm_after(monkeypatch, 4)
     assert run_cli(tmp_path / "cut", *sets, check=False).returncode == EXIT_PREEMPTED
     monkeypatch.undo()
     tiny = models.PRESETS["tiny"]
@@ -1246,19 +1255,11 @@ def test_an_interrupted_run_says_which_checkpoint_a_resume_continues_from(
 ):
     """SIGTERM at step 6 (checkpoints every 4): the steps done are saved, exit 75. While the
     gradient norm is exactly 0 no checkpoint is made, and the line names step 4 instead."""
-    from train.metrics import DivergenceGuard
 
-    check = DivergenceGuard.check
+    def as_after_a_zero_gradient(guard):  # as after a step whose gradient norm was exactly 0
+        guard.zero_since = 6
 
-    def check_then_signal(self, step, *args):
-        stop = check(self, step, *args)
-        if step == 6:
-            if zero_gradient:
-                self.zero_since = step  # as after a step whose gradient norm was exactly 0
-            os.kill(os.getpid(), signal.SIGTERM)
-        return stop
-
-    monkeypatch.setattr(DivergenceGuard, "check", check_then_signal)
+    sigterm_after(monkeypatch, 6, as_after_a_zero_gradient if zero_gradient else None)
     proc = run_cli(tmp_path / "run", *FAST, check=False)
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -1284,17 +1285,8 @@ def test_a_resume_to_the_checkpoints_step_ends_there_and_to_fewer_steps_is_refus
     one line, nothing changed; with train.steps 4: the run ends at its checkpoint with the
     evaluation a 4-step run makes, and damaged lines in metrics.jsonl and a summary.json that
     is not UTF-8 do not stop it."""
-    from train.metrics import DivergenceGuard
 
-    check = DivergenceGuard.check
-
-    def check_then_signal(self, step, *args):
-        stop = check(self, step, *args)
-        if step == 4:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return stop
-
-    monkeypatch.setattr(DivergenceGuard, "check", check_then_signal)
+    sigterm_after(monkeypatch, 4)
     run = tmp_path / "run"
     assert run_cli(run, *FAST, check=False).returncode == EXIT_PREEMPTED
     monkeypatch.undo()
