@@ -137,14 +137,18 @@ def differs_from_plan(plan: Plan, planned: Planned, config: dict) -> list[str]:
 
 def check_finished_runs(plan: Plan, root: pathlib.Path) -> None:
     """Refuses, in one line, run dirs of the plan (committed, or on this machine) whose config
-    differs from the plan's for them: they would be skipped as done and reported as this plan's
-    (a base config edited after runs were committed, a rehearsal's runs left in place)."""
+    differs from the plan's for them, or whose model (``model.json``) is not the one its preset
+    makes now: they would be skipped as done and reported as this plan's (a base config edited
+    after runs were committed, a rehearsal's runs left in place, a preset defined otherwise)."""
     stale = []
     for planned in plan.runs:
         for run_dir in (root / plan.results, root / SCRATCH / "runs"):
             run = RunDir(run_dir / planned.experiment / planned.run.name)
             if run.state() != "new" and run.config_file.is_file():
                 changed = differs_from_plan(plan, planned, run.config())
+                changed = changed or [
+                    str(c) for c in sweep.preset_changed(run, sweep.load_run(plan.base, planned.run))
+                ]
                 if changed:
                     stale.append(
                         f"{run.path} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"

@@ -1129,6 +1129,29 @@ def finished_run(run_dir: pathlib.Path, config: dict) -> None:
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 0.5, "wall_s": 1.0}) + "\n")
 
 
+def test_a_run_of_a_preset_defined_otherwise_now_is_refused_not_counted_as_done(tmp_path, monkeypatch):
+    """A committed run whose config is the plan's but whose model (its ``model.json``) is not the
+    one its preset makes in this version would be reported as the plan's: refused, naming it and
+    the fields that differ."""
+    import models
+    from train.model import model_config
+
+    plan_path = tiny_setting(tmp_path)
+    plan = plan_module.load_plan(plan_path)
+    full, root = plan.runs[1], tmp_path / "repo"
+    committed = root / plan.results / full.experiment / full.run.name
+    finished_run(committed, plan_module.run_config(plan, full))
+    cfg = sweep.load_run(plan.base, full.run)
+    built = model_config(cfg, 257)
+    RunDir(committed).write_model(dataclasses.asdict(built))
+    plan_module.check_finished_runs(plan, root)  # its own model: done
+    name = cfg.model.name
+    monkeypatch.setitem(models.PRESETS, name, dataclasses.replace(models.PRESETS[name], rope_theta=500.0))
+    said = rf"{committed} \(model.rope_theta: {built.rope_theta} -> 500.0\); remove them"
+    with pytest.raises(evidence.UserError, match=said):
+        plan_module.check_finished_runs(plan, root)
+
+
 def test_runs_of_other_settings_than_the_plans_are_refused_not_counted_as_done(tmp_path):
     """A run dir of the plan whose config is not what the plan gives that run now (a base edited
     after runs were committed, a rehearsal's runs unpacked into the repository) would be skipped

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 
 from train.arguments import add_config_arguments
 from train.compare import eval_rows, evaluation, overlaps, problems, reach, reduction_pct
-from train.config import OPERATIONAL, RunConfig, changed_settings, check_writers, load_config, to_dict
+from train.config import OPERATIONAL, Change, RunConfig, changed_settings, check_writers, load_config, to_dict
 from train.distributed import dies_with_parent
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import figure
@@ -156,17 +156,25 @@ def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, RunConfig
                 f"({', '.join(map(str, changed))}): give the layers and --set it was made with, use another "
                 "--out, or remove that run dir"
             )
-        if cfg.model.init_from is None and run_dir.model_file.is_file():
-            from train.model import model_config, preset_changes  # (JAX's import: only then)
+        changed = preset_changed(run_dir, cfg)
+        if changed:
+            raise UserError(
+                f"{run_dir} holds a {state} run of another model than the one the preset {cfg.model.name} "
+                f"makes now ({', '.join(map(str, changed))}): this version defines it otherwise; use "
+                "another --out, or remove that run dir"
+            )
 
-            built = run_dir.model_config()
-            changed = preset_changes(built, model_config(cfg, built.vocab_size))
-            if changed:
-                raise UserError(
-                    f"{run_dir} holds a {state} run of another model than the one the preset {built.name} "
-                    f"makes now ({', '.join(map(str, changed))}): this version defines it otherwise; use "
-                    "another --out, or remove that run dir"
-                )
+
+def preset_changed(run_dir: RunDir, cfg: RunConfig) -> list[Change]:
+    """What the model ``cfg``'s preset makes now has other than the one the run in ``run_dir``
+    built (its ``model.json``; ``train.model.preset_changes``): none for a run from
+    ``model.init_from``, or one of a version before runs wrote a model.json."""
+    if cfg.model.init_from is not None or not run_dir.model_file.is_file():
+        return []
+    from train.model import model_config, preset_changes  # (JAX's import: only then)
+
+    built = run_dir.model_config()
+    return preset_changes(built, model_config(cfg, built.vocab_size))
 
 
 def train_args(
