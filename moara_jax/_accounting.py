@@ -14,7 +14,7 @@ import numpy as np
 
 from moara_jax._adam import InnerAdamState
 from moara_jax._projection import ProjectState
-from moara_jax.hosts import HOSTS
+from moara_jax.hosts import defined_hosts
 
 COMPONENTS = (
     "direction_moments",
@@ -25,7 +25,7 @@ COMPONENTS = (
     "error_feedback",
 )
 # The states whose fields are sorted by component (by field name): the core's, and those each
-# registered host declares (``Host.state_types``); anything else is ``other``.
+# host defined declares (``Host.state_types``, registered or not); anything else is ``other``.
 _CORE_STATES = (InnerAdamState, ProjectState)
 _FIELDS = {
     "mu": "adam_moments",
@@ -50,7 +50,7 @@ def _nbytes(tree: Any) -> int:
 
 
 def _states() -> tuple[type, ...]:
-    return _CORE_STATES + tuple(t for host in HOSTS.values() for t in host.state_types)
+    return _CORE_STATES + tuple(t for host in defined_hosts() for t in host.state_types)
 
 
 def _fields(node: Any, states: tuple[type, ...], field_sets: set[frozenset]) -> dict[str, Any] | None:

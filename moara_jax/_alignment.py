@@ -13,15 +13,15 @@ from moara_jax._decomposition import FAN_IN_AXIS, alignment, decompose_along, re
 from moara_jax._labels import OTHER, label_tree, module_label, unboxed
 from moara_jax._matrices import MatrixAxesOrFn, matrix_view
 from moara_jax._projection import ProjectState, project_back, project_value, projection_side
-from moara_jax.hosts import HOSTS
+from moara_jax.hosts import defined_hosts
 from moara_jax.hosts.q_galore import QuantizedBasis, dequantized
 
 
 def _basis_states() -> dict[type, Any]:
     """The states that hold projection bases, with the rule that picks each basis's side: the
-    core's ``project``, and those each registered host declares (``Host.basis_states``)."""
+    core's ``project``, and those each host defined declares (``Host.basis_states``)."""
     found = {ProjectState: projection_side}
-    for host in HOSTS.values():
+    for host in defined_hosts():
         found.update(host.basis_states)
     return found
 

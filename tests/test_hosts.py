@@ -6,7 +6,7 @@ import dataclasses
 import inspect
 import pathlib
 import re
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,8 +115,28 @@ def test_registration_and_resolution_errors_name_the_problem():
     class Impostor(mj.Host):
         name: ClassVar[str] = "galore"
 
+        def stages(self, o):
+            return mj.GaLore().stages(o)
+
     with pytest.raises(ValueError, match="a host named 'galore' is already registered"):
         mj.register_host(Impostor)
+
+    class Undecorated(mj.Host):  # (no @dataclasses.dataclass)
+        name: ClassVar[str] = "undecorated"
+
+        def stages(self, o):
+            return mj.GaLore().stages(o)
+
+    with pytest.raises(TypeError, match=r"Undecorated is not a dataclass: a host is a frozen dataclass"):
+        mj.register_host(Undecorated)
+
+    @dataclasses.dataclass(frozen=True)
+    class Stageless(mj.Host):
+        name: ClassVar[str] = "stageless"
+
+    with pytest.raises(TypeError, match=r"Stageless defines no stages\(self, o\)"):
+        mj.register_host(Stageless)
+    assert "undecorated" not in mj.HOSTS and "stageless" not in mj.HOSTS
     with pytest.raises(ValueError, match="host must be one of"):
         mj.moara_adamw(1e-3, r_base=4, block_size=8, host="apollo")
     with pytest.raises(ValueError, match=r"host=Fira is a class: pass its settings, Fira\(\)"):
@@ -125,6 +145,173 @@ def test_registration_and_resolution_errors_name_the_problem():
         mj.resolve_host("no_such_module:Host")
     with pytest.raises(ValueError, match="is not a moara_jax.Host subclass"):
         mj.resolve_host("dataclasses:dataclass")
+
+
+class RenamedProjectState(NamedTuple):
+    count: jax.Array
+    basis: Any
+
+
+class RenamedAdamState(NamedTuple):
+    count: jax.Array
+    mu: Any
+    nu: Any
+    dir_mu: Any
+    dir_nu: Any
+    mag_mu: Any
+    mag_nu: Any
+
+
+def renamed(stage, inner, outer):
+    """``stage`` keeping its state as ``outer`` (a NamedTuple of ``inner``'s fields)."""
+
+    def update(updates, state, params=None):
+        out, new = stage.update(updates, inner(*state), params)
+        return out, outer(*new)
+
+    return optax.GradientTransformation(lambda params: outer(*stage.init(params)), update)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnregisteredHost(mj.Host):
+    """GaLore's stages with state types of its own, never registered (given as settings)."""
+
+    name: ClassVar[str] = "unregistered"
+    state_types: ClassVar[tuple] = (RenamedProjectState, RenamedAdamState)
+    basis_states: ClassVar[dict] = {RenamedProjectState: mj.projection_side}
+
+    def stages(self, o):
+        project, adam = mj.GaLore().stages(o)
+        return (
+            renamed(project, mj.ProjectState, RenamedProjectState),
+            renamed(adam, mj.InnerAdamState, RenamedAdamState),
+        )
+
+
+def test_a_host_given_as_settings_unregistered_has_its_state_accounted_and_its_bases_read():
+    """``moara_adamw(host=UnregisteredHost())``: ``state_bytes`` sorts its own state types as it
+    sorts GaLore's (its moments are the paper's "Opt. state"), and ``projection_bases`` and the
+    alignment diagnostic read its bases, though its class was never registered."""
+    assert "unregistered" not in mj.HOSTS
+    params = _params()
+    options = dict(r_base=4, block_size=8, update_proj_gap=1, rank_allocation=False)
+    mine = mj.moara_adamw(1e-2, host=UnregisteredHost(), **options)
+    galore = mj.moara_adamw(1e-2, host="galore", **options)
+    sizes = mj.state_bytes(jax.eval_shape(mine.init, params))
+    assert sizes == mj.state_bytes(jax.eval_shape(galore.init, params)) and sizes["moments"] > 0
+    grads = jax.tree.map(lambda p: p * 2.0 + 1.0, params)
+    _, s_mine = jax.jit(mine.update)(grads, mine.init(params), params)
+    _, s_galore = jax.jit(galore.update)(grads, galore.init(params), params)
+    bases = mj.projection_bases(s_mine)
+    assert bases.keys() == mj.projection_bases(s_galore).keys() and len(bases) == 2
+    assert mj.module_alignment(grads, s_mine, block_size=8) == pytest.approx(
+        mj.module_alignment(grads, s_galore, block_size=8)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionsHost(mj.Host):
+    name: ClassVar[str] = "options_host"
+    scale_by: float = 1.0
+    flag: bool = False
+    stages = ToyHost.stages
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedsOption(mj.Host):
+    name: ClassVar[str] = "needs_option"
+    gap_mult: int
+    stages = ToyHost.stages
+
+
+@dataclasses.dataclass(frozen=True)
+class PickyHost(mj.Host):
+    name: ClassVar[str] = "picky"
+    level: int = 1
+    stages = ToyHost.stages
+
+    def __post_init__(self):
+        if self.level % 2 == 0:
+            raise TypeError(f"level must be odd, got {self.level}")
+
+
+class NotADataclass(mj.Host):
+    name: ClassVar[str] = "not_a_dataclass"
+    stages = ToyHost.stages
+
+
+class HiddenProjectState(NamedTuple):
+    count: jax.Array
+    basis: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class NoBasisHost(mj.Host):
+    """A projection whose state type is declared in no ``basis_states``: nothing can read its bases."""
+
+    name: ClassVar[str] = "no_basis"
+    state_types: ClassVar[tuple] = (HiddenProjectState,)
+
+    def stages(self, o):
+        project, adam = mj.GaLore().stages(o)
+        return renamed(project, mj.ProjectState, HiddenProjectState), adam
+
+
+def test_the_trainer_reads_host_options_by_their_types_and_names_a_host_it_cannot_build(tmp_path, capsys):
+    """``optimizer.host_options`` are read as the host's field types say, as a section's keys are
+    (YAML's ``1e-8`` is a string; the host gets the float, and a resume sees no change), and what
+    makes a host's settings unbuildable is one line: a value of another type, a field without a
+    default not given, the host's own ``TypeError``, a class that is no dataclass. A profile of a
+    host whose bases nothing can read is refused at its start, not after its steps."""
+    from train.__main__ import main
+    from train.config import changed_settings, host_settings, load_config, to_dict
+    from train.errors import UserError
+
+    config = str(ROOT / "configs" / "tiny.yaml")
+    mine = f"{__name__}:OptionsHost"
+    try:
+        options = "optimizer.host_options={scale_by: 1e-3, flag: true}"
+        cfg = load_config(config, [f"optimizer.host={mine}", options])
+        assert host_settings(cfg.optimizer) == OptionsHost(scale_by=1e-3, flag=True)
+        cfg = load_config(config, ["optimizer.host=osd", "optimizer.host_options.eps=1e-8"])
+        assert host_settings(cfg.optimizer).eps == 1e-8
+        stated = load_config(config, ["optimizer.host=osd", "optimizer.host_options.eps=0.00000001"])
+        assert changed_settings(to_dict(cfg), to_dict(stated)) == []
+        for sets, said in [
+            (
+                [f"optimizer.host={mine}", "optimizer.host_options.flag=maybe"],
+                "config key optimizer.host_options.flag: expected bool, got str 'maybe'",
+            ),
+            (
+                [f"optimizer.host={mine}", "optimizer.host_options.scale_by=big"],
+                "expected float, got str 'big'",
+            ),
+            (
+                [f"optimizer.host={__name__}:NeedsOption"],
+                f"optimizer.host_options: host {__name__}:NeedsOption needs gap_mult (no default)",
+            ),
+            (
+                [f"optimizer.host={__name__}:PickyHost", "optimizer.host_options.level=2"],
+                "optimizer.host_options: level must be odd, got 2",
+            ),
+            (
+                [f"optimizer.host={__name__}:NotADataclass"],
+                f"optimizer.host: host '{__name__}:NotADataclass': NotADataclass is not a dataclass",
+            ),
+        ]:
+            with pytest.raises(UserError, match=re.escape(said)):
+                load_config(config, sets)
+        argv = ["--config", config, "--run-dir", str(tmp_path / "run"), "--quiet"]
+        sets = [f"optimizer.host={__name__}:NoBasisHost", "mode=profile", "profile.steps=4"]
+        sets.append("profile.every=2")
+        assert main([*argv, *(x for s in sets for x in ("--set", s))]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: mode profile: the state of host {__name__}:NoBasisHost holds no projection basis the "
+            "profile can read (a host names its state types with bases in Host.basis_states)"
+        )
+    finally:
+        for name in ("options_host", "needs_option", "picky", "no_basis"):
+            mj.HOSTS.pop(name, None)
 
 
 @dataclasses.dataclass(frozen=True)

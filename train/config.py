@@ -527,13 +527,41 @@ def host_settings(o: OptimizerSection, peak_lr: float | None = None):
         raise UserError(
             f"optimizer.host_options: unknown option(s) {unknown} for host {o.host} (known: {known_text})"
         )
-    options = dict(o.host_options)
+    options = _host_options(cls, o.host_options)
     if peak_lr is not None:
         options = {**cls.trainer_defaults(peak_lr), **options}
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in options
+    ]
+    if required:
+        raise UserError(f"optimizer.host_options: host {o.host} needs {', '.join(required)} (no default)")
     try:
         return cls(**options)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # (its own checks: __post_init__)
         raise UserError(f"optimizer.host_options: {e}") from None
+
+
+def _host_options(cls, given: dict) -> dict:
+    """``optimizer.host_options`` read as the host's field types say, as a section's keys are
+    (``_check_type``: a YAML ``1e-8`` is a float, a string for a bool field is refused); a field
+    whose type is not a class (``Any``, ``Literal``, a callable) gets the value as YAML gave it, a
+    float a string spells read as the float."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # (a host's annotations that do not resolve here: its own checks apply)
+        hints = {}
+    options = {}
+    for name, value in given.items():
+        try:
+            options[name] = _check_type(f"optimizer.host_options.{name}", value, hints[name])
+        except (KeyError, TypeError):
+            options[name] = yaml_float(value)
+    return options
 
 
 def to_dict(cfg: RunConfig) -> dict:
@@ -637,10 +665,17 @@ def changed_settings(
         if (among is None or under(k, among))
         and not under(k, ignoring)
         and k not in _FREE_ON_RESUME
-        and old_flat.get(k) != new_flat.get(k)
+        and _read(k, old_flat.get(k)) != _read(k, new_flat.get(k))
         and not (other_host and k.startswith("optimizer.host_options.") and k not in stated)
     )
     return [Change(k, old_flat.get(k), new_flat.get(k)) for k in changed]
+
+
+def _read(key: str, value: Any) -> Any:
+    """A setting's value as the run reads it: a host option or model override written as a
+    string that spells a float is that float (``1e-8`` in YAML is the string; the run reads the
+    number)."""
+    return yaml_float(value) if under(key, ("optimizer.host_options", "model.overrides")) else value
 
 
 def _fill_defaults(flat: dict) -> None:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import moara_jax as mj
 import models
 from train import profile as profiling
 from train import store as token_store
@@ -211,6 +212,11 @@ def make_setup(cfg: RunConfig, quiet: bool, clock: Clock, built: models.ModelCon
     except ValueError as e:
         raise UserError(f"optimizer: {e}") from None
     if profiling_mode:  # the allocation the profile will write, tried now on the model's module types
+        if not mj.projection_bases(abstract_opt):  # (a host that declares no basis_states)
+            raise UserError(
+                f"mode profile: the state of host {cfg.optimizer.host} holds no projection basis the "
+                "profile can read (a host names its state types with bases in Host.basis_states)"
+            )
         types = module_types(abstract_params)
         try:
             profiling.choose_allocation(dict.fromkeys(types, 0.0), cfg)

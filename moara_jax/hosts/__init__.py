@@ -12,6 +12,7 @@ Adding a host is one module and one line of :data:`HOSTS`; from outside the pack
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from moara_jax.hosts._base import Host, StageOptions
@@ -33,6 +34,13 @@ def register_host(cls: type[Host]) -> type[Host]:
     replaces the one registered."""
     if not (isinstance(cls, type) and issubclass(cls, Host)):
         raise TypeError(f"register_host takes a Host subclass, got {cls!r}")
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(
+            f"{cls.__name__} is not a dataclass: a host is a frozen dataclass of its settings "
+            "(@dataclasses.dataclass(frozen=True))"
+        )
+    if cls.stages is Host.stages:
+        raise TypeError(f"{cls.__name__} defines no stages(self, o): the stages its target matrices run")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{cls.__name__} needs a class attribute name (a non-empty string)")
@@ -58,7 +66,23 @@ def host_class(spec: str) -> type[Host]:
         raise ValueError(f"host {spec!r} cannot be imported: {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, Host)):
         raise ValueError(f"host {spec!r} is not a moara_jax.Host subclass")
-    return register_host(cls)
+    try:
+        return register_host(cls)
+    except TypeError as e:
+        raise ValueError(f"host {spec!r}: {e}") from None
+
+
+def defined_hosts() -> list[type[Host]]:
+    """Every :class:`Host` subclass defined in this process, registered or not (a host given to
+    ``moara_adamw(host=...)`` as settings need not be): whose state types ``state_bytes`` sorts
+    and whose bases the alignment diagnostic reads."""
+    found, todo = [], [Host]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return found
 
 
 def resolve_host(host: str | Host) -> Host:
@@ -82,6 +106,7 @@ __all__ = [
     "QGaLore",
     "StageOptions",
     "SubTrackPP",
+    "defined_hosts",
     "host_class",
     "register_host",
     "resolve_host",
