@@ -173,3 +173,26 @@ def test_loss_chunk_is_free_over_a_hugging_face_model(tmp_path):
     sets = [f"model.init_from={tmp_path / 'm'}", "model.overrides={loss_chunk: 16, remat: full}"]
     run_model = model_config(load_config(TINY, sets), 256)
     assert (run_model.loss_chunk, run_model.remat, run_model.hidden_size) == (16, "full", cfg.hidden_size)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_loss_is_optaxs_cross_entropy_and_its_backward_scatters_nothing(dtype):
+    """``models.model.label_nll``: optax's ``softmax_cross_entropy_with_integer_labels`` in value
+    and gradient, the labels' first and last ids included, with the label's logit picked by a
+    mask: its backward is elementwise (no scatter-add, which XLA does not fuse and which kept a
+    float32 copy of the logits apart), where optax's gather scatters."""
+    import optax
+
+    from models.model import label_nll
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((3, 5, 50)) * 4, dtype)
+    labels = jnp.asarray(rng.integers(0, 50, (3, 5)), jnp.int32).at[0, 0].set(0).at[0, 1].set(49)
+    ours = jax.value_and_grad(lambda x: label_nll(x, labels).sum())
+    optax_ = jax.value_and_grad(lambda x: optax.softmax_cross_entropy_with_integer_labels(x, labels).sum())
+    (value, grad), (want, want_grad) = ours(logits), optax_(logits)
+    assert grad.dtype == want_grad.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(value, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want_grad, np.float32))
+    assert "scatter" not in str(jax.make_jaxpr(ours)(logits))
+    assert "scatter" in str(jax.make_jaxpr(optax_)(logits))  # (what the mask replaces)
