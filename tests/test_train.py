@@ -1075,6 +1075,44 @@ def test_a_resume_takes_stated_defaults_as_no_change_and_keeps_how_a_profile_rec
     check_resumable(train, to_dict(load_config(TINY, ["profile.every=4"])))  # not profiling
 
 
+def test_a_profile_step_measures_the_alignment_only_at_the_steps_it_records():
+    """``make_train_step(alignment_every=3)``, given the states the step that measures every step
+    goes through: at steps 3 and 6 that step's alignments, zeros at the others (the measurement
+    is under a ``lax.cond``), and the same step."""
+    import jax
+    import jax.numpy as jnp
+
+    import models
+    from train.step import TrainState, make_optimizer, make_train_step
+
+    cfg = models.get_config("tiny")
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    opt = load_config(TINY, ["mode=profile", "optimizer.update_proj_gap=4"]).optimizer
+    tx = make_optimizer(opt, 0.01, 0.0, profiling=True)
+    each, some = (
+        jax.jit(make_train_step(cfg, tx, 1, with_alignment=True, alignment_every=n)) for n in (1, 3)
+    )
+    state = TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
+    for n in range(1, 7):
+        batch = jax.random.randint(jax.random.PRNGKey(n), (2, 17), 0, cfg.vocab_size)
+        (state, want), (other, got) = each(state, batch), some(state, batch)
+        want, got = jax.device_get((want, got))
+        # (two programs, which XLA may fuse apart: a float32 rounding here and there)
+        assert (
+            got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+            and got["alignment"].keys() == want["alignment"].keys()
+        )
+        np.testing.assert_allclose(
+            other.params["lm_head"]["kernel"], state.params["lm_head"]["kernel"], rtol=1e-5
+        )
+        for key, value in want["alignment"].items():
+            if n % 3:
+                np.testing.assert_array_equal(got["alignment"][key], np.zeros_like(value))
+            else:
+                assert np.all(np.asarray(value) > 0)
+                np.testing.assert_allclose(got["alignment"][key], value, rtol=1e-5, err_msg=f"{n} {key}")
+
+
 @pytest.mark.parametrize("name,scan_layers", [("moara", False), ("moara", True), ("adamw", True)])
 @pytest.mark.slow
 def test_weight_decay_mask_matrices_leaves_norms_undecayed_in_a_train_step(name, scan_layers):

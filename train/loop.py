@@ -199,6 +199,7 @@ def jit_train_step(setup: Setup, rules=ACTIVATION_RULES):
         setup.micro_batches,
         alignment_block=setup.cfg.optimizer.block_size,
         with_alignment=setup.profiling,
+        alignment_every=setup.cfg.profile.every,
     )
     return jax.jit(
         on_mesh(step, setup.mesh, rules),

@@ -238,10 +238,13 @@ def make_train_step(
     micro_batches: int,
     alignment_block: int | None = None,
     with_alignment=False,
+    alignment_every: int = 1,
 ):
     """``step(state, batch) -> (state, metrics)``; gradients are averaged over ``micro_batches``
     slices of the batch (gradient accumulation with ``lax.scan``). With ``with_alignment`` the
-    metrics also hold ``S(W, t)`` of every projected matrix (profiling)."""
+    metrics also hold ``S(W, t)`` of every projected matrix (profiling), measured at the steps
+    ``alignment_every`` divides (the profile's recordings; zeros at the others, under a
+    ``lax.cond``: a reconstruction of every matrix per step is most of a profile step's kernels)."""
 
     grad_fn = jax.value_and_grad(lambda p, b: loss_fn(model_cfg, p, b))
 
@@ -269,7 +272,19 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree_utils.tree_norm(grads)}
         if with_alignment:
-            metrics["alignment"] = mj.matrix_alignment(grads, opt_state, block_size=alignment_block)
+
+            def measure():
+                return mj.matrix_alignment(grads, opt_state, block_size=alignment_block)
+
+            if alignment_every == 1:
+                metrics["alignment"] = measure()
+            else:
+                shapes = jax.eval_shape(measure)
+                metrics["alignment"] = jax.lax.cond(
+                    (state.step + 1) % alignment_every == 0,
+                    measure,
+                    lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                )
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return step
