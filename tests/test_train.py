@@ -1653,3 +1653,22 @@ def test_only_the_first_process_writes_the_run_dir_files(tmp_path, monkeypatch):
     assert summary["status"] == "completed" and summary["steps"] == 2
     written = {p.name for p in (tmp_path / "other").iterdir()}
     assert not written & {"config.yaml", "metrics.jsonl", "summary.json"}, written
+
+
+def test_the_logged_gradient_norm_of_bf16_gradients_is_float32s():
+    """``train.step.global_norm``: the global norm of bf16 leaves as float32 computes it from
+    them (optax's ``tree_norm`` rounds each leaf's sum of squares to bf16 first: 209.0 for these
+    leaves, whose norm is 208.725)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from train.step import global_norm
+
+    rng = np.random.default_rng(0)
+    tree = {k: jnp.asarray(rng.standard_normal((64, 48)) * i, jnp.bfloat16) for i, k in enumerate("abc", 1)}
+    exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in tree.values()))
+    assert float(global_norm(tree)) == pytest.approx(exact, rel=1e-6)
+    assert global_norm(tree).dtype == jnp.float32
+    assert float(jax.jit(global_norm)(tree)) == pytest.approx(exact, rel=1e-6)
+    assert float(optax.tree_utils.tree_norm(tree)) == 209.0  # (what the metric was)
