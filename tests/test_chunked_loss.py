@@ -196,3 +196,10 @@ def test_the_loss_is_optaxs_cross_entropy_and_its_backward_scatters_nothing(dtyp
     np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want_grad, np.float32))
     assert "scatter" not in str(jax.make_jaxpr(ours)(logits))
     assert "scatter" in str(jax.make_jaxpr(optax_)(logits))  # (what the mask replaces)
+    # Labels of a dtype narrower than the vocabulary's ids (300 ids, uint8 labels under 256).
+    wide = jnp.asarray(rng.standard_normal((2, 300)), dtype)
+    narrow = jnp.asarray([0, 44], jnp.uint8)
+    want = optax.softmax_cross_entropy_with_integer_labels(wide, narrow.astype(jnp.int32))
+    np.testing.assert_array_equal(
+        np.asarray(label_nll(wide, narrow), np.float32), np.asarray(want, np.float32)
+    )

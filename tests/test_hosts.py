@@ -188,6 +188,24 @@ class UnregisteredHost(mj.Host):
         )
 
 
+def test_a_draft_host_never_used_does_not_break_the_accounting():
+    """A ``Host`` subclass defined with a ``state_types`` that is no tuple (a draft in a notebook,
+    never used) is passed over by ``state_bytes`` and the alignment, which read every host
+    defined."""
+
+    class Draft(mj.Host):
+        state_types = None
+        basis_states = None
+
+    params = _params()
+    tx = mj.moara_adamw(1e-2, r_base=4, block_size=8, rank_allocation=False)
+    assert mj.state_bytes(jax.eval_shape(tx.init, params))["moments"] > 0
+    assert len(mj.projection_bases(tx.init(params))) == 2
+    from moara_jax.hosts import defined_hosts
+
+    assert Draft not in defined_hosts() and UnregisteredHost in defined_hosts()
+
+
 def test_a_host_given_as_settings_unregistered_has_its_state_accounted_and_its_bases_read():
     """``moara_adamw(host=UnregisteredHost())``: ``state_bytes`` sorts its own state types as it
     sorts GaLore's (its moments are the paper's "Opt. state"), and ``projection_bases`` and the
@@ -233,6 +251,32 @@ class PickyHost(mj.Host):
     def __post_init__(self):
         if self.level % 2 == 0:
             raise TypeError(f"level must be odd, got {self.level}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TypedHost(mj.Host):
+    """Options of types YAML makes in unions, and of one it does not (converted by the host)."""
+
+    name: ClassVar[str] = "typed"
+    gap: int | float = 1
+    layers: tuple = ()
+    peak: float | None = None
+    stages = ToyHost.stages
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    @classmethod
+    def trainer_defaults(cls, peak_lr):
+        return {"peak": peak_lr}
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedsPeak(TypedHost):
+    """A field without a default that the trainer fills in (``trainer_defaults``)."""
+
+    name: ClassVar[str] = "needs_peak"
+    peak: float = dataclasses.field(kw_only=True)
 
 
 class NotADataclass(mj.Host):
@@ -295,12 +339,25 @@ def test_the_trainer_reads_host_options_by_their_types_and_names_a_host_it_canno
                 "optimizer.host_options: level must be odd, got 2",
             ),
             (
+                [f"optimizer.host={__name__}:TypedHost", "optimizer.host_options.gap=wide"],
+                "config key optimizer.host_options.gap: expected int or float, got str 'wide'",
+            ),
+            (
                 [f"optimizer.host={__name__}:NotADataclass"],
                 f"optimizer.host: host '{__name__}:NotADataclass': NotADataclass is not a dataclass",
             ),
         ]:
             with pytest.raises(UserError, match=re.escape(said)):
                 load_config(config, sets)
+        typed = f"optimizer.host={__name__}:TypedHost"
+        for options, want in [
+            ("{gap: 0.5, layers: [1, 2]}", TypedHost(gap=0.5, layers=(1, 2), peak=0.01)),
+            ("{gap: 3, peak: 2e-3}", TypedHost(gap=3, peak=0.002)),
+        ]:
+            cfg = load_config(config, [typed, f"optimizer.host_options={options}", "train.lr=0.01"])
+            assert host_settings(cfg.optimizer, cfg.train.lr) == want
+        cfg = load_config(config, [f"optimizer.host={__name__}:NeedsPeak"])  # filled in: no refusal
+        assert host_settings(cfg.optimizer, cfg.train.lr).peak == cfg.train.lr
         argv = ["--config", config, "--run-dir", str(tmp_path / "run"), "--quiet"]
         sets = [f"optimizer.host={__name__}:NoBasisHost", "mode=profile", "profile.steps=4"]
         sets.append("profile.every=2")
@@ -310,7 +367,7 @@ def test_the_trainer_reads_host_options_by_their_types_and_names_a_host_it_canno
             "profile can read (a host names its state types with bases in Host.basis_states)"
         )
     finally:
-        for name in ("options_host", "needs_option", "picky", "no_basis"):
+        for name in ("options_host", "needs_option", "picky", "no_basis", "typed", "needs_peak"):
             mj.HOSTS.pop(name, None)
 
 

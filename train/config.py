@@ -354,8 +354,8 @@ def validate(cfg: RunConfig) -> None:
             key not in cfg.model.overrides,
             f"model.overrides.{key}: the run's dtypes are train.param_dtype and train.dtype; set train.{key}",
         )
-    _validate_optimizer(cfg.optimizer)
-    _validate_train(cfg.train)
+    _validate_train(cfg.train)  # (first: the optimizer's host may take train.lr)
+    _validate_optimizer(cfg.optimizer, cfg.train.lr)
     _validate_mesh(cfg.mesh)
     _validate_data(cfg.data)
     _need(
@@ -407,7 +407,7 @@ def _need(ok: bool, message: str) -> None:
         raise UserError(message)
 
 
-def _validate_optimizer(o: OptimizerSection) -> None:
+def _validate_optimizer(o: OptimizerSection, peak_lr: float) -> None:
     finite = math.isfinite
     _need(
         o.name in ("adamw", "galore", "moara"),
@@ -450,7 +450,7 @@ def _validate_optimizer(o: OptimizerSection) -> None:
         host_class(o.host)
     except ValueError as e:
         raise UserError(f"optimizer.host: {e}") from None
-    host_settings(o)
+    host_settings(o, peak_lr)  # (with what the trainer fills in: trainer_defaults)
     _need(
         o.host == "galore" or o.name != "adamw",
         f"optimizer.host {o.host} needs optimizer.name galore or moara (adamw projects nothing)",
@@ -548,20 +548,34 @@ def host_settings(o: OptimizerSection, peak_lr: float | None = None):
 
 def _host_options(cls, given: dict) -> dict:
     """``optimizer.host_options`` read as the host's field types say, as a section's keys are
-    (``_check_type``: a YAML ``1e-8`` is a float, a string for a bool field is refused); a field
-    whose type is not a class (``Any``, ``Literal``, a callable) gets the value as YAML gave it, a
-    float a string spells read as the float."""
+    (``_check_type``: a YAML ``1e-8`` is a float, a string for a bool field is refused; of a
+    union, the first member that takes the value). A field of a type YAML does not make (``Any``,
+    ``Literal``, a tuple, an ``Enum``, a ``Path``, ...) gets the value as YAML gave it, a float a
+    string spells read as the float: the host's ``__post_init__`` converts and checks it."""
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # (a host's annotations that do not resolve here: its own checks apply)
         hints = {}
-    options = {}
-    for name, value in given.items():
-        try:
-            options[name] = _check_type(f"optimizer.host_options.{name}", value, hints[name])
-        except (KeyError, TypeError):
-            options[name] = yaml_float(value)
-    return options
+    return {
+        name: _host_option(f"optimizer.host_options.{name}", value, hints.get(name, Any))
+        for name, value in given.items()
+    }
+
+
+# What YAML makes: a host option of one of these types is checked as a section's key is.
+_YAML_TYPES = (bool, int, float, str, list, dict, type(None))
+
+
+def _host_option(where: str, value: Any, hint: Any) -> Any:
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    members = typing.get_args(hint) if union else (hint,)
+    if not all((typing.get_origin(m) or m) in _YAML_TYPES for m in members):
+        return yaml_float(value)
+    for member in members:
+        with contextlib.suppress(UserError):
+            return _check_type(where, value, member)
+    names = " or ".join(getattr(typing.get_origin(m) or m, "__name__", str(m)) for m in members)
+    raise UserError(f"config key {where}: expected {names}, got {type(value).__name__} {value!r}")
 
 
 def to_dict(cfg: RunConfig) -> dict:

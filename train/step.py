@@ -289,7 +289,7 @@ def make_train_step(
                 metrics["alignment"] = jax.lax.cond(
                     (state.step + 1) % alignment_every == 0,
                     measure,
-                    lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                    lambda: jax.tree.map(jnp.zeros_like, shapes),
                 )
         return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -123,14 +123,16 @@ def check_starts(runs: list[Run], out: pathlib.Path, configs: dict[str, RunConfi
 
         cfg = configs[run.name]
         try:
-            # a resume takes an init_from run's model from its model.json, not the directory
+            # a resume takes the run's model from its model.json (an init_from run's directory
+            # need not be there)
             built = resumed_model(run_dir, cfg, run_dir.state() == "resumable")
             t = cfg.train
-            inputs = json.dumps([asdict(cfg.model), asdict(cfg.data), t.seq_len, t.param_dtype, t.dtype])
-            if built is not None:
+            model = asdict(built) if built is not None else None
+            inputs = json.dumps(
+                [asdict(cfg.model), asdict(cfg.data), t.seq_len, t.param_dtype, t.dtype, model], default=str
+            )
+            if inputs not in checked:  # (the runs of a grid mostly share them)
                 check_inputs(cfg, built)
-            elif inputs not in checked:  # (the runs of a grid mostly share them)
-                check_inputs(cfg)
                 checked.add(inputs)
         except UserError as e:
             raise UserError(f"{run.name}: {e}") from None

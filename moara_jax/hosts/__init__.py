@@ -75,14 +75,15 @@ def host_class(spec: str) -> type[Host]:
 def defined_hosts() -> list[type[Host]]:
     """Every :class:`Host` subclass defined in this process, registered or not (a host given to
     ``moara_adamw(host=...)`` as settings need not be): whose state types ``state_bytes`` sorts
-    and whose bases the alignment diagnostic reads."""
+    and whose bases the alignment diagnostic reads. One whose ``state_types`` is no tuple or
+    whose ``basis_states`` no mapping (a draft, never used) is passed over."""
     found, todo = [], [Host]
     while todo:
         for sub in todo.pop().__subclasses__():
             if sub not in found:
                 found.append(sub)
                 todo.append(sub)
-    return found
+    return [h for h in found if isinstance(h.state_types, tuple) and isinstance(h.basis_states, dict)]
 
 
 def resolve_host(host: str | Host) -> Host:
