@@ -214,8 +214,8 @@ def label_nll(logits: jax.Array, labels: jax.Array) -> jax.Array:
     select XLA fuses with the softmax's, so the logits' gradient is written once, in the dtype
     the LM head's backward reads, where the gather's scatter-add kept a float32 copy of
     ``(batch, seq, vocab)`` apart: the train step of Llama 2 60M, batch 128 x 256, took 3.8 GiB
-    more scratch with it (17.0 against 13.2 GiB, remat none; ``benchmarks/train_anatomy.py
-    --target h100``, a compile-time figure)."""
+    more scratch with it (17.0 against 13.2 GiB, remat none, scanned layers, XLA's attention;
+    ``benchmarks/train_anatomy.py --target h100``, a compile-time figure)."""
     vocab = jnp.arange(logits.shape[-1], dtype=jnp.int32)  # (in labels' dtype, uint8's would wrap)
     picked = jnp.sum(jnp.where(vocab == labels.astype(jnp.int32)[..., None], logits, 0), axis=-1)
     return jax.nn.logsumexp(logits, axis=-1) - picked

@@ -250,7 +250,7 @@ def make_train_step(
     slices of the batch (gradient accumulation with ``lax.scan``). With ``with_alignment`` the
     metrics also hold ``S(W, t)`` of every projected matrix (profiling), measured at the steps
     ``alignment_every`` divides (the profile's recordings; zeros at the others, under a
-    ``lax.cond``: a reconstruction of every matrix per step is most of a profile step's kernels)."""
+    ``lax.cond``: at wiki60m, measuring every step took 1664 launches a step, 960 without)."""
 
     grad_fn = jax.value_and_grad(lambda p, b: loss_fn(model_cfg, p, b))
 

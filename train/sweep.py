@@ -45,7 +45,16 @@ from dataclasses import asdict, dataclass
 
 from train.arguments import add_config_arguments
 from train.compare import eval_rows, evaluation, overlaps, problems, reach, reduction_pct
-from train.config import OPERATIONAL, Change, RunConfig, changed_settings, check_writers, load_config, to_dict
+from train.config import (
+    DEFAULT_MODEL,
+    OPERATIONAL,
+    Change,
+    RunConfig,
+    changed_settings,
+    check_writers,
+    load_config,
+    to_dict,
+)
 from train.distributed import dies_with_parent
 from train.errors import EXIT_IO_ERROR, EXIT_PREEMPTED, UserError, cli, io_operation
 from train.plots import figure
@@ -161,7 +170,8 @@ def check_reuse(out: pathlib.Path, runs: list[Run], configs: dict[str, RunConfig
         changed = preset_changed(run_dir, cfg)
         if changed:
             raise UserError(
-                f"{run_dir} holds a {state} run of another model than the one the preset {cfg.model.name} "
+                f"{run_dir} holds a {state} run of another model than the one the preset "
+                f"{cfg.model.name or DEFAULT_MODEL} "
                 f"makes now ({', '.join(map(str, changed))}): this version defines it otherwise; use "
                 "another --out, or remove that run dir"
             )
