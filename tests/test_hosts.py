@@ -152,14 +152,8 @@ class RenamedProjectState(NamedTuple):
     basis: Any
 
 
-class RenamedAdamState(NamedTuple):
-    count: jax.Array
-    mu: Any
-    nu: Any
-    dir_mu: Any
-    dir_nu: Any
-    mag_mu: Any
-    mag_nu: Any
+# InnerAdamState's fields under another type
+RenamedAdamState = NamedTuple("RenamedAdamState", [(f, Any) for f in mj.InnerAdamState._fields])
 
 
 def renamed(stage, inner, outer):
