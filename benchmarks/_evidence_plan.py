@@ -126,13 +126,15 @@ def run_config(plan: Plan, planned: Planned) -> dict:
     return sweep.run_config(plan.base, planned.run)
 
 
-def differs_from_plan(plan: Plan, planned: Planned, config: dict) -> list[str]:
+def differs_from_plan(plan: Plan, planned: Planned, config: dict, resolved=None) -> list[str]:
     """The settings a run's saved ``config`` has other than the plan now gives it (``key: old ->
     new``), as a sweep compares them (``train.sweep.check_reuse``: not how it was split over
-    devices or what it recorded along the way)."""
-    from train.config import changed_settings
+    devices or what it recorded along the way); ``resolved``: the planned run's ``RunConfig``,
+    where the caller has it."""
+    from train.config import changed_settings, to_dict
 
-    return [str(c) for c in changed_settings(config, run_config(plan, planned), ignoring=sweep.OPERATIONAL)]
+    wanted = to_dict(resolved) if resolved is not None else run_config(plan, planned)
+    return [str(c) for c in changed_settings(config, wanted, ignoring=sweep.OPERATIONAL)]
 
 
 def check_finished_runs(plan: Plan, root: pathlib.Path) -> None:
@@ -142,13 +144,13 @@ def check_finished_runs(plan: Plan, root: pathlib.Path) -> None:
     after runs were committed, a rehearsal's runs left in place, a preset defined otherwise)."""
     stale = []
     for planned in plan.runs:
+        resolved = None  # (resolved once per planned run, where a run dir holds one)
         for run_dir in (root / plan.results, root / SCRATCH / "runs"):
             run = RunDir(run_dir / planned.experiment / planned.run.name)
             if run.state() != "new" and run.config_file.is_file():
-                changed = differs_from_plan(plan, planned, run.config())
-                changed = changed or [
-                    str(c) for c in sweep.preset_changed(run, sweep.load_run(plan.base, planned.run))
-                ]
+                resolved = resolved or sweep.load_run(plan.base, planned.run)
+                changed = differs_from_plan(plan, planned, run.config(), resolved)
+                changed = changed or [str(c) for c in sweep.preset_changed(run, resolved)]
                 if changed:
                     stale.append(
                         f"{run.path} ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"
