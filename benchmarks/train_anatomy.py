@@ -29,7 +29,8 @@ workspace is not in the figures); buffer sizes and fusion do not depend on eithe
 Usage:
   python benchmarks/train_anatomy.py --target h100|h200 [--models llama2-350m llama2-1b]
       [--remat none dots full] [--layers scanned unrolled] [--attention xla cudnn]
-      [--micro-batch 128] [--loss-chunk 0 32] [--optimizer moara_full] [--xla-flag-sets SET ...]
+      [--micro-batch 128] [--loss-chunk 0 32] [--optimizer moara_full] [--profile-every N]
+      [--xla-flag-sets SET ...]
       [--out FILE.json]
 """
 
@@ -182,12 +183,18 @@ def anatomy(
     seq_len: int,
     sharding,
     memory: tuple[int | None, int | None],
+    profile_every: int = 0,
+    block_size: int | None = None,
 ) -> dict:
     """Memory, kernels and cuDNN calls of the compiled, donated training step of ``cfg``, its
-    peak against ``memory``: the card's bytes and those of JAX's pool (``device_memory``)."""
+    peak against ``memory``: the card's bytes and those of JAX's pool (``device_memory``).
+    ``profile_every``: a profiling run's step, measuring the alignment (of ``block_size`` blocks)
+    every that many steps (0: a training step)."""
     state = abstract_state(cfg, tx, sharding)
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=sharding)
-    step = jax.jit(make_train_step(cfg, tx, batch // micro_batch), donate_argnums=0)
+    profiling = dict(with_alignment=True, alignment_every=profile_every, alignment_block=block_size)
+    train_step = make_train_step(cfg, tx, batch // micro_batch, **(profiling if profile_every else {}))
+    step = jax.jit(train_step, donate_argnums=0)
     t0 = time.perf_counter()
     compiled = step.lower(state, tokens).compile()
     compile_s = time.perf_counter() - t0
@@ -264,6 +271,12 @@ def main() -> None:
     parser.add_argument(
         "--optimizer", default="moara_full", choices=("adamw", "galore_vanilla", "moara_full")
     )
+    parser.add_argument(
+        "--profile-every",
+        type=non_negative,
+        default=0,
+        help="compile a profiling run's step, measuring the alignment every N steps (0: training)",
+    )
     parser.add_argument("--xla-flag-sets", nargs="*", default=[], help="train.xla_flags.GPU_FLAG_SETS names")
     parser.add_argument("--out", default=None, help="JSON path (rewritten after every compile)")
     args = parser.parse_args()
@@ -274,7 +287,7 @@ def main() -> None:
 
     sharding, device = placement(args.target)
     memory = device_memory(args.target)
-    tx = optimizers(256, 32)[args.optimizer]
+    tx, block = optimizers(256, 32)[args.optimizer], (32 if args.optimizer == "moara_full" else None)
     result = {
         "device": device,
         "device_memory_bytes": memory[0],
@@ -283,6 +296,7 @@ def main() -> None:
         "optimizer": args.optimizer,
         "batch": args.batch,
         "seq_len": args.seq_len,
+        "profile_every": args.profile_every,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "note": "compile-time figures (XLA memory analysis of the compiled step), not measurements",
         "rows": [],
@@ -301,7 +315,8 @@ def main() -> None:
             model=name, remat=remat, layers=layers, attention=attention, micro_batch=micro, loss_chunk=chunk
         )
         try:
-            row |= anatomy(cfg, tx, args.batch, micro, args.seq_len, sharding, memory)
+            shape = (args.batch, micro, args.seq_len)
+            row |= anatomy(cfg, tx, *shape, sharding, memory, args.profile_every, block)
         except Exception as e:  # a configuration XLA cannot compile is a result too
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(json.dumps(row), flush=True)

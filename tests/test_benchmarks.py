@@ -994,3 +994,19 @@ def test_optimizer_step_writes_a_figure_not_measured_as_null_not_nan(tmp_path):
         "ms": {"adamw": {"plain": None, "in_jit": 1.5}},
         "ratio": [None],
     }
+
+
+def test_train_anatomy_compiles_a_profiling_step_that_measures_only_at_its_recordings():
+    """``--profile-every N``: the profiling run's step. Measuring every step launches more than a
+    training step; measuring every 4th puts the measurement in a branch a plain step skips (its
+    kernels are in the program, its launches are not)."""
+    import train_anatomy
+    import train_step
+
+    import models
+
+    cfg = models.get_config("llama2-tiny", param_dtype="bfloat16", dtype="bfloat16")
+    tx = train_step.optimizers(r_base=8, block=16)["galore_vanilla"]
+    train, every, some = (train_anatomy.anatomy(cfg, tx, 8, 8, 16, None, (None, None), n) for n in (0, 1, 4))
+    assert every["launches_plain_step"] > some["launches_plain_step"] >= train["launches_plain_step"]
+    assert some["kernels"] > train["kernels"]
