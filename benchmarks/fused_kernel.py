@@ -10,9 +10,9 @@ needs on chip: this kernel reads each gradient tile once, computes the norms, no
 feeds it to the matrix units and writes the magnitudes and the low-rank value (the same function:
 float32 norms, direction rounded to the gradient's dtype, float32 accumulation).
 
-Measured on an H100 it is not faster than XLA's three kernels at Llama 2 350M shapes (README,
-Benchmarks), so the package does not use it. Times one call of each (median of ``--repeats``, after
-a warm-up) and checks each result against XLA's. GPU only (``decompose_project(...,
+Measured on an H100 it is not faster than XLA's three kernels at Llama 2 350M shapes
+(``docs/benchmarks.md``), so the package does not use it. Times one call of each (median of
+``--repeats``, after a warm-up) and checks each result against XLA's. GPU only (``decompose_project(...,
 interpret=True)`` runs the kernel in Pallas' interpreter on any backend: the tests check it so).
 
 Usage:

@@ -11,7 +11,7 @@ Usage:
   python benchmarks/optimizer_step.py [--size 350m|1b|7b|60m|tiny] [--repeats 10] [--out FILE.json]
 
 Prints a table and writes JSON (device, medians in ms). Run on the accelerator for the figures
-reported in the README; ``--size tiny`` is a quick CPU check.
+reported in ``docs/benchmarks.md``; ``--size tiny`` is a quick CPU check.
 """
 
 from __future__ import annotations

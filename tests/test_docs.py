@@ -1,4 +1,5 @@
-"""The README's Python example and the docstring examples of ``moara_jax`` run as written."""
+"""The README's Python example and the docstring examples of ``moara_jax`` run as written; the links
+between the README and ``docs/`` lead somewhere."""
 
 import doctest
 import importlib
@@ -11,7 +12,9 @@ import pytest
 
 import moara_jax
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def test_readme_python_example_runs():
@@ -36,3 +39,51 @@ def test_docstring_examples(name):
     module = importlib.import_module(f"moara_jax.{name}")
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
+
+
+def _outside_code(text: str) -> str:
+    """The Markdown outside fenced code blocks and inline code."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    """The anchors GitHub gives the page's headings: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces to hyphens, ``-1``, ``-2``... after a repeated one."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+?)\s*$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        if count:
+            seen[f"{slug}-{count}"] = 1
+    return set(seen)
+
+
+def test_the_anchor_rule_is_githubs():
+    """Anchors GitHub is known to make from such headings (code spans and punctuation dropped)."""
+    page = _anchors(ROOT / "docs" / "training.md")
+    assert {"training-python--m-train", "the-code-map-of-train", "profiling-mode-profile"} <= page
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_between_the_pages_lead_to_a_file_and_heading_there(page):
+    links = re.findall(r"\]\(([^)\s]+)\)", _outside_code(page.read_text()))
+    local = [link for link in links if not re.match(r"[a-z]+:", link)]
+    assert local or page != README, "the README links to no page of docs/"
+    broken = []
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and anchor not in _anchors(target):
+            broken.append(f"{link}: no heading {anchor!r} in {target.relative_to(ROOT)}")
+    assert not broken, broken
+
+
+def test_the_readme_links_every_page_of_docs():
+    linked = set(re.findall(r"\]\((docs/[^)#\s]+)", README.read_text()))
+    pages = {str(p.relative_to(ROOT)) for p in PAGES[1:]}
+    assert pages and pages <= linked, sorted(pages - linked)

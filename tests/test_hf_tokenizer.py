@@ -442,7 +442,7 @@ def test_export_of_a_tokenizer_json_run_encodes_as_the_run_did(hf_run, llama_lik
 
 @pytest.mark.slow
 def test_continued_pretraining_of_a_checkpoint_with_its_tokenizer_json(llama_like, tmp_path, capsys):
-    """The README's recipe: ``model.init_from=DIR`` and ``data.tokenizer=DIR`` on a checkpoint
+    """The recipe of ``docs/models.md``: ``model.init_from=DIR`` and ``data.tokenizer=DIR`` on a checkpoint
     whose vocabulary is larger than its tokenizer's; the first step's loss is the checkpoint's
     loss (computed here by transformers) on the first batch of the tokenizer's ids."""
     import jax

@@ -1,4 +1,4 @@
-"""The host protocol: the README's worked example registers a toy host (GaLore with bases made
+"""The host protocol: the worked example of ``docs/optimizer.md`` registers a toy host (GaLore with bases made
 once), which then runs through ``moara_adamw``, ``state_bytes``, the alignment diagnostic and the
 trainer's config, like the built-in hosts; registration errors are named."""
 
@@ -17,19 +17,24 @@ from flax import nnx
 
 import moara_jax as mj
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-ROOT = README.parent
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HOST_DOC = ROOT / "docs" / "optimizer.md"  # "Adding a host"
 HOSTS = ["galore", "fira", "q_galore", "osd", "ldadam", "subtrack_pp"]
+
+
+def _documented_host() -> str:
+    """The Python block of ``docs/optimizer.md`` that registers a host."""
+    blocks = re.findall(r"```python\n(.*?)```", HOST_DOC.read_text(), flags=re.S)
+    found = [b for b in blocks if "register_host" in b]
+    assert len(found) == 1, f"{HOST_DOC} has {len(found)} examples that register a host, not one"
+    return found[0]
 
 
 @pytest.fixture
 def frozen_galore():
-    """The README's example, executed as written; unregistered afterwards."""
-    block = next(
-        b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if "register_host" in b
-    )
+    """The documented example, executed as written; unregistered afterwards."""
     namespace: dict = {}
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(_documented_host(), str(HOST_DOC), "exec"), namespace)  # noqa: S102
     yield namespace["FrozenGaLore"]
     mj.HOSTS.pop("frozen_galore", None)
 
@@ -97,11 +102,8 @@ def test_the_same_host_defined_again_replaces_the_one_registered(frozen_galore):
     """A notebook cell (or a reloaded module) that defines and registers a host runs again: the
     class is new but the same (module and qualified name), so it replaces the one registered
     instead of being refused as another host under a name taken."""
-    block = next(
-        b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if "register_host" in b
-    )
     namespace: dict = {}
-    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(_documented_host(), str(HOST_DOC), "exec"), namespace)  # noqa: S102
     again = namespace["FrozenGaLore"]
     assert again is not frozen_galore and mj.HOSTS["frozen_galore"] is again
     assert isinstance(mj.resolve_host("frozen_galore"), again)
@@ -648,7 +650,7 @@ def test_a_host_written_before_decay_masks_runs_without_one_and_is_refused_one_t
         message = str(error.value)
         assert "\n" not in message and f"host {host.name!r}" in message, message
         assert f"add a decay_mask=None parameter to {method}" in message, message
-    # A host that overrides neither (the README's) takes a mask.
+    # A host that overrides neither (the documented one) takes a mask.
     mj.moara_adamw(0.1, r_base=4, block_size=8, host="frozen_galore", weight_decay_mask=mask).init(_params())
 
 

@@ -1151,18 +1151,18 @@ def test_a_qwen2_export_puts_a_tokenizer_transformers_would_rebuild_apart(run, t
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
-def readme_command(program: str) -> list[str]:
-    """The README's command line that starts with ``program`` (backslash continuations joined)."""
-    found = re.search(rf"^{program} (?:.*\\\n)*.*$", (ROOT / "README.md").read_text(), flags=re.M)
-    assert found, f"README has no {program} command"
+def documented_command(program: str) -> list[str]:
+    """``docs/models.md``'s command line that starts with ``program`` (backslash continuations joined)."""
+    found = re.search(rf"^{program} (?:.*\\\n)*.*$", (ROOT / "docs" / "models.md").read_text(), flags=re.M)
+    assert found, f"docs/models.md has no {program} command"
     return shlex.split(found.group(0).replace("\\\n", " "))
 
 
 @pytest.mark.slow
-def test_readme_lm_eval_command_scores_the_export(run, exported, tmp_path):
-    """The README's ``lm_eval`` command as written, its model directory and benchmarks replaced by
+def test_the_documented_lm_eval_command_scores_the_export(run, exported, tmp_path):
+    """``docs/models.md``'s ``lm_eval`` command as written, its model directory and benchmarks replaced by
     the export and a local task (and ``--device cpu``: no GPU here), agrees with ``train.evaluate``."""
-    argv = readme_command("lm_eval")
+    argv = documented_command("lm_eval")
     for i, arg in enumerate(argv[:-1]):
         if arg == "--tasks":
             argv[i + 1] = NAME
