@@ -66,19 +66,26 @@ def _fields(node: Any, states: tuple[type, ...], field_sets: set[frozenset]) -> 
 def state_bytes(opt_state: Any) -> dict[str, int]:
     """Bytes of an optimizer state, split by component.
 
-    Returns a dict with ``direction_moments`` (Adam moments of projected low-rank values),
-    ``magnitude_moments`` (Adam moments of block magnitudes), ``projection_bases`` (GaLore's ``P``;
-    Q-GaLore's quantized codes, scales and zero points; SubTrack++'s initial basis too),
-    ``adam_moments`` (moments of non-target parameters, or of any unprojected leaf),
-    ``basis_moments`` (the AdamW moments of OSD's bases), ``error_feedback`` (LDAdam's
-    buffers of what the projection dropped), ``other`` (counters, Q-GaLore's refresh schedule and
-    the states of other transforms), ``moments`` (the three moment groups: the paper's "Opt.
-    state", which does not count bases) and ``total`` (everything).
+    The fields of :class:`InnerAdamState`, :class:`ProjectState` and the hosts' state types
+    (``Host.state_types``) are sorted by field name; every other array is ``other``. Each array
+    counts its size times its dtype's item size.
 
-    ``opt_state`` may be a concrete state, ``jax.eval_shape(tx.init, params)`` (the route for a
-    model too large to allocate), Flax nnx's ``optimizer.opt_state``, or the optimizer's part of
-    ``nnx.state(optimizer)`` (where each state ``NamedTuple`` has become a mapping of its field
-    names: such a mapping is matched by its keys).
+    Args:
+      opt_state: a concrete state, ``jax.eval_shape(tx.init, params)`` (the route for a model too
+        large to allocate), Flax nnx's ``optimizer.opt_state``, or the optimizer's part of
+        ``nnx.state(optimizer)`` (where each state ``NamedTuple`` has become a mapping of its
+        field names: such a mapping is matched by its keys).
+
+    Returns:
+      A dict of byte counts (``int``) with ``direction_moments`` (Adam moments of projected
+      low-rank values), ``magnitude_moments`` (Adam moments of block magnitudes),
+      ``projection_bases`` (GaLore's ``P``; Q-GaLore's quantized codes, scales and zero points;
+      SubTrack++'s initial basis too), ``adam_moments`` (moments of non-target parameters, or of
+      any unprojected leaf), ``basis_moments`` (the AdamW moments of OSD's bases),
+      ``error_feedback`` (LDAdam's buffers of what the projection dropped), ``other`` (counters,
+      Q-GaLore's refresh schedule and the states of other transforms), ``moments`` (the three
+      moment groups ``direction_moments + magnitude_moments + adam_moments``: the paper's "Opt.
+      state", which does not count bases nor ``basis_moments``) and ``total`` (everything).
 
     Example:
       >>> import jax, jax.numpy as jnp

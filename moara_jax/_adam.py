@@ -205,7 +205,19 @@ def torch_adam_direction(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One Adam step in PyTorch ``AdamW``'s formula, ``(m / c1) / (sqrt(v / c2) + eps)``: returns
     ``(direction, new_mu, new_nu)`` with float32 math, moments in their dtypes and the direction
-    in ``g``'s."""
+    in ``g``'s.
+
+    Args:
+      g: the value to step on (a gradient, or a projected low-rank value).
+      mu, nu: its first and second moments before the step (``g``'s shape, any float dtype).
+      count_inc: the step number ``t`` counting this step (1 on the first), an integer array; the
+        bias corrections are ``c1 = 1 - b1**t`` and ``c2 = 1 - b2**t``.
+      b1, b2, eps: Adam's decay rates and stabiliser (not checked here).
+
+    Returns:
+      ``(direction, new_mu, new_nu)``: the Adam direction (no learning rate) in ``g``'s dtype, and
+      ``m = b1 mu + (1 - b1) g`` and ``v = b2 nu + (1 - b2) g^2`` in ``mu``'s and ``nu``'s dtypes.
+    """
     g32 = g.astype(jnp.float32)
     mu32 = b1 * mu.astype(jnp.float32) + (1.0 - b1) * g32
     nu32 = b2 * nu.astype(jnp.float32) + (1.0 - b2) * jnp.square(g32)
@@ -224,7 +236,19 @@ def pytorch_adam(
     """Adam in PyTorch ``AdamW``'s formula (:func:`torch_adam_direction`) on every leaf, with no
     learning rate and no weight decay: the LDAdam host's non-target parameters, which its reference
     steps with that formula. The state is :class:`InnerAdamState` (moments in ``mu_dtype``, or the
-    leaf's, float32 for float16; magnitudes' in float32)."""
+    leaf's, float32 for float16; magnitudes' in float32).
+
+    Args:
+      b1, b2, eps: Adam's decay rates and stabiliser; a number out of range (``b1``, ``b2`` in
+        ``[0, 1)``, ``eps >= 0``) is a ``ValueError``.
+      mu_dtype: dtype of the moments of plain and low-rank values; ``None`` follows each value's
+        dtype (float32 for float16). Not a floating dtype: ``ValueError``.
+
+    Returns:
+      An ``optax.GradientTransformation`` mapping each leaf to its Adam direction, and the chain's
+      nodes as :func:`inner_adam` does (a ``LowRank``'s value and a ``Decomposed``'s magnitudes
+      each stepped with their own moments), with :class:`InnerAdamState`.
+    """
     check_adam(b1, b2, eps)
     mu_dtype = dtype_arg("mu_dtype", mu_dtype)
 
@@ -255,6 +279,19 @@ def decay_after_step(
     ``mask`` (as ``optax.adamw``'s): a tree of booleans with the parameters' structure (or a
     prefix of it), or a function of the parameters returning one; only leaves marked ``True``
     are decayed, the others pass unchanged (``optax.masked``). ``None`` decays every leaf.
+
+    Args:
+      learning_rate: a float or an optax schedule, evaluated at this transform's step count (0 on
+        the first update), as ``optax.scale_by_learning_rate`` evaluates it.
+      weight_decay: the decay rate ``wd``. A negative or NaN number is a ``ValueError``; an array
+        (an injected hyperparameter) is not checked.
+      mask: which leaves are decayed, as above.
+
+    Returns:
+      An ``optax.GradientTransformation`` mapping each update ``d`` to ``d - lr * wd * (p + d)``
+      (float32 math, ``d``'s dtype); its ``update`` needs ``params`` (``ValueError`` without
+      them). The state is :class:`DecayAfterStepState` (inside ``optax.MaskedState`` when
+      ``mask`` is given). For a Python ``weight_decay`` of 0, ``optax.identity()``.
     """
     if number(weight_decay):
         if not weight_decay >= 0:  # NaN too
@@ -298,6 +335,24 @@ def adamw(
 ) -> optax.GradientTransformation:
     """AdamW in galore-torch's formulation (weight decay on the parameters after the step, see
     :func:`decay_after_step`; ``mask``, as ``optax.adamw``'s, says which parameters it decays).
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      b1, b2, eps: Adam's decay rates and stabiliser (:func:`inner_adam`; ``eps`` is added to
+        ``sqrt(nu)`` before the bias correction, and defaults to 1e-6, not optax's 1e-8).
+      weight_decay: decoupled weight decay ``wd``: ``p <- (p + step) (1 - lr * wd)``. 0 (the
+        default) decays nothing; a negative number is a ``ValueError``.
+      mu_dtype: dtype of the moments; ``None`` follows each parameter's dtype (float32 for
+        float16 parameters).
+      mask: which parameters ``weight_decay`` applies to (:func:`decay_after_step`); ``None``
+        decays all. Adam steps every parameter.
+
+    Returns:
+      An ``optax.GradientTransformation``, ``optax.chain(inner_adam(...),
+      optax.scale_by_learning_rate(learning_rate), decay_after_step(...))``: its update is the step
+      to add to the parameters (``optax.apply_updates``), and needs ``params`` unless
+      ``weight_decay`` is a Python 0. Its state is the tuple of the three transforms' states
+      (:class:`InnerAdamState` first).
 
     Example:
       >>> import jax.numpy as jnp, optax

@@ -30,7 +30,26 @@ def reconstruct(
     g: jax.Array, basis: jax.Array, block_size: int | None = None, side: str | None = None
 ) -> jax.Array:
     """``G_recon`` of a Flax-layout gradient: ``Rep_B(M) * (P P^T V)``, or ``P P^T G`` without
-    ``block_size``; float32. ``side`` is the projected side (default: GaLore's rule)."""
+    ``block_size``; float32. ``side`` is the projected side (default: GaLore's rule).
+
+    Args:
+      g: a gradient ``(..., fan_in, fan_out)`` (leading axes are stacked layers); cast to
+        float32.
+      basis: its projection basis ``P``, ``(..., d, r)`` with ``d`` the size of the projected
+        side (as :func:`projection_bases` gives it); cast to float32.
+      block_size: the decomposition block size ``B``: ``g`` is split into block magnitudes ``M``
+        and directions ``V`` along fan_in (blocks of ``B`` entries within each fan_out unit, the
+        paper's rows; denominator ``eps`` 1e-12, the chain's default ``decompose_eps``) and
+        ``V`` is projected. ``None``: ``g`` itself is projected.
+      side: ``'in'`` (``P`` spans the fan_in axis: ``P P^T g``) or ``'out'`` (the fan_out axis:
+        ``g P P^T``); ``None`` picks it by :func:`projection_side` from ``g``'s shape. Anything else is a
+        ``ValueError``.
+
+    Returns:
+      ``G_recon``, a float32 array of ``g``'s shape.
+    """
+    if side not in (None, "in", "out"):
+        raise ValueError(f"reconstruct: side must be 'in', 'out' or None, got {side!r}")
     g = g.astype(jnp.float32)
     side = side or projection_side(g.shape)
     basis = basis.astype(jnp.float32)
@@ -62,7 +81,21 @@ def _bases_and_sides(opt_state: Any) -> dict[str, tuple[jax.Array, Any]]:
 def projection_bases(opt_state: Any) -> dict[str, jax.Array]:
     """Every projection basis ``P`` in an optimizer state, keyed by its parameter's path string
     (``jax.tree_util.keystr``); stacked leaves keep their leading axes, quantized bases
-    (Q-GaLore) are dequantized."""
+    (Q-GaLore) are dequantized.
+
+    Args:
+      opt_state: an optimizer state (any pytree). The bases are the ``basis`` fields of the
+        :class:`ProjectState` nodes in it and of the nodes each defined host declares
+        (``Host.basis_states``: Q-GaLore's, OSD's, LDAdam's, SubTrack++'s); the parameters a
+        node does not project (``optax.MaskedNode``) have none.
+
+    Returns:
+      ``{path: P}``: ``path`` the parameter's ``jax.tree_util.keystr`` (a Flax box's trailing
+      ``.value`` dropped), ``P`` of shape ``(..., d, r)``, ``d`` the projected side's size, in
+      the dtype the state keeps it in (zeros before the first update). Under ``matrix_axes``
+      the bases are those of the matrix views. An abstract state (``jax.eval_shape``'s) gives
+      their shapes and dtypes (``jax.ShapeDtypeStruct``); a state without bases, ``{}``.
+    """
     return {key: basis for key, (basis, _) in _bases_and_sides(opt_state).items()}
 
 
@@ -75,7 +108,25 @@ def matrix_alignment(
 ) -> dict[str, jax.Array]:
     """``S(W, t)`` of every projected matrix, keyed by parameter path; stacked leaves
     ``(L, fan_in, fan_out)`` give an array of ``L`` cosines. The bases come from ``opt_state`` (the
-    ones used for the last update); ``matrix_axes`` is the optimizer's (:class:`MatrixAxes`)."""
+    ones used for the last update); ``matrix_axes`` is the optimizer's (:class:`MatrixAxes`).
+
+    Args:
+      grads: the gradient pytree (the parameters' structure; Flax boxes allowed).
+      opt_state: the state of the low-rank optimizer after the update that used these gradients
+        (its bases, :func:`projection_bases`, and the side rule of the state that holds each).
+      block_size: as :func:`module_alignment`'s: the optimizer's ``block_size`` when its state
+        decomposes the updates (``ValueError`` without it, or with one that gives a matrix
+        another number of blocks than the state's magnitudes); ``None``: ``P P^T G``.
+      matrix_axes: the optimizer's ``matrix_axes``, if it was given one: the gradients are
+        compared in their matrix view (:func:`matrix_view`).
+
+    Returns:
+      ``{path: S}``: ``path`` the parameter's ``jax.tree_util.keystr``, for each gradient that
+      has a basis in ``opt_state`` (other leaves are left out; none gives ``{}``), and ``S`` a
+      float32 array of the leading (stacked) axes' shape, ``()`` for a plain matrix: the cosine
+      of ``G`` and :func:`reconstruct`'s ``G_recon``. Arrays, not Python floats: usable inside
+      ``jit``.
+    """
     bases = _bases_and_sides(opt_state)
     blocks = _magnitude_blocks(opt_state)
     out = {}

@@ -68,16 +68,24 @@ def allocate_ranks(
     All other types keep ``r_base``, so the sum over module types equals ``len(types) * r_base``.
 
     Args:
-      r_base: the uniform baseline rank.
-      module_types: the model's module types, e.g. ``('q','k','v','o','up','gate','down')``.
-      donors, receivers: disjoint subsets of ``module_types``.
-      delta: rank each donor gives; defaults to ``r_base // 2``.
+      r_base: the uniform baseline rank, a positive integer.
+      module_types: the model's module types, e.g. ``('q','k','v','o','up','gate','down')``
+        (repeats count once).
+      donors, receivers: disjoint subsets of ``module_types``, both empty (no rank moves) or
+        both non-empty; default ``('q', 'k')`` and ``('down',)``.
+      delta: rank each donor gives, a non-negative integer; defaults to ``r_base // 2``.
       warn: say with a warning when the default ``delta`` moves no rank (``r_base`` 1).
 
+    Returns:
+      ``{module_type: rank}`` for each of ``module_types``, in their order: ``r_base - delta``
+      for donors, ``r_base + delta |D| / |R|`` for receivers, ``r_base`` for the rest (Python
+      ints).
+
     Raises:
-      ValueError: naming the argument, for a non-positive ``r_base``, a negative ``delta``, a donor or
-        receiver not in ``module_types``, overlapping sets, ``delta >= r_base``, or
-        ``delta * |D|`` not divisible by ``|R|``.
+      ValueError: naming the argument, for a non-positive or non-integer ``r_base``, a negative or
+        non-integer ``delta``, a string where names are expected, a donor or receiver not in
+        ``module_types``, a repeated donor or receiver, overlapping sets, one set empty and the
+        other not, ``delta >= r_base``, or ``delta * |D|`` not divisible by ``|R|``.
 
     Example:
       >>> allocate_ranks(256, ("q", "k", "v", "o", "up", "gate", "down"))["down"]
@@ -124,8 +132,17 @@ def default_donors(module_types: Iterable[str]) -> tuple[str, ...]:
     counterpart (``q_b``, ``kv_b``) where the types lack it, and left out where they lack both.
     ``('q', 'k')`` for Llama and Qwen, ``('q_b', 'kv_b')`` for DeepSeek-V2's MLA, and
     ``('q', 'kv_b')`` for an MLA model whose query has no low-rank factors (DeepSeek-V2-Lite:
-    a plain ``q_proj``)."""
-    types = set(module_types)
+    a plain ``q_proj``).
+
+    Args:
+      module_types: the module types present, e.g. those :func:`label_tree` gives the
+        parameters (any iterable of names; a string is a ``ValueError``, as elsewhere).
+
+    Returns:
+      A tuple of at most two names, in the order (``q`` or ``q_b``, ``k`` or ``kv_b``); ``()``
+      when the types have none of the four.
+    """
+    types = set(type_names("module_types", module_types))
     pairs = zip(DEFAULT_DONORS, MLA_DONORS, strict=True)
     return tuple(d if d in types else mla for d, mla in pairs if d in types or mla in types)
 
@@ -144,10 +161,6 @@ def resolve_module_ranks(
 ) -> dict[str, int]:
     """The requested rank of each present module type (before per-matrix clipping).
 
-    ``module_types``: the parameters' module types, or with ``present=False`` every type the labels
-    can give (the arguments checked before the parameters are known: a donor or receiver not
-    among them is unknown).
-
     ``donors``/``receivers`` ``None``: the defaults (:func:`default_donors`, ``('down',)``).
     With the default donors and receivers, a tree that lacks all the donors or all the receivers
     moves no rank (every type keeps ``r_base``), and one that has only one of the default donors
@@ -158,6 +171,25 @@ def resolve_module_ranks(
     ``warn=True`` warns of the types it names that are not present (they set no rank). The rule's
     settings (``donors``, ``receivers``, ``delta``) with no rule to apply them to
     (``rank_allocation=False``, or ``ranks`` given) are refused: they would change no rank.
+
+    Args:
+      module_types: the parameters' module types, or with ``present=False`` every type the
+        labels can give (the arguments checked before the parameters are known: a donor or
+        receiver not among them is unknown). ``'other'`` and repeats are dropped.
+      r_base: the uniform baseline rank, a positive integer (``ValueError`` otherwise).
+      rank_allocation: apply the donor/receiver rule (:func:`allocate_ranks`); ``False``: every
+        type gets ``r_base``.
+      ranks: explicit ``{module_type: rank}`` (positive integers); overrides the rule, and the
+        types it leaves out get ``r_base``.
+      donors, receivers, delta: the rule's settings, as :func:`allocate_ranks` takes them;
+        ``None``: the defaults above (``delta``: ``r_base // 2``).
+      warn: give the warnings described above.
+      present: whether ``module_types`` are the parameters' own (named donors and receivers must
+        be among them) or every type the labels can give (they must only be known).
+
+    Returns:
+      ``{module_type: rank}`` for each type of ``module_types`` but ``'other'``, in their order
+      (Python ints); ``{}`` for none.
     """
     types = tuple(t for t in dict.fromkeys(type_names("module_types", module_types)) if t != OTHER)
     r_base = _positive_int("r_base", r_base)
@@ -253,7 +285,26 @@ def rank_table(
 ) -> list[dict[str, Any]]:
     """The rank of every target matrix: ``path, module, shape, requested, used`` (clipping shows
     as ``used < requested``). Works on ``jax.eval_shape`` output. With ``matrix_axes`` (the
-    optimizer's, :class:`MatrixAxes`), ``shape`` is the matrix view the rank applies to."""
+    optimizer's, :class:`MatrixAxes`), ``shape`` is the matrix view the rank applies to.
+
+    Args:
+      params: the parameters: arrays, or their shapes and dtypes (``jax.eval_shape``'s); Flax
+        boxes allowed.
+      r_base, rank_allocation, ranks, donors, receivers, delta: the optimizer's rank settings,
+        as :func:`moara_adamw` takes them (:func:`resolve_module_ranks`; named donors and
+        receivers must be among the parameters' module types, ``ValueError`` otherwise).
+      label_fn: maps a parameter path to a module type or ``'other'`` (default
+        :func:`module_label`); leaves of fewer than 2 dimensions or with no entries are never
+        targets (:func:`label_tree`).
+      matrix_axes: the optimizer's ``matrix_axes``, if it was given one (:func:`as_matrices`).
+
+    Returns:
+      A list with one dict per target matrix, in ``jax.tree.leaves`` order: ``'path'`` (the
+      parameter's ``jax.tree_util.keystr``, a Flax box's ``.value`` dropped), ``'module'`` (its
+      module type), ``'shape'`` (a tuple of ints: the leaf's shape, or its matrix view's,
+      leading stacked axes included), ``'requested'`` (the module type's rank) and ``'used'``
+      (``min(requested, fan_in, fan_out)`` of the last two axes).
+    """
     labels, requested = tree_ranks(
         params,
         label_fn,

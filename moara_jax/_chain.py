@@ -68,6 +68,39 @@ def scale_by_moara(
     then work on the block direction. ``rank`` and the keywords but ``decompose_eps``
     (``decompose``'s) and ``host`` are :class:`StageOptions`' fields, with its defaults.
 
+    Args:
+      rank: the projection rank, or a function of the parameter's key path giving it.
+      block_size: the decomposition block size ``B`` along fan_in (:func:`decompose`).
+      update_proj_gap: steps between basis refreshes (GaLore's ``T``; unused by OSD and LDAdam,
+        whose bases move every step).
+      scale: the factor :func:`recompose` applies to the back-projected direction (Fira's
+        ``alpha``).
+      b1, b2, eps: the host's Adam of the low-rank values and block magnitudes.
+      mu_dtype: dtype of the low-rank moments; ``None`` follows the parameter's (float32 for
+        float16). Q-GaLore takes only ``None`` (``ValueError``).
+      mag_dtype: dtype of the block magnitudes' moments (float32 by default; Q-GaLore's follow
+        ``QGaLore.mag_bits`` instead).
+      proj_type: which side is projected; ``'std'`` (galore-torch's rule) is the only one.
+      svd, seed, canonical_signs, name: how bases are made and named, as :func:`project` takes
+        them.
+      decompose_eps: the stabiliser in the block direction ``g / (m + eps)`` (:func:`decompose`).
+      host: the low-rank method (:func:`host_stages`): a name (``'galore'``, ``'fira'``,
+        ``'q_galore'``, ``'ldadam'``, ``'subtrack_pp'`` or a registered host's) or a settings
+        object (:mod:`moara_jax.hosts`). OSD needs ``OSD(basis_lr=...)``: ``'osd'`` by name is a
+        ``ValueError``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose update maps each gradient to
+      ``Rep_B(dM) * (scale * P dV~)`` of its shape, with no learning rate (in the parameter's dtype
+      when ``params`` is passed). Its state is the tuple of the stages' states (:func:`stage_chain`),
+      ``(EmptyState(), *host stages' states, EmptyState())``: under GaLore ``(EmptyState(),
+      ProjectState, InnerAdamState, EmptyState())``. ``init`` places it as the parameters are
+      (:func:`state_shardings`) and refuses a leaf that is not a matrix (``ValueError``).
+
+    Raises:
+      ValueError: a bad setting (:class:`StageOptions`' checks, ``block_size``, ``rank``,
+        ``host``); arrays (injected hyperparameters) are not checked.
+
     References:
       MoARa (Algorithm 1); Zhao et al., GaLore, https://arxiv.org/abs/2403.03507.
     """
@@ -109,7 +142,38 @@ def scale_by_galore(
 ) -> optax.GradientTransformation:
     """GaLore-Adam's direction for every leaf (galore-torch ``GaLoreAdamW``, without the lr), or
     another ``host``'s without decomposition (:func:`host_stages`). ``rank`` and the keywords
-    but ``host`` are :class:`StageOptions`' fields, with its defaults."""
+    but ``host`` are :class:`StageOptions`' fields, with its defaults.
+
+    Args:
+      rank: the projection rank, or a function of the parameter's key path giving it.
+      update_proj_gap: steps between basis refreshes (GaLore's ``T``; unused by OSD and LDAdam,
+        whose bases move every step).
+      scale: the factor :func:`recompose` applies to the back-projected direction (Fira's
+        ``alpha``).
+      b1, b2, eps: the host's Adam of the low-rank values.
+      mu_dtype: dtype of the low-rank moments; ``None`` follows the parameter's (float32 for
+        float16). Q-GaLore takes only ``None`` (``ValueError``).
+      proj_type: which side is projected; ``'std'`` (galore-torch's rule) is the only one.
+      svd, seed, canonical_signs, name: how bases are made and named, as :func:`project` takes
+        them.
+      host: the low-rank method (:func:`host_stages`): a name (``'galore'``, ``'fira'``,
+        ``'q_galore'``, ``'ldadam'``, ``'subtrack_pp'`` or a registered host's) or a settings
+        object (:mod:`moara_jax.hosts`). OSD needs ``OSD(basis_lr=...)``: ``'osd'`` by name is a
+        ``ValueError``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose update maps each gradient ``G`` to
+      ``scale * P dV~`` (``dV~`` the Adam direction of ``P^T G``, or ``G P`` for the other side;
+      Fira and SubTrack++ add their full-rank residual) of its shape, with no learning rate (in
+      the parameter's dtype when ``params`` is passed). Its state is the tuple of the host's
+      stages' states and ``recompose``'s ``EmptyState()``: under GaLore ``(ProjectState,
+      InnerAdamState, EmptyState())``. ``init`` places it as the parameters are
+      (:func:`state_shardings`) and refuses a leaf that is not a matrix (``ValueError``).
+
+    Raises:
+      ValueError: a bad setting (:class:`StageOptions`' checks, ``rank``, ``host``); arrays
+        (injected hyperparameters) are not checked.
+    """
     options = StageOptions(
         rank=rank,
         update_proj_gap=update_proj_gap,
@@ -135,7 +199,18 @@ def scale_by_fira(
 ) -> optax.GradientTransformation:
     """Fira's direction for every leaf (the reference ``fira.FiraAdamW``, without the lr):
     ``project(keep_projected=True) -> fira_adam -> recompose``; ``scale`` is Fira's ``alpha``.
-    Other keyword arguments are :func:`scale_by_galore`'s, but ``host`` (it is Fira)."""
+    Other keyword arguments are :func:`scale_by_galore`'s, but ``host`` (it is Fira).
+
+    Args:
+      rank: the projection rank, or a function of the parameter's key path giving it.
+      growth_limit: Fira's ``gamma``, the most the residual's norm may grow from one step to the
+        next (:class:`Fira`; not positive: ``ValueError``).
+      **kwargs: :func:`scale_by_galore`'s keywords; ``host`` is a ``ValueError``.
+
+    Returns:
+      :func:`scale_by_galore` with ``host=Fira(growth_limit)``: its state is ``(ProjectState,
+      FiraState, EmptyState())``.
+    """
     if "host" in kwargs:
         raise ValueError("scale_by_fira takes no host (it is Fira); use scale_by_galore(host=...)")
     return scale_by_galore(rank, host=Fira(growth_limit), **kwargs)
@@ -164,6 +239,18 @@ def decompose(
     a plain step never keeps every direction alive at once; :func:`scale_by_moara` sets it). Leave
     it off when other transforms sit between ``decompose`` and ``project``: they would see, and
     change, the gradient.
+
+    Args:
+      block_size: the block size ``B``, a positive integer of any integer type (``ValueError``
+        otherwise).
+      eps: the stabiliser in the direction ``g / (m + eps)``. An array (an injected
+        hyperparameter) works, but then no gradient is carried (``keep_gradient`` has no effect).
+      keep_gradient: carry the gradient in each node, as above.
+
+    Returns:
+      An ``optax.GradientTransformation`` mapping every leaf to a :class:`Decomposed` node, with
+      state ``optax.EmptyState()``. ``init`` refuses a leaf with fewer than two axes
+      (``ValueError``).
     """
     block_size = check_block_size(block_size)
 
@@ -202,6 +289,18 @@ def recompose(scale: float = 0.25, block_size: int | None = None) -> optax.Gradi
     magnitudes, with the blocks of the ``decompose`` that made it. ``block_size``, if given, is
     checked against that. The result is cast to the parameter dtype when ``params`` is passed
     (else to the direction's dtype). Stateless.
+
+    Args:
+      scale: the factor on the back-projected direction (GaLore's scale, Fira's ``alpha``;
+        :class:`StageOptions`' default). A plain (not projected) direction is multiplied by it
+        too; a host's full-rank ``residual`` (Fira) is added unscaled.
+      block_size: if given, the block size every ``Decomposed`` update must carry: a positive
+        integer (``ValueError`` otherwise), and a mismatch is a ``ValueError`` at update.
+
+    Returns:
+      An ``optax.GradientTransformation`` mapping each node (and plain leaf) to a full-shape
+      array, in the parameter's dtype when ``params`` is passed, else in the basis's dtype for a
+      ``LowRank`` and the direction's otherwise; state ``optax.EmptyState()``.
     """
     if block_size is not None:
         check_block_size(block_size)
@@ -249,6 +348,14 @@ def stage_chain(*transforms: optax.GradientTransformation) -> optax.GradientTran
     tree, shapes and dtypes, the next is initialised on the parameters themselves, so for
     shape-preserving transforms this is ``optax.chain``. The state is placed as the parameters
     are, and the stages run on Explicit mesh axes (:func:`moara_jax.state_shardings`).
+
+    Args:
+      *transforms: the stages, in order, each an ``optax.GradientTransformation``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose update runs the transforms in order,
+      each given ``params`` (extra keyword arguments are dropped), and whose state is the tuple
+      of their states.
     """
     return follow_params(_unplaced_stage_chain(*transforms))
 
@@ -318,6 +425,33 @@ def host_stages(
     takes no ``mu_dtype``; its INT8 weights and 8-bit AdamW of non-target parameters are not
     stages of the chain (they act on the learning-rate-scaled update and the other parameters):
     :func:`moara_adamw` adds them, by hand use :func:`quantize_weights` and :func:`adam8bit`.
+
+    Args:
+      host: the low-rank method: a name (``'galore'``, ``'fira'``, ``'q_galore'``, ``'ldadam'``,
+        ``'subtrack_pp'`` or a registered host's) or a settings object (:mod:`moara_jax.hosts`).
+        OSD needs ``OSD(basis_lr=...)``: ``'osd'`` by name is a ``ValueError``.
+      rank: the projection rank, or a function of the parameter's key path giving it.
+      update_proj_gap: steps between basis refreshes (GaLore's ``T``).
+      scale: Fira's ``alpha`` in :func:`fira_adam`'s residual (Fira, SubTrack++); the other
+        hosts' stages do not use it (``recompose`` applies it).
+      b1, b2, eps: the host's Adam of the low-rank values and block magnitudes (OSD's basis
+        AdamW takes ``OSD``'s own).
+      mu_dtype: dtype of the low-rank moments; ``None`` follows the parameter's (float32 for
+        float16). Q-GaLore takes only ``None``.
+      mag_dtype: dtype of the block magnitudes' moments (Q-GaLore's follow ``QGaLore.mag_bits``).
+      proj_type: which side is projected; ``'std'`` (galore-torch's rule) is the only one.
+      svd, seed, canonical_signs, name: how bases are made and named, as :func:`project` takes
+        them.
+
+    Returns:
+      A tuple of ``optax.GradientTransformation`` (two; LDAdam's one), to run with
+      :func:`stage_chain` between :func:`decompose` (if any) and :func:`recompose`. They take the
+      gradient or ``Decomposed`` nodes and emit :class:`LowRank` nodes (inside the
+      ``Decomposed``), whose ``recompose`` is the direction with no learning rate.
+
+    Raises:
+      ValueError: a bad setting (:class:`StageOptions`' checks, ``rank``, the host's); arrays
+        (injected hyperparameters) are not checked.
     """
     options = StageOptions(
         rank=rank,

@@ -22,7 +22,15 @@ FAN_IN_AXIS = -2
 
 
 def num_blocks(n: int, block_size: int) -> int:
-    """Number of blocks ``ceil(n / block_size)`` a row of ``n`` entries is split into."""
+    """Number of blocks ``ceil(n / block_size)`` a row of ``n`` entries is split into.
+
+    Args:
+      n: the row's length (the paper's ``n``, fan_in).
+      block_size: the block size ``B``, a positive integer (``ValueError`` otherwise).
+
+    Returns:
+      ``ceil(n / block_size)``, a Python int.
+    """
     check_block_size(block_size)
     return math.ceil(n / block_size)
 
@@ -132,7 +140,19 @@ def block_decompose(
 
 
 def block_recompose(mag: jnp.ndarray, direction: jnp.ndarray, block_size: int) -> jnp.ndarray:
-    """Inverse of :func:`block_decompose` (up to ``eps``): ``Rep_B(mag) * dir``, cropped to ``n``."""
+    """Inverse of :func:`block_decompose` (up to ``eps``): ``Rep_B(mag) * dir``, cropped to ``n``.
+
+    Args:
+      mag: block magnitudes ``(..., m, ceil(n / B))``, as :func:`block_decompose` returns them
+        (``ValueError`` for another number of blocks on the last axis).
+      direction: block directions ``(..., m, n)`` in the paper's orientation (``ValueError`` for
+        fewer than 2 axes).
+      block_size: the block size ``B`` the magnitudes were taken with, a positive integer.
+
+    Returns:
+      ``Rep_B(mag) * dir``, each magnitude multiplied into its block of ``B`` entries of the row,
+      of ``direction``'s shape and dtype (computed in float32).
+    """
     if direction.ndim < 2:
         raise ValueError(f"block_recompose needs a matrix (..., m, n), got {direction.shape}")
     return recompose_along(mag, direction, block_size, axis=-1)
@@ -143,6 +163,15 @@ def alignment(g: jnp.ndarray, g_recon: jnp.ndarray, eps: float = 1e-30) -> jnp.n
 
     Leading axes are batch axes: for inputs ``(..., a, b)`` the result has shape ``(...)``, one
     cosine per matrix. Computed in float32; a zero matrix gives 0, never NaN.
+
+    Args:
+      g, g_recon: arrays of one shape ``(..., a, b)`` (``ValueError`` for two shapes), in either
+        orientation (the cosine does not depend on it).
+      eps: the denominator's floor: the cosine is ``<g, g_recon> / max(|g| |g_recon|, eps)``,
+        each matrix first divided by its largest magnitude.
+
+    Returns:
+      A float32 array of shape ``g.shape[:-2]``: the cosine of each pair of matrices.
     """
     if g.shape != g_recon.shape:
         raise ValueError(f"alignment needs equal shapes, got {g.shape} and {g_recon.shape}")

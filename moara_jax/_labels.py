@@ -80,6 +80,19 @@ def path_names(path: Any) -> tuple[str, ...]:
     ``nn.Partitioned`` (``nn.with_partitioning``, kept boxed) and Flax nnx's variables
     (``nnx.state(model, nnx.Param)``, what ``nnx.Optimizer`` passes to ``init``).
 
+    Args:
+      path: a JAX key path (dict keys, attribute names and sequence indices), a tuple of names,
+        a ``jax.tree_util.keystr`` (``"['layers'][0].value"``), or names joined by ``/`` or
+        ``.``.
+
+    Returns:
+      The names as a tuple of strings (indices as digits; empty parts of a ``/``- or
+      ``.``-joined string dropped).
+
+    Raises:
+      TypeError: for a number (an integer or an array): ``optax.inject_hyperparams`` calls a
+        ``label_fn`` with the step count unless it is named in ``static_args``.
+
     Example:
       >>> path_names("['q_proj']['kernel'].value")
       ('q_proj', 'kernel')
@@ -116,6 +129,15 @@ def module_label(path: Any) -> str:
     ``kernel`` leaves, or pass a ``label_fn`` of your own to ``moara_adamw`` for leaves already
     in ``(fan_in, fan_out)`` layout.
 
+    Args:
+      path: a parameter path, in any form :func:`path_names` takes (a JAX key path, a tuple of
+        names, a ``keystr``, a ``/``- or ``.``-joined string).
+
+    Returns:
+      The module type: that of the path's last name when it is an HF layer name, else, when the
+      last name is ``kernel``, that of the nearest HF layer name before it; ``'other'`` when
+      neither holds.
+
     Example:
       >>> module_label("model/layers/0/self_attn/q_proj/kernel")
       'q'
@@ -140,7 +162,19 @@ def module_label(path: Any) -> str:
 
 def label_tree(params: Any, label_fn=module_label) -> Any:
     """The label of every leaf; leaves with fewer than 2 dimensions, or with no entries, are
-    always ``'other'``."""
+    always ``'other'``.
+
+    Args:
+      params: the parameters: arrays, or their shapes and dtypes (``jax.eval_shape``'s); Flax
+        boxes allowed.
+      label_fn: maps a leaf's JAX key path (a Flax box's trailing ``.value`` dropped) to a module
+        type or ``'other'``; called for every leaf, and must return a string (``ValueError``
+        otherwise). Default :func:`module_label`.
+
+    Returns:
+      A pytree of ``params``' structure with a string at each leaf: ``label_fn``'s label for a
+      matrix (2 or more dimensions, none of size 0), ``'other'`` for every other leaf.
+    """
 
     def f(path, x):
         label = label_fn(unboxed(path))

@@ -169,7 +169,20 @@ def matrix_view(tree: Any, matrix_axes: MatrixAxesOrFn | None) -> Any:
     view ``(*batch, prod(fan_in), prod(fan_out))``, a plain array (a Flax box around it is
     dropped: its sharding names do not fit the view); the other leaves as they are. What
     :func:`as_matrices` hands the inner transformation, and what the alignment diagnostic
-    (``matrix_alignment(..., matrix_axes=...)``) compares a gradient in."""
+    (``matrix_alignment(..., matrix_axes=...)``) compares a gradient in.
+
+    Args:
+      tree: the parameters, or a tree of their structure (gradients, updates); arrays.
+      matrix_axes: :class:`MatrixAxes` or ``None`` per parameter path, as a tree or a function of
+        ``tree`` returning one, as :func:`as_matrices` takes it; ``None``: no views. A spec that
+        does not fit its leaf (an axis out of range, ``fan_in`` and ``fan_out`` sharing one, a
+        leaf of fewer than 2 axes), an entry that is neither ``MatrixAxes`` nor ``None``, or a
+        ``MatrixAxes`` at a path that is no parameter's is a ``ValueError``.
+
+    Returns:
+      ``tree`` with each leaf that a :class:`MatrixAxes` covers replaced by its matrix view, of
+      the leaf's dtype; ``tree`` itself when ``matrix_axes`` is ``None``.
+    """
     if matrix_axes is None:
         return tree
     return _to_matrices(tree, leaf_views(tree, matrix_axes))

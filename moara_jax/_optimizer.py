@@ -121,10 +121,13 @@ def moara_adamw(
         (a stacked layer axis, as of ``nn.scan``, makes a norm 2-D: count it out). Masked-out
         parameters step as with ``weight_decay=0``, on every host.
       mu_dtype: moment dtype; ``None`` follows the parameter dtype (float32 for float16
-        parameters, whose moments would underflow). Magnitude moments use ``mag_dtype``
-        (float32).
+        parameters, whose moments would underflow).
+      mag_dtype: the dtype of the block magnitudes' Adam moments (``decompose``; float32,
+        the paper's).
       svd: ``'exact'`` (SVD), ``'eigh'`` (Gram eigendecomposition, fast on GPU) or
-        ``'randomized'`` basis refresh (``seed`` seeds the latter); see :func:`project`.
+        ``'randomized'`` basis refresh; see :func:`project`.
+      seed: seeds the randomized refresh (``svd='randomized'``, folded with the step) on every
+        host, and Q-GaLore's stochastic rounding of the target weights; unused otherwise.
       canonical_signs: make each basis vector's largest entry positive (backend-independent).
       label_fn: maps a parameter path (JAX key path) to a module type or ``'other'``. The
         default, :func:`module_label`, targets HF-named ``kernel`` leaves in Flax layout

@@ -48,6 +48,14 @@ def projection_side(shape: tuple[int, ...]) -> str:
     """``'in'`` to project the fan_in axis (-2), ``'out'`` for the fan_out axis (-1).
 
     galore-torch ``'std'``: ``m >= n`` (fan_out >= fan_in) projects the fan_in side.
+
+    Args:
+      shape: a Flax-layout matrix's shape ``(..., fan_in, fan_out)``; only the last two entries
+        are read.
+
+    Returns:
+      ``'in'`` when ``fan_out >= fan_in`` (a square matrix included), else ``'out'``: the smaller
+      side, whose size is the basis's rows ``d`` in ``(..., d, r)``.
     """
     fan_in, fan_out = shape[-2], shape[-1]
     return "in" if fan_out >= fan_in else "out"
@@ -354,6 +362,9 @@ def project(
         ``'randomized'`` (range finder with ``power_iters`` rounds of subspace iteration and
         ``oversample`` extra columns).
       seed: seed of the randomized range finder (folded with the step).
+      oversample, power_iters: the randomized range finder's extra columns and rounds of
+        subspace iteration (non-negative integers, ``ValueError`` otherwise); unused by
+        ``'exact'`` and ``'eigh'``.
       canonical_signs: flip each basis vector so its largest-magnitude entry is positive.
         Singular vectors are defined up to sign and LAPACK/cuSOLVER builds differ; with this the
         basis (and the run) no longer depends on the backend's convention. galore-torch keeps

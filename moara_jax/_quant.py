@@ -31,7 +31,7 @@ import optax
 
 from moara_jax._adam import MAG, PLAIN, node_adam
 from moara_jax._labels import path_names
-from moara_jax._validate import check_adam, in_made_form_on_update
+from moara_jax._validate import check_adam, in_made_form_on_update, is_int
 
 BLOCK_SIZE = 256
 MIN_8BIT_SIZE = 4096
@@ -85,6 +85,14 @@ def dynamic_map(signed: bool = True) -> np.ndarray:
     ``2^(i+1) + 1`` (unsigned) evenly spaced points of ``[0.1, 1]``, scaled by ``10^(i-6)`` (and
     negated, when signed); plus 0 and 1, and zeros to fill 256 entries. Equal to bitsandbytes'
     ``create_dynamic_map`` (tested).
+
+    Args:
+      signed: the map of first moments (values in ``[-1, 1]``, symmetric but for the 1) if
+        ``True``, of second moments (values in ``[0, 1]``) if ``False``.
+
+    Returns:
+      A read-only ``np.ndarray`` of shape ``(256,)``, float32, sorted ascending; cached: each call
+      with the same ``signed`` returns the same array.
     """
     values = [np.float32(0.0), np.float32(1.0)]
     for i in range(7):
@@ -354,12 +362,34 @@ def adam8bit(
     fewer than ``min_8bit_size`` entries keeps float32 moments, as bitsandbytes does.
     ``mag_bits=32`` keeps the block magnitudes' moments in float32 (the paper's Q-GaLore
     precision ablation).
+
+    Args:
+      b1, b2, eps: Adam's decay rates and stabiliser (``eps`` added to ``sqrt(v_hat)``).
+      min_8bit_size: units with fewer entries keep float32 moments (a non-negative integer; 0
+        quantizes every unit).
+      mag_bits: 8, or 32 for float32 moments of the block magnitudes of ``Decomposed`` nodes.
+      block_size: entries per quantization block (one float32 scale each).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`InnerAdamState`, its moments
+      :class:`Blockwise8bit` (first moments on the signed :func:`dynamic_map`, second on the
+      unsigned one) or float32 arrays. ``update`` maps a gradient to its Adam direction (float32
+      math, in the gradient's dtype), a :class:`LowRank` to a ``LowRank`` of directions with the
+      same basis and a :class:`Decomposed` to a ``Decomposed`` of directions; it also takes the
+      state as Flax nnx's ``Optimizer`` hands it back.
+
+    Raises:
+      ValueError: for ``b1`` or ``b2`` outside ``[0, 1)`` (or an array of a float dtype narrower
+        than float32), a negative ``eps``, ``mag_bits`` not 8 or 32, a ``min_8bit_size`` that is
+        not a non-negative integer, or a ``block_size`` that is not a positive integer.
     """
     check_adam(b1, b2, eps)
     if mag_bits not in (8, 32):
         raise ValueError(f"mag_bits must be 8 or 32, got {mag_bits!r}")
     if not isinstance(min_8bit_size, int) or min_8bit_size < 0:
         raise ValueError(f"min_8bit_size must be a non-negative integer, got {min_8bit_size!r}")
+    if not is_int(block_size):
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
 
     def init_moments(x, kind, path) -> tuple[Any, Any]:
         batch_ndim, transpose = moment_units(x, kind, path)

@@ -93,6 +93,9 @@ def test_the_state_of_a_decomposing_optimizer_needs_its_block_size():
     g = grads["down_proj"]["kernel"]
     basis = mj.projection_bases(state)["['down_proj']['kernel']"]
     np.testing.assert_allclose(got["down"], float(mj.alignment(g, mj.reconstruct(g, basis, 8))), rtol=1e-5)
+    for side in ("fan_in", ""):  # was read as 'out', and as the default rule
+        with pytest.raises(ValueError, match=f"side must be 'in', 'out' or None, got {side!r}"):
+            mj.reconstruct(g, basis, 8, side=side)
     # Q-GaLore keeps the magnitudes' moments as 8-bit codes, whose shape does not tell the blocks:
     # block_size is still required.
     big = {"q_proj": {"kernel": jnp.zeros((2, 256, 256))}}

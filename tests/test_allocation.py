@@ -164,6 +164,8 @@ def test_mla_without_query_factors_donates_from_q_and_kv_b():
     assert mj.default_donors(mj.MLA_MODULE_TYPES) == mj.MLA_DONORS
     assert mj.default_donors(mj.LLAMA_MODULE_TYPES) == mj.DEFAULT_DONORS
     assert mj.default_donors(("v", "o", "down")) == ()
+    with pytest.raises(ValueError, match="module_types must be module type names"):
+        mj.default_donors("qk")  # was read as ('q', 'k')
 
 
 def test_one_default_donor_alone_donates_and_is_said():

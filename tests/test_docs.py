@@ -3,6 +3,7 @@ between the README and ``docs/`` lead somewhere."""
 
 import doctest
 import importlib
+import inspect
 import pathlib
 import pkgutil
 import re
@@ -87,3 +88,27 @@ def test_the_readme_links_every_page_of_docs():
     linked = set(re.findall(r"\]\((docs/[^)#\s]+)", README.read_text()))
     pages = {str(p.relative_to(ROOT)) for p in PAGES[1:]}
     assert pages and pages <= linked, sorted(pages - linked)
+
+
+def _public_functions() -> list[str]:
+    return sorted(
+        n for n in moara_jax.__all__ if callable(f := getattr(moara_jax, n)) and not inspect.isclass(f)
+    )
+
+
+@pytest.mark.parametrize("name", _public_functions())
+def test_a_public_function_documents_each_argument_and_what_it_returns(name):
+    """Every function of ``moara_jax.__all__`` has ``Args:`` naming each of its parameters (alone
+    or in a group: ``b1, b2, eps: ...``) and ``Returns:``, as optax's public functions do."""
+    function = getattr(moara_jax, name)
+    doc = inspect.getdoc(function) or ""
+    assert "Returns:" in doc, f"{name}: no Returns section"
+    parameters = [p for p in inspect.signature(function).parameters if p not in ("self", "args", "kwargs")]
+    if not parameters:
+        return
+    assert "Args:" in doc, f"{name}: no Args section"
+    args = doc.split("Args:", 1)[1]
+    args = re.split(r"^(?:Returns|Raises|References|Example|Examples):", args, flags=re.M)[0]
+    named = set(re.findall(r"^ {2}(\*{0,2}\w+(?:, \*{0,2}\w+)*):", args, flags=re.M))
+    named = {n.lstrip("*") for group in named for n in group.split(", ")}
+    assert not set(parameters) - named, f"{name}: Args does not name {sorted(set(parameters) - named)}"

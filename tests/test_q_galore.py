@@ -529,6 +529,9 @@ def test_q_galore_errors_name_the_argument():
         mj.QGaLore(cos_threshold="high")
     with pytest.raises(ValueError, match="stochastic_round"):
         mj.QGaLore(stochastic_round="no")
+    for block_size in (0, 2.5):  # 0 was a ZeroDivisionError at init
+        with pytest.raises(ValueError, match=f"block_size must be a positive integer, got {block_size}"):
+            mj.adam8bit(block_size=block_size)
     with pytest.raises(ValueError, match="mu_dtype"):
         mj.scale_by_galore(8, host="q_galore", mu_dtype=jnp.float32)
     with pytest.raises(ValueError, match="host"):

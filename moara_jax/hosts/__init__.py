@@ -31,7 +31,20 @@ def register_host(cls: type[Host]) -> type[Host]:
     decorator); ``moara_adamw(host=name)`` and the trainer's ``optimizer.host`` then take it.
     Another class under a name taken is refused, but for the same class defined again (its
     module and qualified name the same: a notebook cell or a reloaded module run again), which
-    replaces the one registered."""
+    replaces the one registered.
+
+    Args:
+      cls: a :class:`Host` subclass that is a dataclass, defines :meth:`Host.stages` and has a
+        class attribute ``name`` (a non-empty string).
+
+    Returns:
+      ``cls`` itself, now in :data:`HOSTS` under ``cls.name``.
+
+    Raises:
+      TypeError: ``cls`` is no :class:`Host` subclass, no dataclass, or does not define
+        ``stages``.
+      ValueError: ``cls`` has no ``name``, or another class is registered under it.
+    """
     if not (isinstance(cls, type) and issubclass(cls, Host)):
         raise TypeError(f"register_host takes a Host subclass, got {cls!r}")
     if not dataclasses.is_dataclass(cls):
@@ -87,7 +100,22 @@ def defined_hosts() -> list[type[Host]]:
 
 
 def resolve_host(host: str | Host) -> Host:
-    """A host's settings from its name (with defaults) or as given; ``ValueError`` otherwise."""
+    """A host's settings from its name (with defaults) or as given; ``ValueError`` otherwise.
+
+    Args:
+      host: a :class:`Host` instance (its settings), the name of a registered host (a key of
+        :data:`HOSTS`), or ``"package.module:Class"``, which is imported and registered
+        (:func:`host_class`).
+
+    Returns:
+      ``host`` itself when it is a :class:`Host` instance, else an instance of the named host
+      class made with its default settings.
+
+    Raises:
+      ValueError: for an unknown name, a ``"package.module:Class"`` that cannot be imported or
+        registered or is no :class:`Host` subclass, a :class:`Host` class instead of an instance,
+        or anything else.
+    """
     if isinstance(host, Host):
         return host
     if isinstance(host, str) and (host in HOSTS or ":" in host):

@@ -77,7 +77,15 @@ class LDAdamState(NamedTuple):
 
 def ldadam_side(shape: tuple[int, ...]) -> str:
     """LDAdam's ``'std'`` rule in Flax layout: ``'in'`` (project fan_in) when fan_out > fan_in,
-    else ``'out'`` (a square matrix projects its fan_out side)."""
+    else ``'out'`` (a square matrix projects its fan_out side).
+
+    Args:
+      shape: a matrix's shape, ``(..., fan_in, fan_out)``; only the last two entries are read.
+
+    Returns:
+      ``'in'`` or ``'out'``: the side :func:`ldadam` projects (it differs from
+      :func:`project`'s only on square matrices).
+    """
     return "in" if shape[-1] > shape[-2] else "out"
 
 
@@ -114,16 +122,32 @@ def ldadam(
     :func:`recompose`. The reference applies no ``scale`` (``recompose(1.0)``).
 
     Args:
-      rank: projection rank, or a function of the parameter's key path (clipped, with a warning).
-      rho: weight of the back-projected first moment in the matrix the basis follows.
+      rank: projection rank, or a function of the parameter's key path (clipped to
+        ``min(fan_in, fan_out)``, with a warning).
+      rho: weight of the back-projected first moment in the matrix the basis follows, in
+        ``[0, 1)``.
       b1, b2, eps: Adam, in PyTorch ``AdamW``'s formula (the reference's defaults are
         ``0.908, 0.99, 1e-8``).
-      error_feedback: carry the dropped part of each step into the next (the reference's default).
+      error_feedback: carry the dropped part of each step into the next (the reference's default);
+        ``False`` keeps no error state.
       mu_dtype, mag_dtype: dtypes of the subspace moments (``None``: the leaf's, float32 for
-        float16) and of the
-        block magnitudes' moments.
+        float16) and of the block magnitudes' moments.
       svd, seed, canonical_signs, name: as :func:`project`, for the first step's basis (the
-        power iteration's orthonormalisation is sign-free: the update does not depend on it).
+        power iteration's orthonormalisation is sign-free: the update does not depend on it);
+        ``name`` names the module in the rank-clipping warning.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`LDAdamState`: the bases
+      ``(..., d, r)`` and the error buffers in each matrix's dtype, the subspace moments in
+      ``mu_dtype``, the magnitudes' in ``mag_dtype``. ``update`` maps each matrix to a
+      :class:`LowRank` of its Adam direction (in the matrix's dtype) in the new basis, and a
+      :class:`Decomposed` to one whose ``mag`` is the magnitudes' Adam direction, its direction
+      that ``LowRank`` and its gradient dropped.
+
+    Raises:
+      ValueError: for a bad ``rank``, ``svd``, ``b1``, ``b2``, ``eps``, ``rho``,
+        ``error_feedback`` (not a bool), ``mu_dtype`` or ``mag_dtype``; at ``init``, for a leaf
+        that is not a non-empty matrix; at ``update``, for a state made with other ranks.
     """
     rank_fn, name_fn = stage_settings(rank, 1, "std", svd, name)
     check_adam(b1, b2, eps)

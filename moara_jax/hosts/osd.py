@@ -59,7 +59,18 @@ class OSDProjectState(NamedTuple):
 
 def pca_loss(basis: jax.Array, g: jax.Array, side: str) -> jax.Array:
     """``sum ||X - P P^T X||^2`` over the matrices of ``g`` (Flax layout), ``X = g / ||g||`` per
-    matrix (a zero matrix contributes 0), ``P`` the basis of the projected side."""
+    matrix (a zero matrix contributes 0), ``P`` the basis of the projected side.
+
+    Args:
+      basis: ``P``, ``(..., d, r)``, ``d`` the size of the projected side of ``g``.
+      g: the matrices, ``(..., fan_in, fan_out)``.
+      side: ``'in'`` (``P`` spans the fan_in axis, ``P P^T X``) or ``'out'`` (the fan_out axis,
+        ``X P P^T``); any other value is taken as ``'out'``.
+
+    Returns:
+      The loss, a float32 scalar (computed in float32, whatever the inputs' dtypes);
+      :func:`osd_project` steps the basis on its gradient with respect to ``basis``.
+    """
     g = g.astype(jnp.float32)
     norm = jnp.sqrt(jnp.sum(jnp.square(g), axis=(-2, -1), keepdims=True))
     x = g / jnp.where(norm > 0, norm, 1.0)
@@ -96,11 +107,28 @@ def osd_project(
     an SVD at step 0, then one AdamW step a step on the online-PCA loss of the matrix it projects.
 
     Args:
-      rank: projection rank, or a function of the parameter's key path.
+      rank: projection rank, or a function of the parameter's key path (clipped to
+        ``min(fan_in, fan_out)``, with a warning).
       basis_lr: the basis's AdamW step size, a number or a schedule of the step count (the
-        reference's: the model's learning-rate schedule over ``peak lr * T``).
-      b1, b2, eps, weight_decay: the basis's AdamW (PyTorch's defaults).
-      svd, seed, canonical_signs, name: as :func:`project` (for the step-0 basis).
+        reference's: the model's learning-rate schedule over ``peak lr * T``). A schedule is
+        called with each update's count (0 at the first); the step on that update's loss, taken
+        when the next update begins, uses its value. Not checked here (:class:`OSD` checks it).
+      b1, b2, eps, weight_decay: the basis's AdamW (PyTorch's defaults; ``weight_decay``
+        decoupled, ``p (1 - lr wd)``). Not checked here (:class:`OSD` checks them).
+      svd, seed, canonical_signs, name: as :func:`project` (for the step-0 basis; ``name`` for
+        the rank-clipping warning).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`OSDProjectState`: per leaf the
+      basis ``(..., d, r)`` the last update used (in the leaf's dtype) and its AdamW moments,
+      with the step size of the pending basis step. ``update`` emits :class:`LowRank` nodes of
+      the projected matrices (inside ``Decomposed`` when given one, its gradient dropped). The
+      first update uses the SVD basis and the second the same; each later one first steps the
+      basis on the previous update's loss (:func:`pca_loss`).
+
+    Raises:
+      ValueError: for a bad ``rank`` or ``svd``; at ``init``, for a leaf that is not a
+        non-empty matrix; at ``update``, for a state made with other ranks.
     """
     rank_fn, name_fn = stage_settings(rank, 1, "std", svd, name)
     lr_fn = basis_lr if callable(basis_lr) else (lambda count: basis_lr)

@@ -160,6 +160,38 @@ def q_galore_project(
     One ``lax.cond`` per matrix shape a step computes new bases when any matrix of that shape is
     due; only the due matrices take theirs. ``bits=None`` keeps float bases. ``group_size`` must
     divide each basis's size.
+
+    Args:
+      rank: projection rank, or a function of the parameter's key path (clipped to
+        ``min(fan_in, fan_out)``, with a warning).
+      update_proj_gap: every matrix's first refresh interval ``T`` (step 0 refreshes).
+      bits: width of the basis codes, 1 to 8 (INT4 by default), or ``None`` for float bases.
+      group_size: entries per quantization group (one float32 scale and zero point each) of each
+        basis matrix in PyTorch orientation; must divide ``d * r`` (unused when ``bits`` is
+        ``None``).
+      cos_threshold: the mean ``|cos|`` between the first basis vectors of consecutive refreshes
+        at or above which a matrix's interval grows.
+      gamma: the interval's growth factor, a finite number ``>= 1``: the new interval is
+        ``int(interval * gamma)`` (from 2^31 - 1 on, the matrix refreshes no more).
+      queue_size: how many of the last cosines are averaged; none grows before that many are
+        recorded.
+      svd, seed, canonical_signs, name: as :func:`project` (``name`` for the rank-clipping
+        warning).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`QGaLoreProjectState`: per leaf
+      the basis (a :class:`QuantizedBasis`, or the float basis when ``bits`` is ``None``), and per
+      matrix its interval, its last cosines, its refresh count and its last first basis vector.
+      ``update`` emits :class:`LowRank` nodes of the matrices projected onto the dequantized
+      bases (in the matrix's dtype; inside ``Decomposed`` when given one, its gradient dropped);
+      it also takes the state as Flax nnx's ``Optimizer`` hands it back.
+
+    Raises:
+      ValueError: for a bad ``rank``, ``update_proj_gap``, ``svd``, ``bits``, ``group_size``,
+        ``queue_size`` or ``gamma`` (also one so close to 1 that the interval would take more
+        than 65536 growths to pass 2^31 steps); at ``init``, for a leaf that is not a non-empty
+        matrix or a basis whose size ``group_size`` does not divide; at ``update``, for a state
+        made with other ranks.
     """
     rank_fn, name_fn = stage_settings(rank, update_proj_gap, "std", svd, name)
     if bits is not None and not (is_int(bits) and bits <= 8):
@@ -294,6 +326,24 @@ def quantize_weights(
     simulated INT8 weights). ``group_size`` must divide each matrix's size. The grid holds for
     float32 parameters; bfloat16 ones cannot hold most of an 8-bit min-max grid's values (its
     spacing is near their precision), as in the reference run in bfloat16.
+
+    Args:
+      group_size: entries per group (one scale and zero point each); must divide the size of
+        each matrix (a leaf's last two axes) and of each leaf of fewer axes.
+      bits: width of the grid's codes, 1 to 8.
+      stochastic: round stochastically (unbiased on the grid); ``False`` rounds to nearest
+        (ties to even).
+      seed: seed of the stochastic rounding, folded with the step count and the leaf's index.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`QuantizeWeightsState` (the
+      step count). ``update(updates, state, params)`` returns ``Q(p + u) - p`` per leaf, computed
+      in float32 and cast to ``u``'s dtype; an entry where ``p + u`` is not finite keeps that
+      value, and the other entries of its group come out NaN.
+
+    Raises:
+      ValueError: for a bad ``bits`` or ``group_size``; at ``init``, for a leaf whose matrix
+        size ``group_size`` does not divide; at ``update``, when ``params`` is not given.
     """
     if not (is_int(bits) and bits <= 8):
         raise ValueError(f"bits must be an integer in [1, 8], got {bits!r}")

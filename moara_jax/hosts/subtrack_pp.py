@@ -69,7 +69,17 @@ class SubTrackProjectState(NamedTuple):
 def geodesic_step(basis: jax.Array, a: jax.Array, step_size: float) -> jax.Array:
     """One SubTrack++ step of ``basis`` (``(..., d, r)``) toward the column space of ``a``
     (``(..., d, e)``), float32: the Grassmann geodesic along the top singular triplet of the
-    tangent of ``min_W ||a - P W||^2``, of length ``step_size`` times its singular value."""
+    tangent of ``min_W ||a - P W||^2``, of length ``step_size`` times its singular value.
+
+    Args:
+      basis: ``P``, ``(..., d, r)``, of full column rank (``P^T P`` is inverted; a rank-deficient
+        one gives NaNs).
+      a: the matrix whose column space is tracked, ``(..., d, e)``.
+      step_size: the geodesic's ``eta``.
+
+    Returns:
+      The moved basis, ``(..., d, r)``, float32 (``basis`` unchanged where the tangent is zero).
+    """
     p, a = basis.astype(jnp.float32), a.astype(jnp.float32)
     pt = swap(p)
     w = jnp.linalg.solve(pt @ p, pt @ a)  # least squares (P has full column rank)
@@ -102,10 +112,22 @@ def subtrack_project(
 
     Args:
       rank, update_proj_gap: as :func:`project` (the interval is the reference's
-        ``subspace_update_interval``).
-      step_size: the geodesic's ``eta`` (the reference's Llama scripts: 10).
+        ``subspace_update_interval``): the basis moves at the updates whose step count (0 at
+        the first) is a positive multiple of it.
+      step_size: the geodesic's ``eta``, a non-negative number (the reference's Llama scripts: 10).
       track_all: also move bases of the fan_in side (the reference leaves them at step 0's).
-      svd, seed, canonical_signs, name: as :func:`project`, for the step-0 basis.
+      svd, seed, canonical_signs, name: as :func:`project`, for the step-0 basis (``name`` for
+        the rank-clipping warning).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is :class:`SubTrackProjectState`: per leaf
+      the current basis ``(..., d, r)`` and the step-0 one, in the leaf's dtype. ``update`` emits
+      those :class:`LowRank` nodes (inside ``Decomposed`` when given one, its gradient dropped).
+
+    Raises:
+      ValueError: for a bad ``rank``, ``update_proj_gap``, ``svd``, ``step_size`` or
+        ``track_all`` (not a bool); at ``init``, for a leaf that is not a non-empty matrix; at
+        ``update``, for a state made with other ranks.
     """
     rank_fn, name_fn = stage_settings(rank, update_proj_gap, "std", svd, name)
     if not (real_number(step_size) and step_size >= 0):
@@ -162,7 +184,24 @@ def transport_moments(
     projection-aware moments: after each update whose step count is a multiple of ``every``,
     the subspace moments of every :class:`LowRank` that carries a ``prev_basis`` ``P_0`` move into
     its ``basis`` ``P`` (``C = P^T P_0``): ``m <- C m``, ``v <- |(1 - b2) (C*C (v - m^2) + (C m)^2)|``
-    (the reference's formula). The state is the wrapped stage's."""
+    (the reference's formula). The state is the wrapped stage's.
+
+    Args:
+      adam: the Adam stage wrapped; its state must be :class:`InnerAdamState` or hold one as
+        ``inner`` (:class:`FiraState`).
+      every: the interval, a positive integer (SubTrack++'s ``update_proj_gap``): the moments
+        move after the updates whose step count (that after the update) is a multiple of it.
+      b2: the ``b2`` of the formula's ``(1 - b2)`` factor (the wrapped Adam's). Not checked.
+
+    Returns:
+      An ``optax.GradientTransformation`` with ``adam``'s ``init`` and state, whose ``update``
+      returns ``adam``'s output unchanged and its state with the subspace moments (``dir_mu``,
+      ``dir_nu``) moved.
+
+    Raises:
+      ValueError: for an ``every`` that is not a positive integer.
+      TypeError: at ``update``, when ``adam``'s state is not one of those above.
+    """
     if not is_int(every):
         raise ValueError(f"every must be a positive integer, got {every!r}")
 
