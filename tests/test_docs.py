@@ -4,6 +4,7 @@ between the README and ``docs/`` lead somewhere."""
 import doctest
 import importlib
 import inspect
+import json
 import pathlib
 import pkgutil
 import re
@@ -112,3 +113,33 @@ def test_a_public_function_documents_each_argument_and_what_it_returns(name):
     named = set(re.findall(r"^ {2}(\*{0,2}\w+(?:, \*{0,2}\w+)*):", args, flags=re.M))
     named = {n.lstrip("*") for group in named for n in group.split(", ")}
     assert not set(parameters) - named, f"{name}: Args does not name {sorted(set(parameters) - named)}"
+
+
+@pytest.mark.slow
+def test_the_documented_tokenizer_recipe_makes_one_a_run_trains_with(tmp_path, monkeypatch):
+    """``docs/training.md``'s ``tokenizer.json`` recipe, run as written on a corpus of text files:
+    its tokenizer encodes with EOS last, and ``python -m train`` trains on the corpus with it."""
+    pytest.importorskip("tokenizers")
+    from train.__main__ import main
+    from train.sources import builtin_documents, document_tokens, make_tokenizer
+
+    (recipe,) = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "training.md").read_text(), flags=re.S)
+        if "BpeTrainer" in b
+    ]
+    (tmp_path / "corpus").mkdir()
+    for i, text in enumerate(builtin_documents()[:60]):
+        (tmp_path / "corpus" / f"{i:02d}.txt").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(recipe, "docs/training.md", "exec"), {})  # noqa: S102
+    tokenizer = make_tokenizer("my-tokenizer")
+    (ids,) = document_tokens(tokenizer, ["The quick brown fox."])
+    assert ids[-1] == tokenizer.eos_id == tokenizer._tok.token_to_id("<|endoftext|>")
+    assert 257 < tokenizer.vocab_size <= 2000 and tokenizer.decode(ids[:-1]) == "The quick brown fox."
+    sets = ["data.source=files", "data.paths=[corpus/*.txt]", "data.tokenizer=my-tokenizer", "train.steps=2"]
+    sets += ["train.batch_size=4", "train.seq_len=32", "train.eval_every=2", "train.eval_batches=1"]
+    argv = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", "run", "--quiet"]
+    assert main([*argv, *(x for s in sets for x in ("--set", s))]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["data"]["tokenizer"]["kind"] == "hf" and summary["status"] == "completed"

@@ -409,6 +409,19 @@ def sp_model(tmp_path_factory):
     return str(d / "sp.model")
 
 
+def test_a_data_pattern_matching_nothing_says_from_where_a_relative_one_was_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        planning.expand_paths(["corpuz/*.txt"])
+    assert (
+        str(e.value)
+        == f"data file pattern matches no file: corpuz/*.txt (a relative pattern, from {tmp_path})"
+    )
+    with pytest.raises(UserError) as e:
+        planning.expand_paths([str(tmp_path / "corpuz" / "*.txt")])
+    assert str(e.value) == f"data file pattern matches no file: {tmp_path / 'corpuz' / '*.txt'}"
+
+
 def test_a_store_of_another_tokenizer_or_other_inputs_is_refused(tmp_path, sp_model):
     paths = write_corpus(tmp_path / "corpus", files=2)
     named = str(tmp_path / "named")
@@ -419,6 +432,10 @@ def test_a_store_of_another_tokenizer_or_other_inputs_is_refused(tmp_path, sp_mo
         e.value
     )
     assert "\n" not in str(e.value)
+    assert str(e.value).endswith(
+        ": set data.tokenizer to the store's (e.g. --set data.tokenizer=PATH), or give data.store "
+        "another directory"
+    )
     with pytest.raises(UserError, match=r"made with tokenizer bytes .* sentencepiece sp.model"):
         open_store(DataSection(source="store", store=named, tokenizer=sp_model), quiet=True)
     remedy = "remove the store, or give data.store (train.prepare --out) another directory"

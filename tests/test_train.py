@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+import yaml
 from helpers import cpu_devices
 
 import moara_jax as mj
@@ -128,6 +129,21 @@ def test_cli_end_to_end_loss_falls_and_outputs_are_complete(tmp_path):
     assert summary["optimizer_state_bytes"]["magnitude_moments"] > 0
     saved = load_config(tmp_path / "run" / "config.yaml")
     assert saved.train.steps == 30
+
+
+@pytest.mark.slow
+def test_print_config_prints_what_the_run_saves_and_starts_nothing(tmp_path):
+    """``--print-config``: every key with its value, defaults included (``train.grad_clip``, which
+    neither tiny.yaml nor the sets give), as the run saves them in ``config.yaml``; no run dir."""
+    sets = [*FAST, "train.steps=2", "optimizer.r_base=8"]
+    printed = run_cli(tmp_path / "printed", *sets, extra=["--print-config"])
+    assert printed.returncode == 0 and not (tmp_path / "printed").exists(), printed.stderr
+    shown = yaml.safe_load(printed.stdout)
+    assert shown["train"]["grad_clip"] == 0.0 and shown["optimizer"]["r_base"] == 8
+    run_cli(tmp_path / "run", *sets)
+    assert shown == yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    bad = run_cli(tmp_path / "bad", "train.stepz=2", extra=["--print-config"], check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and not bad.stdout
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""``python -m train --config FILE.yaml [--run-dir DIR] [--set key=value ...] [--resume]``."""
+"""``python -m train --config FILE.yaml [--run-dir DIR] [--set key=value ...] [--resume]
+[--print-config]``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config, every key with its value (defaults included), and exit",
+    )
     return parser.parse_args(argv)
 
 
@@ -52,6 +58,13 @@ def train(argv=None) -> int:
         from train.store import Interrupted
 
         cfg = load_config(args.config, args.overrides)
+        if args.print_config:  # what the run would save as its config.yaml; nothing starts
+            import yaml
+
+            from train.config import to_dict
+
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            return 0
         check_writers(cfg.metrics.writers)
         _set_xla_flags(cfg, args.quiet)
         if distributed.multi_process():

@@ -591,7 +591,7 @@ def markdown(result: dict) -> str:
         "per-seed columns are the mean ± std (the sample standard deviation, n - 1, as everywhere "
         "here) over the seeds that reach the target on their own, each at its first evaluation at "
         "or below it (`runs`: how many did). Times come from "
-        "the runs that had the machine to themselves alone (`timed`): a run that shared it with "
+        "the runs that had the machine to themselves (`timed`): a run that shared it with "
         "another ran slower for it, by an amount nothing here measures. The mean curve's time at "
         "a step is the mean wall-clock of the point's timed seeds there. `p`: whether the final ppl "
         "differs from the baseline's more than its seeds do, the two-sided p-value of an exact "

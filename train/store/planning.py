@@ -127,7 +127,8 @@ def expand_paths(paths: list) -> list[str]:
             if not matches and os.path.isfile(path):
                 matches = [path]  # a file whose name holds [ or ?, as written
             if not matches:
-                raise UserError(f"data file pattern matches no file: {p}")
+                where = "" if os.path.isabs(path) else f" (a relative pattern, from {os.getcwd()})"
+                raise UserError(f"data file pattern matches no file: {p}{where}")
             out += matches
         else:
             out.append(path)

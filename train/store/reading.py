@@ -223,7 +223,8 @@ class TokenStore:
             raise UserError(
                 f"token store {self.directory} was made with tokenizer "
                 f"{sources.describe_tokenizer(self.tokenizer)}, but data.tokenizer is "
-                f"{sources.describe_tokenizer(tokenizer_identity)}"
+                f"{sources.describe_tokenizer(tokenizer_identity)}: set data.tokenizer to the store's "
+                "(e.g. --set data.tokenizer=PATH), or give data.store another directory"
             )
         if p is not None and self.manifest["source"] != p.source:
             raise UserError(
