@@ -88,6 +88,8 @@ class _View(NamedTuple):
     shape: tuple[int, ...]
 
     def to_matrix(self, x: jax.Array) -> jax.Array:
+        if isinstance(x, jax.ShapeDtypeStruct):  # jax.eval_shape's output: the view's shape alone
+            return jax.ShapeDtypeStruct(self.shape, x.dtype)
         return (x if self.order is None else x.transpose(self.order)).reshape(self.shape)
 
     def from_matrix(self, y: jax.Array, like_shape: tuple[int, ...]) -> jax.Array:
@@ -172,7 +174,9 @@ def matrix_view(tree: Any, matrix_axes: MatrixAxesOrFn | None) -> Any:
     (``matrix_alignment(..., matrix_axes=...)``) compares a gradient in.
 
     Args:
-      tree: the parameters, or a tree of their structure (gradients, updates); arrays.
+      tree: the parameters, or a tree of their structure (gradients, updates); arrays, or
+        ``jax.eval_shape``'s ``ShapeDtypeStruct``s (a view is then a ``ShapeDtypeStruct`` of the
+        view's shape and the leaf's dtype, with no sharding).
       matrix_axes: :class:`MatrixAxes` or ``None`` per parameter path, as a tree or a function of
         ``tree`` returning one, as :func:`as_matrices` takes it; ``None``: no views. A spec that
         does not fit its leaf (an axis out of range, ``fan_in`` and ``fan_out`` sharing one, a

@@ -220,6 +220,11 @@ def test_matrix_view_round_trips_and_leaves_other_leaves_alone():
     params, axes = _multi_axis_params(rng)
     view = mj.matrix_view(params, axes)
     jax.tree.map(np.testing.assert_array_equal, view, _as_2d(params))
+    # jax.eval_shape's output (as rank_table takes it): the views' shapes and dtypes, no arrays.
+    abstract = mj.matrix_view(jax.eval_shape(lambda: params), axes)
+    assert jax.tree.map(lambda s: (s.shape, s.dtype), abstract) == jax.tree.map(
+        lambda v: (v.shape, v.dtype), view
+    )
     assert mj.matrix_view(params, None) is params
     # A spec on a subtree applies to each of its leaves.
     both = {
