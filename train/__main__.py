@@ -59,11 +59,10 @@ def train(argv=None) -> int:
 
         cfg = load_config(args.config, args.overrides)
         if args.print_config:  # what the run would save as its config.yaml; nothing starts
-            import yaml
-
             from train.config import to_dict
+            from train.rundir import config_text
 
-            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            print(config_text(to_dict(cfg)), end="")
             return 0
         check_writers(cfg.metrics.writers)
         _set_xla_flags(cfg, args.quiet)

@@ -84,6 +84,11 @@ def dedupe_by_step(rows: list[dict], key: str) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def config_text(config: dict) -> str:
+    """A run's resolved config as its ``config.yaml`` holds it (and ``--print-config`` prints it)."""
+    return yaml.safe_dump(config, sort_keys=False)
+
+
 @dataclass(frozen=True)
 class RunDir:
     """A run directory's paths and readers (nothing is read until asked)."""
@@ -280,7 +285,7 @@ class RunDir:
     # ----------------------------------------------------------------------------- writers
 
     def write_config(self, config: dict) -> None:
-        write_atomically(self.config_file, yaml.safe_dump(config, sort_keys=False))
+        write_atomically(self.config_file, config_text(config))
 
     def write_model(self, model_config: dict) -> None:
         write_atomically(self.model_file, json.dumps(model_config, indent=1) + "\n")
