@@ -331,7 +331,7 @@ def phase_vs_torch(s: Session, model: str) -> dict:
     """vs_torch.py, one process per optimizer, merged."""
     sh = shapes(s, model)
     args = step_args(sh) + ["--steps", str(sh["steps"]), "--warmup", str(sh["warmup"])]
-    args += ["--refresh-steps", str(sh["refresh"])]
+    args += ["--refresh-steps", str(sh["refresh"]), *paper_rank_args(sh["model"])]
     if s.smoke:
         args.append("--no-compile")
     step_s = _step_estimate(s, sh["model"])
@@ -348,6 +348,7 @@ def phase_vs_torch(s: Session, model: str) -> dict:
         run = s.run(
             [sys.executable, "benchmarks/vs_torch.py", *args, *ours, "--only", name, "--out", str(out)],
             env=None if peer else {"XLA_PYTHON_CLIENT_MEM_FRACTION": JAX_ALONE_MEM_FRACTION},
+            timeout=child_cap(estimate),
         )
         data = _json(out)
         runs[name] = (
@@ -394,7 +395,8 @@ def _step_estimate(s: Session, model: str) -> float:
 
 def _run_estimate(name: str, sh: dict, step_s: float, smoke: bool) -> float:
     """Seconds one vs_torch.py run takes: start and compilation, the steps, the refreshes (the
-    peer's refresh, 168 SVDs, took 10.6 s at 350M on an H100 and grows about 8x at 1B)."""
+    peer's refresh, 168 SVDs, took 10.6 s at 350M on an H100 and grows about 8x at 1B; it runs
+    the warm-up's step 0 and the timed ones, this project's side one untimed and the timed)."""
     if smoke:
         return 20.0
     steps = sh["warmup"] + sh["steps"]
@@ -403,6 +405,25 @@ def _run_estimate(name: str, sh: dict, step_s: float, smoke: bool) -> float:
         refreshes = (sh["refresh"] + 1) * svd if name == "galore_torch" else 0.0
         return 90 + steps * 0.8 * step_s + refreshes
     return 60 + (steps + sh["refresh"] + 1) * step_s
+
+
+def child_cap(estimate: float) -> float:
+    """The most a child whose run is estimated at ``estimate`` seconds may take: twice that, and at
+    least a minute over it, so that one that hangs or compiles far longer (a flag set's command
+    buffers, an unrolled scan) leaves the rest of the call to the runs after it."""
+    return max(2 * estimate, estimate + 60)
+
+
+def paper_rank_args(model: str) -> list[str]:
+    """``--r-base`` and ``--block-size`` of ``configs/paper/MODEL.yaml`` (512 and 64 at 1B; both
+    sides of vs_torch.py take them); none for a model without a paper config."""
+    from train.config import load_config
+
+    path = ROOT / "configs" / "paper" / f"{model}.yaml"
+    if not path.is_file():
+        return []
+    o = load_config(path).optimizer
+    return ["--r-base", str(o.r_base), "--block-size", str(o.block_size)]
 
 
 def paper_args(model: str) -> list[str]:
@@ -494,7 +515,7 @@ def phase_variants(s: Session, group: str) -> dict:
         out = s.work / f"variant_{group}_{len(rows)}.json"
         # The variant's arguments come last: argparse keeps the last value of a repeated option.
         cmd = [sys.executable, "benchmarks/train_step.py", *step_args(sh), *steps, "--only", "moara_full"]
-        run = s.run(cmd + base + extra + ["--out", str(out)])
+        run = s.run(cmd + base + extra + ["--out", str(out)], timeout=child_cap(estimate))
         data = _json(out)
         row = {"variant": label, "args": extra, "wall_s": run["seconds"]}
         if data is None:

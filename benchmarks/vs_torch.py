@@ -1,7 +1,7 @@
 """Whole training steps of this project against its PyTorch peer, on the same device, in one run.
 
 The peer: ``transformers``' model of the same config (``LlamaForCausalLM`` for Llama, the family's
-own class for the others; SDPA attention, bf16, ``torch.compile``), trained with
+own class for the others; causal SDPA attention, bf16, ``torch.compile``), trained with
 ``galore_torch.GaLoreAdamW`` on the paper's two parameter groups (attention and MLP matrices: rank
 ``--r-base``, T = 200, scale 0.25, ``proj_type='std'``; the rest plain) and with
 ``torch.optim.AdamW`` (fused on CUDA) as the full-rank reference. This project: AdamW, vanilla
@@ -94,15 +94,39 @@ def galore_adamw():
     return GaLoreAdamW
 
 
-def peer_model(cfg):
+# The peer's attention: SDPA told the attention is causal, with no mask tensor. transformers' own
+# "sdpa" builds a (batch, 1, T, T) mask while torch.compile traces (it cannot tell a tracer from
+# torch.export before torch 2.14) and passes it with is_causal=False, which rules out SDPA's flash
+# kernel on CUDA. The peer's tokens are never padded, so causal is the whole mask.
+CAUSAL_SDPA = "sdpa_causal"
+
+
+def _register_causal_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        del attention_mask  # None: the mask function below makes none
+        return sdpa_attention_forward(module, query, key, value, None, **{**kwargs, "is_causal": True})
+
+    AttentionInterface.register(CAUSAL_SDPA, attention)
+    AttentionMaskInterface.register(CAUSAL_SDPA, lambda *args, **kwargs: None)
+
+
+def peer_model(cfg, device: str = "cpu", dtype=None):
     """The ``transformers`` model of ``cfg`` (its family's class: ``LlamaForCausalLM``,
-    ``Qwen2ForCausalLM``, ...), with SDPA attention and no key/value cache, in float32 on the CPU."""
+    ``Qwen2ForCausalLM``, ...), with causal SDPA attention (``CAUSAL_SDPA``) and no key/value
+    cache, built on ``device`` in ``dtype`` (default float32)."""
+    import torch
     import transformers
 
+    _register_causal_sdpa()
     hf_config = models.to_hf_config(cfg)
-    hf_config._attn_implementation = "sdpa"
+    hf_config._attn_implementation = CAUSAL_SDPA
     hf_config.use_cache = False  # training: no key/value cache returned
-    return transformers.AutoModelForCausalLM.from_config(hf_config)
+    with torch.device(device):  # built where it runs: 5.4 GB of float32 at 1B not made on the host
+        return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype or torch.float32)
 
 
 def torch_peer(cfg, optimizer: str, args) -> dict:
@@ -131,7 +155,7 @@ def _torch_peer_at(cfg, optimizer: str, args, micro_batch: int) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    model = peer_model(cfg).to(device=device, dtype=torch.bfloat16)
+    model = peer_model(cfg, device, torch.bfloat16)
     low_rank, rest = paper_groups(model)
     if optimizer == "galore_torch":
         GaLoreAdamW = galore_adamw()
@@ -196,8 +220,7 @@ def _torch_peer_at(cfg, optimizer: str, args, micro_batch: int) -> dict:
                 opt.state[p]["step"] = GAP * (1 + opt.state[p]["step"] // GAP)
 
     refresh = plain
-    if optimizer == "galore_torch":  # one refresh step first, untimed, as on this project's side
-        timed(1, due)
+    if optimizer == "galore_torch":  # its first refresh, untimed, was the warm-up's step 0
         refresh = statistics.median(timed(args.refresh_steps, due))
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     n_params = sum(p.numel() for p in model.parameters())
@@ -215,7 +238,9 @@ def jax_side(cfg, name: str, tx, args) -> dict:
     step, state, tokens = build_step(cfg, tx, args.batch, args.micro_batch, args.seq_len)
     plain, state = median_ms(step, state, tokens, args.steps, args.warmup)
     refresh = plain
-    if name != "adamw":  # every optimizer counter on a refresh (count % T == 0) before each step
+    # Every optimizer counter on a refresh (count % T == 0) before each step; the first refresh is
+    # untimed (the counters started at 1: none came in the warm-up), as the peer's step 0 is.
+    if name != "adamw":
 
         def due(s):
             return s._replace(opt_state=with_count(s.opt_state, 0))

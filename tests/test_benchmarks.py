@@ -178,6 +178,55 @@ def test_vs_torch_peer_has_the_papers_groups_and_the_same_model(name, peer_class
         assert all(p.ndim == 1 for p in rest if p.shape[0] != cfg.vocab_size)  # norms; embedding, head
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["llama2-tiny"] + [pytest.param(n, marks=pytest.mark.slow) for n in ("qwen3-tiny", "deepseek-v2-tiny")],
+)
+def test_vs_torch_peer_attention_is_causal_sdpa_with_no_mask_under_torch_compile(name):
+    """transformers' "sdpa" hands SDPA a (batch, 1, T, T) mask with is_causal=False while
+    torch.compile traces (on CUDA no flash kernel takes a mask); the peer's attention is SDPA with
+    no mask and is_causal=True in the traced graph, and gives the logits of "sdpa"."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import models
+
+    def traced_sdpa_calls(model, tokens):
+        calls = []
+
+        def backend(graph_module, example_inputs):  # records the traced graph, runs it as it is
+            for node in graph_module.graph.nodes:
+                if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                    calls.append((mask is None, node.kwargs.get("is_causal", False)))
+            return graph_module.forward
+
+        torch._dynamo.reset()
+        logits = torch.compile(lambda t: model(input_ids=t).logits, backend=backend, fullgraph=True)(tokens)
+        return calls, logits
+
+    cfg = models.get_config(name)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    peer = vs_torch.peer_model(cfg)
+    calls, logits = traced_sdpa_calls(peer, tokens)
+    assert calls == [(True, True)] * cfg.num_hidden_layers
+    hf_config = models.to_hf_config(cfg)
+    hf_config._attn_implementation, hf_config.use_cache = "sdpa", False
+    plain = transformers.AutoModelForCausalLM.from_config(hf_config)
+    plain.load_state_dict(peer.state_dict())
+    plain_calls, plain_logits = traced_sdpa_calls(plain, tokens)
+    assert plain_calls == [(False, False)] * cfg.num_hidden_layers  # what the peer no longer runs
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_vs_torch_peer_is_built_on_its_device_in_its_dtype():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import models
+
+    peer = vs_torch.peer_model(models.get_config("llama2-tiny"), "cpu", torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in peer.parameters()} == {("cpu", torch.bfloat16)}
+
+
 def test_vs_torch_derived_figures():
     row = vs_torch.derive({"plain_ms": 100.0, "refresh_ms": 2100.0, "params": 1000}, 5000, peak_tflops=1e-6)
     assert row["tokens_per_s"] == 50_000
@@ -592,10 +641,15 @@ def test_gpu_session_times_moara_against_galore_first_with_the_gpu_to_itself(tmp
 
     def fake_run(self, cmd, env=None, timeout=None):
         seen.append((cmd[cmd.index("--only") + 1], (env or {}).get("XLA_PYTHON_CLIENT_MEM_FRACTION")))
+        # Both sides at the paper config's rank; each child capped by its estimate (smoke: 20 s).
+        at = cmd.index("--r-base")
+        assert cmd[at : at + 4] == ["--r-base", "8", "--block-size", "4"]
+        assert timeout == gpu_session.child_cap(20.0) == 80.0
         return {"rc": 1, "seconds": 0.0, "stopped_at_deadline": False}  # no result: nothing to merge
 
     monkeypatch.setattr(gpu_session.Session, "run", fake_run)
     monkeypatch.setattr(gpu_session, "paper_args", lambda model: [])
+    monkeypatch.setattr(gpu_session, "paper_rank_args", lambda model: ["--r-base", "8", "--block-size", "4"])
     result = gpu_session.phase_vs_torch(
         gpu_session.Session(tmp_path, budget_s=600, smoke=True), "llama2-350m"
     )
@@ -757,6 +811,10 @@ def test_gpu_session_variants_run_over_the_paper_settings():
     assert gpu_session.paper_args("llama2-350m") == ["--remat", "dots", "--layers", "scanned"]
     assert gpu_session.paper_args("llama2-60m") == ["--remat", "none", "--layers", "unrolled"]
     assert gpu_session.paper_args("tiny") == []
+    # vs_torch.py's rank and block size, both sides': the paper config's (512 and 64 at 1B).
+    assert gpu_session.paper_rank_args("llama2-1b") == ["--r-base", "512", "--block-size", "64"]
+    assert gpu_session.paper_rank_args("llama2-350m") == ["--r-base", "256", "--block-size", "32"]
+    assert gpu_session.paper_rank_args("llama2-tiny") == []
     baseline = gpu_session._baseline(session)
     assert baseline == ["--remat", "dots", "--layers", "scanned", "--micro-batch", "64"]
     # A variant that repeats the baseline's settings is not run twice.
