@@ -35,6 +35,8 @@ import moara_jax as mj
         ("layers/self_attn/q_a_layernorm/scale", "other"),
         ("embed_tokens/embedding", "other"),
         ("lm_head/kernel", "other"),
+        # A kernel under two HF names (a module wrapped in another): the nearest one's type.
+        ("layers/mlp/up_proj/inner/down_proj/kernel", "down"),
         ("norm/scale", "other"),
     ],
 )

@@ -163,6 +163,18 @@ def test_group_quantize_matches_q_galore(bits):
     )
 
 
+def test_a_constant_group_quantizes_to_finite_values_and_zeros_to_zeros():
+    """A group of one value (a zero-initialised kernel, a basis column of zeros) has max = min:
+    the scale's floor (1e-5, q-galore-torch's) keeps it from a division by zero; zeros come back
+    exactly, any constant finite."""
+    from moara_jax._quant import group_dequantize, group_quantize
+
+    for value in (0.0, 0.5, -3.0):
+        out = group_dequantize(*group_quantize(jnp.full((2, 256), value), 256, 8))
+        assert bool(jnp.all(jnp.isfinite(out))), value
+    np.testing.assert_array_equal(group_dequantize(*group_quantize(jnp.zeros((2, 256)), 256, 8)), 0.0)
+
+
 def test_stochastic_rounding_is_unbiased_and_stays_on_the_grid():
     from moara_jax._quant import group_dequantize, group_quantize
 

@@ -568,6 +568,35 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finish
 
 
 @pytest.mark.slow
+def test_a_checkpoint_of_non_finite_weights_is_passed_over_for_the_one_before(finished_run, tmp_path):
+    """A checkpoint that verifies and reads but holds a NaN weight (written by hand here; a run
+    saves none) is not resumed from: it is set aside and the run goes on from the one before."""
+    import jax
+    import numpy as np
+
+    from train.checkpoint import Checkpointer
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    ckpt = Checkpointer(RunDir(run), keep=3, every=2)
+    state, data = ckpt.restore(8, None)
+    leaves, treedef = jax.tree.flatten(state["params"])
+    leaves[0] = np.full_like(leaves[0], np.nan)
+    shutil.rmtree(run / "checkpoints" / "8")
+    ckpt.manager.reload()
+    ckpt.save(8, jax.device_put({**state, "params": jax.tree.unflatten(treedef, leaves)}), data)
+    ckpt.wait()
+    ckpt.close()
+    assert Checkpointer(RunDir(run), keep=3, every=2).verify(8) is None  # its files are as written
+    proc = run_cli(
+        run, *FAST, "train.steps=10", "checkpoint.every=2", "checkpoint.keep=3", extra=["--resume"]
+    )
+    assert "checkpoint 8 is not usable: non-finite parameters" in proc.stdout, proc.stdout
+    assert "resuming from step 6" in proc.stdout and (run / "rejected_checkpoints" / "8").is_dir()
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.slow
 def test_no_usable_checkpoint_is_one_error_naming_each_tried(finished_run, tmp_path, capsys):
     from train.checkpoint import Checkpointer
     from train.rundir import RunDir

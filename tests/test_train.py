@@ -628,6 +628,79 @@ def test_user_errors_exit_with_one_clear_line(tmp_path, sets, message, capsys):
     assert code == 2 and len(lines) == 1 and message in lines[0], err
 
 
+PROFILE = ["mode=profile", "optimizer.name=galore"]
+
+
+@pytest.mark.parametrize(
+    "sets,message",
+    [
+        (["train.steps=0"], "train.steps must be >= 1, got 0"),
+        (["train.batch_size=0"], "train.batch_size must be >= 1, got 0"),
+        (["train.micro_batch_size=0"], "train.micro_batch_size must be >= 1 (or null), got 0"),
+        (["train.seq_len=1"], "train.seq_len must be >= 2, got 1"),
+        (["train.lr=0"], "train.lr must be > 0, got 0"),
+        (["train.lr=.inf"], "train.lr must be finite, got inf"),
+        (["train.warmup_ratio=1"], "train.warmup_ratio must be in [0, 1), got 1"),
+        (["train.warmup_ratio=-0.1"], "train.warmup_ratio must be in [0, 1), got -0.1"),
+        (["train.min_lr_ratio=1.5"], "train.min_lr_ratio must be in [0, 1], got 1.5"),
+        (["train.min_lr_ratio=-0.1"], "train.min_lr_ratio must be in [0, 1], got -0.1"),
+        (["train.eval_every=0"], "train.eval_every and train.log_every must be >= 1"),
+        (["train.log_every=0"], "train.eval_every and train.log_every must be >= 1"),
+        (["train.param_dtype=float16"], "train.param_dtype and train.dtype must be float32 or bfloat16"),
+        (["train.eval_batches=0"], "train.eval_batches must be >= 1, got 0"),
+        (["train.divergence_factor=1"], "train.divergence_factor must be > 1 (or 0: off), got 1"),
+        (["train.zero_grad_steps=-1"], "train.zero_grad_steps must be >= 0 (0: off), got -1"),
+        (["optimizer.r_base=0"], "optimizer.r_base must be >= 1, got 0"),
+        (["optimizer.block_size=0"], "optimizer.block_size must be >= 1, got 0"),
+        (["optimizer.update_proj_gap=0"], "optimizer.update_proj_gap must be >= 1, got 0"),
+        (["optimizer.b1=1"], "optimizer.b1 and b2 must be in [0, 1), got 1.0, 0.999"),
+        (["optimizer.b2=-0.1"], "optimizer.b1 and b2 must be in [0, 1), got 0.9, -0.1"),
+        (["optimizer.eps=-1e-8"], "optimizer.eps must be >= 0, got -1e-08"),
+        (["optimizer.scale=0"], "optimizer.scale must be > 0, got 0"),
+        (["checkpoint.keep=0"], "checkpoint.keep must be >= 1 and checkpoint.every >= 0"),
+        (["checkpoint.every=-1"], "checkpoint.keep must be >= 1 and checkpoint.every >= 0"),
+        (["profile.steps=0"], "profile.steps and profile.every must be >= 1"),
+        (["mode=profile", "optimizer.name=adamw"], "mode profile needs optimizer.name galore or moara"),
+        ([*PROFILE, "profile.num_receivers=0"], "profile.num_receivers must be >= 1, got 0"),
+        ([*PROFILE, "profile.ema=1"], "profile.ema must be in [0, 1), got 1"),
+        ([*PROFILE, "profile.donors=[]"], "profile.donors must be module types"),
+        (["data.source=files"], "data.source is files but data.paths is empty"),
+        (["data.source=store"], "data.source is store but data.store is not set"),
+        (["data.workers=0"], "data.workers must be >= 1 (or null), got 0"),
+        (["data.validation_fraction=0"], "data.validation_fraction must be in (0, 1)"),
+        (["data.validation_fraction=1"], "data.validation_fraction must be in (0, 1)"),
+        (["data.max_documents=0"], "data.max_documents must be >= 1 (or null), got 0"),
+    ],
+)
+def test_each_setting_out_of_its_range_is_refused_by_name(sets, message):
+    with pytest.raises(UserError) as e:
+        load_config(TINY, sets)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["train.steps=1", "train.seq_len=2", "train.lr=1e-9", "train.eval_every=1", "train.log_every=1"],
+        ["train.warmup_ratio=0", "train.min_lr_ratio=0", "train.divergence_factor=0"],
+        ["train.zero_grad_steps=0", "train.grad_clip=0"],
+        ["train.warmup_ratio=0.99", "train.min_lr_ratio=1", "train.divergence_factor=1.01"],
+        ["train.batch_size=8", "train.micro_batch_size=1", "train.eval_batches=1", "train.dtype=float32"],
+        ["optimizer.r_base=1", "optimizer.block_size=1", "optimizer.update_proj_gap=1"],
+        ["optimizer.b1=0", "optimizer.b2=0", "optimizer.eps=0", "optimizer.scale=1e-9"],
+        ["checkpoint.keep=1", "checkpoint.every=0", "data.workers=1", "data.max_documents=1"],
+        ["data.validation_fraction=0.001", *PROFILE, "profile.num_receivers=1", "profile.ema=0"],
+    ],
+)
+def test_the_edges_of_each_settings_range_are_taken(sets):
+    cfg = load_config(TINY, sets)
+    for s in sets:
+        key, value = s.split("=")
+        section, name = key.split(".") if "." in key else (None, key)
+        got = getattr(cfg, key) if section is None else getattr(getattr(cfg, section), name)
+        assert got == type(got)(value), s
+
+
 def test_one_set_takes_several_keys():
     """``--set a=1 b=2`` sets both keys, as two ``--set``s do (the second was refused as an
     unrecognized argument), in every command that loads a config (they share the option)."""
@@ -983,6 +1056,20 @@ def test_warmup_is_the_nearest_whole_number_of_steps(ratio, steps, warmup):
     assert float(lr(warmup - 1)) < 0.5 and float(lr(warmup)) == pytest.approx(0.5)
 
 
+def test_schedule_is_linear_warmup_then_one_cosine_to_the_last_step():
+    """The paper's schedule (Appendix D): linear from 0 to lr over the warmup, then half a cosine
+    period from lr to min_lr_ratio x lr ending at the run's last step, not warmup steps before."""
+    from train.step import schedule
+
+    steps, warmup, peak, end = 100, 10, 0.5, 0.05
+    sets = ["train.warmup_ratio=0.1", f"train.steps={steps}", f"train.lr={peak}", "train.min_lr_ratio=0.1"]
+    lr = schedule(load_config(TINY, sets))
+    for t in (0, 5, 10, 32, 55, 77, 99, 100):
+        cosine = end + (peak - end) * 0.5 * (1 + np.cos(np.pi * (t - warmup) / (steps - warmup)))
+        want = peak * t / warmup if t < warmup else cosine
+        assert float(lr(t)) == pytest.approx(want, rel=1e-5, abs=1e-7), t
+
+
 def test_model_overrides_pad_the_vocabulary_and_rename_the_preset():
     """A vocabulary larger than the tokenizer's pads the embedding (e.g. to a multiple a tensor
     axis divides); ``name`` renames the preset."""
@@ -1089,6 +1176,34 @@ def test_a_resume_takes_stated_defaults_as_no_change_and_keeps_how_a_profile_rec
             check_resumable(saved, to_dict(load_config(TINY, [*profile, f"{key}={value}"])))
     train = to_dict(load_config(TINY))
     check_resumable(train, to_dict(load_config(TINY, ["profile.every=4"])))  # not profiling
+
+
+def test_a_step_in_micro_batches_is_the_step_on_the_whole_batch():
+    """Gradient accumulation averages the micro-batches' gradients (each loss a mean over its
+    tokens): loss, gradient norm (what train.grad_clip and the logs read) and the new parameters
+    are the whole batch's, to float32 rounding. A sum would scale the norm by the micro-batch
+    count, which Adam's scale invariance hides from the loss."""
+    import jax
+    import jax.numpy as jnp
+
+    import models
+    from train.step import TrainState, make_optimizer, make_train_step
+
+    cfg = models.get_config("tiny")
+    params = models.init_params(cfg, jax.random.PRNGKey(0))
+    # AdamW: a projection's basis, an SVD of the first gradient, would turn with its rounding.
+    tx = make_optimizer(load_config(TINY, ["optimizer.name=adamw"]).optimizer, 0.01, 0.0)
+    state = TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
+    batch = jax.random.randint(jax.random.PRNGKey(1), (8, 17), 0, cfg.vocab_size)
+    whole, in_four = (jax.jit(make_train_step(cfg, tx, k))(state, batch) for k in (1, 4))
+    (want_state, want), (got_state, got) = jax.device_get((whole, in_four))
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    jax.tree.map(
+        lambda got_leaf, want_leaf: np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-6),
+        got_state.params,
+        want_state.params,
+    )
 
 
 def test_a_profile_step_measures_the_alignment_only_at_the_steps_it_records():
@@ -1551,6 +1666,16 @@ def test_the_host_reads_a_steps_metrics_only_after_dispatching_the_next(mode, mo
     if mode == "profile":
         alignment = json.loads((tmp_path / "run" / "alignment.json").read_text())
         assert alignment["steps"] == [3, 6, 9, 12] and set(alignment["s_tau"]) >= {"q", "down"}
+
+
+def test_the_last_step_is_evaluated_where_eval_every_does_not_divide_the_steps(tmp_path):
+    """8 steps with eval_every 6 evaluate at 6 and at 8: the final ppl is the trained model's."""
+    run = tmp_path / "run"
+    run_cli(run, *FAST, "train.steps=8", "checkpoint.every=0")
+    evaluated = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r]
+    summary = json.loads((run / "summary.json").read_text())
+    assert evaluated == [6, 8] and summary["final_eval_step"] == 8
+    assert summary["final_eval_ppl"] is not None
 
 
 @pytest.mark.slow

@@ -635,6 +635,30 @@ def test_fast_refresh_agrees_with_exact_basis(method):
     np.testing.assert_allclose(np.asarray(rand).T @ np.asarray(rand), np.eye(8), atol=1e-5)
 
 
+def test_randomized_refresh_with_rank_and_oversampling_covering_the_side_is_exact():
+    """With r + oversample at least the projected side's size the range finder's sketch spans
+    that whole side, so even without power iterations the basis is the exact top-r one (on a
+    Gaussian matrix, whose spectrum has no gap for the iterations to exploit)."""
+    g = jax.random.normal(jax.random.PRNGKey(0), (16, 24))  # Flax (fan_in=16, fan_out=24): side 16
+    exact_tx, rand_tx = mj.project(4), mj.project(4, svd="randomized", oversample=12, power_iters=0)
+    exact = exact_tx.update({"w": g}, exact_tx.init({"w": g}))[1].basis["w"]
+    rand = rand_tx.update({"w": g}, rand_tx.init({"w": g}))[1].basis["w"]
+    cosines = np.linalg.svd(np.asarray(exact).T @ np.asarray(rand), compute_uv=False)
+    np.testing.assert_allclose(cosines, 1.0, atol=1e-4)
+
+
+def test_inner_adams_default_eps_is_galore_torchs():
+    """``inner_adam()``'s eps is galore-torch's 1e-6 (not optax's 1e-8): on gradients near eps the
+    update is that of ``eps=1e-6``."""
+    g = {"w": jnp.full((3,), 1e-7)}
+
+    def update(tx):
+        return tx.update(g, tx.init(g))[0]["w"]
+
+    np.testing.assert_array_equal(update(mj.inner_adam()), update(mj.inner_adam(eps=1e-6)))
+    assert not np.allclose(update(mj.inner_adam()), update(mj.inner_adam(eps=1e-8)))
+
+
 def test_cholesky_qr2_orthonormalises_like_householder():
     """The accelerator path of the range finder (CholeskyQR2, run here directly) gives an
     orthonormal basis of the same column space as Householder QR, and stays finite on zeros."""
