@@ -170,6 +170,13 @@ def test_mla_without_query_factors_donates_from_q_and_kv_b():
         mj.default_donors("qk")  # was read as ('q', 'k')
 
 
+def test_a_model_with_every_default_donor_allocates_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ranks = mj.resolve_module_ranks(("q", "k", "v", "o", "up", "gate", "down"), r_base=16, warn=True)
+    assert ranks == {"q": 8, "k": 8, "v": 16, "o": 16, "up": 16, "gate": 16, "down": 32}
+
+
 def test_one_default_donor_alone_donates_and_is_said():
     """A tree with q but no k (nor kv_b): q alone gives ``r_base / 2``, down receives it, and
     ``warn=True`` says that only part of the default donors is there."""

@@ -247,6 +247,18 @@ def test_matrix_view_round_trips_and_leaves_other_leaves_alone():
     jax.tree.map(np.testing.assert_array_equal, out, params)
 
 
+def test_as_matrices_gives_back_the_leafs_layout_under_an_axis_order_that_is_not_its_own_inverse():
+    """fan_in the last axis, fan_out the first two: the view's axis order (2, 0, 1) is a 3-cycle,
+    whose inverse is another order (a swap, the other tests' case, is its own inverse)."""
+    x = {"w": jax.random.normal(jax.random.PRNGKey(0), (2, 3, 5))}
+    axes = {"w": mj.MatrixAxes(fan_in=2, fan_out=(0, 1))}
+    want = np.moveaxis(np.asarray(x["w"]), 2, 0).reshape(5, 6)  # (fan_in, fan_out)
+    np.testing.assert_array_equal(mj.matrix_view(x, axes)["w"], want)
+    tx = mj.as_matrices(optax.identity(), axes)
+    out, _ = tx.update(x, tx.init(x))
+    np.testing.assert_array_equal(out["w"], x["w"])
+
+
 def test_inject_hyperparams_takes_matrix_axes_as_static():
     rng = np.random.default_rng(4)
     params, axes = _multi_axis_params(rng)

@@ -36,6 +36,14 @@ FIRST = {"q": 0.66, "k": 0.65, "v": 0.67, "o": 0.70, "up": 0.688, "gate": 0.689,
 LATER = {"q": 0.908, "k": 0.916, "v": 0.944, "o": 0.92, "up": 0.919, "gate": 0.917, "down": 0.85}
 
 
+def test_the_recorders_smoothed_trajectory_is_an_ema_that_starts_at_the_first_value():
+    """``smoothed`` (alignment.json's curves): s_1 = v_1, s_t = ema * s_(t-1) + (1 - ema) * v_t."""
+    rec = profiling.AlignmentRecorder(ema=0.9)
+    for step, value in ((1, 1.0), (2, 0.0), (3, 0.5)):
+        rec.record(step, {"['layers_0']['q_proj']['kernel']": value})
+    assert rec.smoothed["q"] == pytest.approx([1.0, 0.9, 0.9 * 0.9 + 0.1 * 0.5])
+
+
 def test_s_tau_averages_the_recordings_after_from_step_and_per_basis():
     rec = recorder(FIRST, LATER)
     assert rec.steps == list(range(20, 401, 20))

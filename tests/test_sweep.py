@@ -232,6 +232,21 @@ def test_a_sweep_started_to_ignore_sigint_keeps_ignoring_it():
         signal.signal(signal.SIGINT, previous)
 
 
+def test_sessions_overlap_only_where_they_share_time_on_one_host():
+    """Back to back (one ends as the next starts) is not sharing the machine; another host's
+    session, or a run with itself, never overlaps; a session without a host may be anywhere."""
+    from train.compare import overlaps
+
+    def run(name, *sessions):
+        return {"name": name, "summary": {"sessions": [list(x) for x in sessions]}}
+
+    assert overlaps([run("a", (0, 10, "h")), run("b", (10, 20, "h"))]) == []
+    assert overlaps([run("a", (0, 10, "h")), run("b", (9.5, 20, "h"))]) == [("a", "b")]
+    assert overlaps([run("a", (0, 10, "h")), run("b", (5, 20, "g"))]) == []
+    assert overlaps([run("a", (0, 10, "h"), (5, 15, "h"))]) == []
+    assert overlaps([run("a", (0, 10)), run("b", (5, 20, "g"))]) == [("a", "b")]
+
+
 def test_report_statistics_on_hand_made_runs(tmp_path):
     runs = sweep.expand(PAPER, ["conditions/galore,full"], [0, 1, 2])
     # The baseline ends at ppl 20 and 22 (mean 21: the target); seed 2 diverged and is left out.
