@@ -407,6 +407,8 @@ def test_export_of_a_run_loads_in_transformers_with_its_tokenizer(run, exported)
     for text in ["the quick brown fox 12 jumps", "lazy dog\nover  two lines\n\n", "  unseen é ﬁ 😀\t", ""]:
         assert hf_tok.encode(text) == hf_tok(text)["input_ids"] == ours.encode(text), text
     assert (hf_tok.eos_token_id, hf_tok.bos_token_id) == (1, None)
+    # The model's own pad (id 0), the one its config.json names, not EOS in its place.
+    assert hf_tok.pad_token_id == 0 == json.loads((exported / "config.json").read_text())["pad_token_id"]
     assert hf_tok.model_max_length == cfg.max_position_embeddings  # the model's limit, not seq_len
     generation = json.loads((exported / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 1 and generation["pad_token_id"] == 0

@@ -929,11 +929,17 @@ def test_damaged_store_is_a_clear_error(tmp_path):
     open_store(files_section(paths, store=str(named)), quiet=True)
     shard = named / "shards" / "train-00001.bin"
     size = shard.stat().st_size
-    shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(
-        UserError, match=r"is damaged: shards/train-00001.bin is \d+ bytes, the manifest says"
-    ):
-        open_store(files_section(paths, store=str(named)), quiet=True)
+    whole = shard.read_bytes()
+    for damage in (whole[:-2], whole + b"\0\0", None):  # shorter, longer, gone
+        if damage is None:
+            shard.unlink()
+        else:
+            shard.write_bytes(damage)
+        found = "missing" if damage is None else r"\d+ bytes"
+        with pytest.raises(
+            UserError, match=rf"is damaged: shards/train-00001.bin is {found}, the manifest says"
+        ):
+            open_store(files_section(paths, store=str(named)), quiet=True)
     # Overwritten at its size: the ids read are no tokenizer's, in the loader's threads too.
     shard.write_bytes(b"\xff" * size)
     data = Data(open_store(files_section(paths, store=str(named)), quiet=True), 33)
