@@ -887,6 +887,10 @@ SHARDED = textwrap.dedent(
     mesh = make_mesh(MeshSection(data=2, fsdp=2, tensor=2))
     sharding = batch_sharding(mesh, 8)
     shape = (8, data.window)
+    # Rows split over data x fsdp (4 slices of 2 rows, each on the 2 tensor devices): an fsdp
+    # device that held the rows of its data slice whole would compute them twice over.
+    slices = {(i[0].start, i[0].stop) for i in sharding.devices_indices_map(shape).values()}
+    assert sorted(slices) == [(0, 2), (2, 4), (4, 6), (6, 8)], slices
     assert process_rows(sharding, shape) is None  # one process holds every row
     # A process whose devices hold the first data slice reads rows 0-3 of each batch only.
     first = {d: i for d, i in sharding.addressable_devices_indices_map(shape).items() if i[0].start in (0, 2)}
