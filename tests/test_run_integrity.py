@@ -847,6 +847,10 @@ def test_compare_refuses_runs_that_do_not_compare_and_force_marks_them(tmp_path,
     # A split of 10 windows of 33 tokens, read whole by 2 x 8 and by 100 x 8: the same windows.
     small = [fake_run(tmp_path, f"small{n}", evaluation=(32, n, 8), validation_tokens=330) for n in (2, 100)]
     compare(small, tmp_path / "out")
+    # 362 tokens are 10 windows of 33 (the last 32 tokens no window): as 1 x 10 reads them.
+    ten = fake_run(tmp_path, "ten", evaluation=(32, 1, 10))
+    whole = fake_run(tmp_path, "whole", evaluation=(32, 100, 8), validation_tokens=362)
+    compare([ten, whole], tmp_path / "out")
     compare([base, fake_run(tmp_path, "gpu", device="H100", session=(5, 15))], tmp_path / "out")
     err = capsys.readouterr().err
     assert "different devices (H100, cpu)" in err and "base and gpu ran at the same time" in err
