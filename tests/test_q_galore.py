@@ -580,6 +580,27 @@ def test_a_gamma_other_than_two_grows_the_interval_as_the_reference():
         mj.q_galore_project(4, 90, gamma=float("inf"))
 
 
+def test_the_interval_grows_whichever_sign_the_svd_gives_the_same_first_vector():
+    """The refresh's similarity is |cos| between the last and the new first basis vector: a
+    singular vector's sign is the SVD backend's choice, so the new basis's first vector at +-
+    the stored one is the same direction, and a full queue of such refreshes grows the interval
+    (a signed cosine left it at update_proj_gap where the backend flipped the sign)."""
+    g = jnp.diag(jnp.array([5.0, 1.0, 0.5, 0.2]))[:, :3]  # top singular vectors: e1 on each side
+    tx = mj.q_galore_project(2, 1, bits=None, cos_threshold=0.9, gamma=2.0, queue_size=2)
+    for sign in (1.0, -1.0):
+        state = tx.init({"w": g})
+        d = state.top["w"].shape[-1]
+        top = sign * jnp.zeros(d).at[0].set(1.0)
+        state = state._replace(
+            refreshes={"w": jnp.asarray(2, jnp.int32)},
+            cosines={"w": jnp.ones(2, jnp.float32)},
+            top={"w": top},
+        )
+        _, state = tx.update({"w": g}, state)  # count 0: a refresh
+        assert int(state.gap["w"]) == 2, sign
+        assert float(state.cosines["w"][-1]) == pytest.approx(1.0), sign
+
+
 def test_an_8bit_state_of_the_flat_layout_restores_in_the_kernels_shape():
     """A state saved when every 8-bit array was stored flat (before 2026-11-27): Flax's
     ``from_state_dict`` lays its codes and scales out in the array's shape, the same entries."""
