@@ -1668,6 +1668,7 @@ def test_the_host_reads_a_steps_metrics_only_after_dispatching_the_next(mode, mo
         assert alignment["steps"] == [3, 6, 9, 12] and set(alignment["s_tau"]) >= {"q", "down"}
 
 
+@pytest.mark.slow
 def test_the_last_step_is_evaluated_where_eval_every_does_not_divide_the_steps(tmp_path):
     """8 steps with eval_every 6 evaluate at 6 and at 8: the final ppl is the trained model's."""
     run = tmp_path / "run"
