@@ -134,9 +134,8 @@ def test_a_save_over_another_leaves_only_its_weights_and_both_readers_read_them(
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         close(hf_logits(tmp_path, tokens), models.forward(cfg, params, jnp.asarray(tokens)))
-    # Weights of exactly max_shard_bytes fit in one file.
-    tensor_bytes = write_hf_dir(tmp_path / "whole", cfg, first)["bytes"]
-    at_limit = write_hf_dir(tmp_path / "at_limit", cfg, first, max_shard_bytes=tensor_bytes)
+    # Weights of exactly max_shard_bytes fit in one file (every save's tensors take the same bytes).
+    at_limit = write_hf_dir(tmp_path / "at_limit", cfg, first, max_shard_bytes=written["bytes"])
     assert [f for f in at_limit["files"] if "safetensors" in f] == ["model.safetensors"]
     shutil.copy(tmp_path / written["files"][0], tmp_path / "stray.safetensors")
     write_hf_dir(tmp_path / "one", cfg, second)

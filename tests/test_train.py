@@ -3,6 +3,7 @@ an 8-device sharded run, data edge cases, config errors, compare and profiling."
 
 import contextlib
 import dataclasses
+import functools
 import gzip
 import io
 import json
@@ -696,8 +697,7 @@ def test_the_edges_of_each_settings_range_are_taken(sets):
     cfg = load_config(TINY, sets)
     for s in sets:
         key, value = s.split("=")
-        section, name = key.split(".") if "." in key else (None, key)
-        got = getattr(cfg, key) if section is None else getattr(getattr(cfg, section), name)
+        got = functools.reduce(getattr, key.split("."), cfg)
         assert got == type(got)(value), s
 
 
