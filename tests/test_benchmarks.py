@@ -1,6 +1,6 @@
 """The benchmark scripts' own logic: the HLO reading of step_anatomy and train_anatomy, the in-jit
 timing guard, vs_torch.py's and refresh_methods.py's CPU smoke runs, the GPU session driver's
-readers."""
+readers, data_pipeline.py's and tokenizer_export.py's parts on tiny inputs."""
 
 import importlib.metadata
 import json
@@ -1068,3 +1068,119 @@ def test_train_anatomy_compiles_a_profiling_step_that_measures_only_at_its_recor
     train, every, some = (train_anatomy.anatomy(cfg, tx, 8, 8, 16, None, (None, None), n) for n in (0, 1, 4))
     assert every["launches_plain_step"] > some["launches_plain_step"] >= train["launches_plain_step"]
     assert some["kernels"] > train["kernels"]
+
+
+def _jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_tokenizer_export_counts_every_document_and_names_where_the_two_first_part(tmp_path, monkeypatch):
+    """tokenizer_export.py on a BPE model it trains with Llama 2's settings: every document and
+    token counted, none differing (the export is exact for BPE); with an ``AutoTokenizer`` that
+    encodes one document otherwise, that document named with both lengths and the pieces of each
+    from where they first part."""
+    pytest.importorskip("sentencepiece")
+    transformers = pytest.importorskip("transformers")
+    import tokenizer_export
+
+    from train.sources import SentencePieceTokenizer
+
+    words = "the quick brown fox jumps over a lazy dog while 42 cats sleep near 1999 red houses".split()
+    texts = [" ".join(words[i:] + words[:i]) + f" number {i * 37}" for i in range(12)]
+    docs = _jsonl(tmp_path / "docs.jsonl", texts)
+    model = tokenizer_export.train_bpe(str(docs), 300, tmp_path / "bpe")
+    sp = SentencePieceTokenizer(model)
+    lengths = [len(sp.encode(t)) for t in texts]
+    assert tokenizer_export.compare(model, [str(docs)]) == {
+        "documents": 12,
+        "tokens": sum(lengths),
+        "documents_differing": 0,
+        "differ": [],
+    }
+
+    loaded = transformers.AutoTokenizer.from_pretrained
+
+    def from_pretrained(*args, **kwargs):  # the third document's ids from its third on: swapped
+        hf = loaded(*args, **kwargs)
+        encode = hf.encode
+
+        def changed(text, **kw):
+            ids = encode(text, **kw)
+            return ids[:2] + ids[2:][::-1] if text == texts[2] else ids
+
+        hf.encode = changed
+        return hf
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    result = tokenizer_export.compare(model, [str(docs)])
+    want = sp.encode(texts[2])
+    got = want[:2] + want[2:][::-1]
+    at = next(i for i in range(2, len(want)) if want[i] != got[i])
+    piece = sp.processor.id_to_piece
+    assert result["documents_differing"] == 1 and result["tokens"] == sum(lengths)
+    assert result["differ"] == [
+        {
+            "document": 2,
+            "tokens": [lengths[2], lengths[2]],
+            "sentencepiece": [piece(i) for i in want[at : at + 4]],
+            "transformers": [piece(i) for i in got[at : at + 4]],
+        }
+    ]
+
+
+def _pipeline_shards(folder: Path) -> list[Path]:
+    folder.mkdir()
+    return [
+        _jsonl(
+            folder / f"train-{s}.jsonl",
+            [f"document {d} of shard {s}: " + "lorem ipsum " * 30 for d in range(20)],
+        )
+        for s in range(2)
+    ]
+
+
+def test_data_pipeline_prepares_and_loads_every_token(tmp_path):
+    """data_pipeline.py's prepare and loader parts on byte-tokenized shards: the store holds each
+    document's bytes and an EOS, and the loader delivers (batch, seq_len + 1) rows at a rate."""
+    import data_pipeline
+
+    from train import store as token_store
+    from train.config import DataSection
+
+    shards = _pipeline_shards(tmp_path / "shards")
+    validation = _jsonl(tmp_path / "validation.jsonl", ["held out " * 40] * 5)
+    section = DataSection(
+        source="files", paths=[str(s) for s in shards], validation_paths=[str(validation)], tokenizer="bytes"
+    )
+    texts = [json.loads(line)["text"] for s in shards for line in s.read_text().splitlines()]
+    want_train = sum(len(t.encode()) + 1 for t in texts)
+    for workers in (1, 2):
+        prepared = data_pipeline.prepare(section, tmp_path / "store", workers)
+        assert prepared["workers"] == workers and prepared["tokens"] == want_train + 5 * (
+            len("held out " * 40) + 1
+        )
+        assert prepared["tokens_per_s"] == pytest.approx(prepared["tokens"] / prepared["seconds"])
+    assert token_store.TokenStore(tmp_path / "store").manifest["splits"]["train"]["tokens"] == want_train
+    loaded = data_pipeline.loader(tmp_path / "store", batch=4, seq_len=16, batches=3, repeats=2)
+    assert loaded["batch"] == 4 and loaded["seq_len"] == 16 and loaded["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_data_pipeline_train_run_reports_the_childs_store_rss_and_start_up(tmp_path):
+    """data_pipeline.py's ``python -m train`` on a prepared store: the train tokens the run's
+    summary counts, the child's own peak RSS, its start-up."""
+    import data_pipeline
+
+    from train.config import DataSection
+
+    shards = _pipeline_shards(tmp_path / "shards")
+    section = DataSection(
+        source="files", paths=[str(shards[0])], validation_paths=[str(shards[1])], tokenizer="bytes"
+    )
+    data_pipeline.prepare(section, tmp_path / "store", 1)
+    run = data_pipeline.train_run(tmp_path / "store", "bytes", tmp_path / "run", steps=2)
+    text = [json.loads(line)["text"] for line in shards[0].read_text().splitlines()]
+    assert run["train_tokens_in_store"] == sum(len(t.encode()) + 1 for t in text)
+    assert 100 < run["peak_rss_mb"] < 1 << 16
+    assert run["startup"]["first_step_s"] > 0 and run["process_wall_s"] > run["startup"]["first_step_s"]
