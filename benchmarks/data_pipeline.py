@@ -36,6 +36,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _args import check_out, positive  # noqa: E402  (this script's folder: sys.path[0])
+
 from train import store as token_store  # noqa: E402
 from train.config import DataSection  # noqa: E402
 from train.data import Data  # noqa: E402
@@ -112,34 +114,46 @@ def train_run(directory: pathlib.Path, tokenizer: str, run_dir: pathlib.Path, st
     }
 
 
+def _counts(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated worker counts, each at least 1."""
+    return [positive(x) for x in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", required=True, help="glob of the train shards")
     parser.add_argument("--validation", required=True, help="the validation shard(s), comma-separated")
     parser.add_argument("--tokenizer", required=True, help="sentencepiece model (or 'bytes')")
-    parser.add_argument("--workers", default="1,2", help="worker counts to time prepare with")
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batches", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--train-steps", type=int, default=20)
+    parser.add_argument("--workers", type=_counts, default="1,2", help="worker counts to time prepare with")
+    parser.add_argument("--batch", type=positive, default=512)
+    parser.add_argument("--seq-len", type=positive, default=256)
+    parser.add_argument("--batches", type=positive, default=200)
+    parser.add_argument("--repeats", type=positive, default=5)
+    parser.add_argument("--train-steps", type=positive, default=20)
     parser.add_argument("--work-dir", default=None, help="where the stores go (default: a temporary dir)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-
+    check_out(parser, args.out)
     shards = sorted(glob.glob(args.shards))
     if not shards:
-        raise SystemExit(f"no shard matches {args.shards}")
+        parser.error(f"--shards: no file matches {args.shards}")
     validation = args.validation.split(",")
+    missing = [
+        p
+        for p in validation + [args.tokenizer] * (args.tokenizer != "bytes")
+        if not pathlib.Path(p).is_file()
+    ]
+    if missing:
+        parser.error(f"no file {', '.join(missing)}")
     tokenizer = str(pathlib.Path(args.tokenizer).resolve()) if args.tokenizer != "bytes" else "bytes"
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="data_pipeline_"))
     section = DataSection(source="files", paths=shards, validation_paths=validation, tokenizer=tokenizer)
     result = {"cpus": os.cpu_count(), "shards": len(shards), "prepare": [], "python": sys.version.split()[0]}
-    for w in (int(x) for x in args.workers.split(",")):
+    for w in args.workers:
         result["prepare"].append(prepare(section, work / "all", w))
         print(json.dumps(result["prepare"][-1]), flush=True)
     one = DataSection(source="files", paths=shards[:1], validation_paths=validation, tokenizer=tokenizer)
-    prepare(one, work / "one", max(int(x) for x in args.workers.split(",")))
+    prepare(one, work / "one", max(args.workers))
     result["loader"] = loader(work / "all", args.batch, args.seq_len, args.batches, args.repeats)
     print(json.dumps(result["loader"]), flush=True)
     result["train"] = {

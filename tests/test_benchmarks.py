@@ -899,6 +899,27 @@ def test_sharded_step_counts_fewer_collective_bytes_with_activation_rules(tmp_pa
         ("refresh_methods", ["--methods", "svd"], "--methods: unknown svd (known: jax_randomized, "),
         ("sharded_step", ["--meshes", "1x8"], "--meshes: '1x8' is not data x fsdp x tensor (e.g. 2x4x1)"),
         ("sharded_step", ["--meshes", "2x4x1"], "--meshes: 2x4x1 needs 8 devices, this process has 1"),
+        (
+            "data_pipeline",
+            ["--shards", "*.jsonl", "--validation", "v.jsonl", "--tokenizer", "bytes", "--workers", "1,0"],
+            "argument --workers: must be at least 1, got 0",
+        ),
+        (
+            "data_pipeline",
+            ["--shards", "/nowhere/train-*.jsonl", "--validation", "v.jsonl", "--tokenizer", "bytes"],
+            "--shards: no file matches /nowhere/train-*.jsonl",
+        ),
+        (
+            "data_pipeline",
+            ["--shards", __file__, "--validation", "/nowhere/v.jsonl", "--tokenizer", "/nowhere/sp.model"],
+            "no file /nowhere/v.jsonl, /nowhere/sp.model",
+        ),
+        ("tokenizer_export", ["--tokenizer", "/nowhere/sp.model", __file__], "no file /nowhere/sp.model"),
+        (
+            "tokenizer_export",
+            ["--train-bpe", __file__, "--vocab-size", "0", __file__],
+            "must be at least 1, got 0",
+        ),
         ("fused_kernel", ["--size", "tiny"], "fused_kernel.py times a GPU kernel: JAX's backend is cpu"),
         (
             "step_anatomy",
@@ -913,10 +934,10 @@ def test_sharded_step_counts_fewer_collective_bytes_with_activation_rules(tmp_pa
     ],
 )
 def test_a_benchmarks_bad_arguments_are_one_line_before_any_work(script, argv, message, monkeypatch, capsys):
-    """A typo'd name ran nothing and exited 0; a zero count, a micro-batch that does not divide
-    the batch (run as another one), a mesh of the wrong size, a GPU-only script on a CPU and a
-    deviceless H100 compile without JAX's CUDA plugin each ended in a traceback, some after
-    minutes of timing."""
+    """A typo'd name ran nothing and exited 0; a zero count, a missing input file, a micro-batch
+    that does not divide the batch (run as another one), a mesh of the wrong size, a GPU-only
+    script on a CPU and a deviceless H100 compile without JAX's CUDA plugin each ended in a
+    traceback, some after minutes of timing."""
     if script in ("step_anatomy", "train_anatomy") and any("cuda" in p for p in _plugins()):
         pytest.skip("JAX's CUDA plugin is installed: the deviceless targets compile")
     if script == "fused_kernel" and jax.default_backend() == "gpu":
