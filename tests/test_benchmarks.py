@@ -1163,7 +1163,7 @@ def _pipeline_shards(folder: Path) -> list[Path]:
 
 def test_data_pipeline_prepares_and_loads_every_token(tmp_path):
     """data_pipeline.py's prepare and loader parts on byte-tokenized shards: the store holds each
-    document's bytes and an EOS, and the loader delivers (batch, seq_len + 1) rows at a rate."""
+    document's bytes and an EOS (with 1 worker and with 2), and the loader times batches from it."""
     import data_pipeline
 
     from train import store as token_store
