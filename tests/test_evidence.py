@@ -1211,3 +1211,122 @@ def test_the_runs_token_stores_are_under_the_runners_folder_unless_the_caller_sa
     assert runner_module.child_env(None, 1, None, tmp_path / "c")["MOARA_JAX_CACHE"] == str(tmp_path / "c")
     monkeypatch.setattr(runner_module, "ORIGINAL_ENV", {"PATH": "/bin", "MOARA_JAX_CACHE": "/mine"})
     assert runner_module.child_env(None, 1, None, tmp_path / "c")["MOARA_JAX_CACHE"] == "/mine"
+
+
+def test_runs_going_at_the_budgets_end_are_stopped_before_it_and_are_not_crashes(tmp_path, monkeypatch):
+    """Runs still going ``RESERVE_S - 5`` s before the budget's end get SIGTERM (a run saves a
+    checkpoint and exits), not the kill that comes 3 s before it, and are recorded as stopped at
+    the deadline; two ending so are not two runs that ended without a result."""
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    script = {"profile-seed0": (1000, True), "full-seed0": (1000, True)}
+    runner, procs, lines = fake_runner(
+        monkeypatch, plan_path, root, script, concurrent=2, budget_s=100, estimate_s=10
+    )
+    runner.loop()
+    assert sorted(procs) == sorted(script)
+    for name, proc in procs.items():
+        assert proc.signals == [signal.SIGTERM] and proc.returncode == -signal.SIGTERM
+        record = runner_record(root, name)
+        assert record["stopped_at_deadline"] and record["status"] == "unfinished (new)"
+        assert record["wall_s"] == pytest.approx(100 - (plan_module.RESERVE_S - 5), abs=0.6)
+    assert not any("two runs in a row" in line for line in lines)
+    assert any(line.startswith("tiny/galore-seed0: not started: needs ~") for line in lines)
+
+
+def test_the_archive_holds_completed_and_failed_runs_not_unfinished_ones(tmp_path, monkeypatch):
+    """A run the divergence guard stopped (``nan``, ``diverged``) is a result, as a completed one
+    is: both come back; a run that did not finish does not."""
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    runner, _, _ = fake_runner(monkeypatch, plan_path, root, {})
+    statuses = {"profile-seed0": "completed", "full-seed0": "nan", "galore-seed0": "diverged"}
+    statuses["rank-seed0"] = "running"
+    for planned in runner.plan.runs:
+        if planned.run.name in statuses:
+            run_dir = runner.where(planned, True)
+            run_dir.mkdir(parents=True)
+            (run_dir / "summary.json").write_text(json.dumps({"status": statuses[planned.run.name]}))
+    assert runner.pack() == 3
+    with tarfile.open(root / "out" / runner_module.ARCHIVE) as tar:
+        runs = {name.split("/")[2] for name in tar.getnames() if name.startswith("results/tiny/")}
+    assert runs == {"profile-seed0", "full-seed0", "galore-seed0"}
+
+
+def _measurable_run(run_dir: pathlib.Path, device: str, resumed: bool = False) -> None:
+    """A completed run's files as ``measure`` reads them: 4 steps in 2 s on ``device``."""
+    optimizer = {"name": "moara", "host": "none", "decompose": False, "rank_allocation": "uniform"}
+    finished_run(run_dir, {"mode": "train", "optimizer": optimizer})
+    rows = [{"step": 0, "loss": 1.0, "wall_s": 0.0}, {"step": 4, "loss": 0.5, "wall_s": 2.0}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"status": "completed", "steps": 4, "device_kind": device}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    record = {"wall_s": 5.0, "resumed": resumed, "concurrency": 1.0}
+    (run_dir / plan_module.RUNNER_FILE).write_text(json.dumps(record))
+
+
+def test_estimates_come_from_committed_runs_of_this_device_alone_and_never_from_a_resumed_one(
+    tmp_path, monkeypatch
+):
+    """A committed run of another GPU model says nothing of this one's times, and a resumed run's
+    wall time is its last attempt's alone: neither is measured; a run of this machine's device
+    is."""
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    runner, _, _ = fake_runner(monkeypatch, plan_path, root, {})
+    by_name = {p.run.name: p for p in runner.plan.runs}
+    _measurable_run(runner.where(by_name["profile-seed0"], False), "NVIDIA H100 80GB HBM3")
+    _measurable_run(runner.where(by_name["full-seed0"], False), runner.device)
+    _measurable_run(runner.where(by_name["galore-seed0"], False), runner.device, resumed=True)
+    measured = runner.measured()
+    assert [m.name for m in measured] == ["full-seed0"]
+    assert measured[0].per_step_s == pytest.approx(0.5) and measured[0].wall_s == 5.0
+
+
+def test_a_start_clears_an_attempt_that_left_no_checkpoint(tmp_path, monkeypatch):
+    """A run dir with no checkpoint to resume from (a run a fault stopped before its first) is
+    started afresh: the earlier attempt's files do not come back with the new run's."""
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    runner, _, _ = fake_runner(monkeypatch, plan_path, root, {"profile-seed0": (1, True)}, max_runs=1)
+    stale = runner.where(runner.plan.runs[0], True)
+    stale.mkdir(parents=True)
+    (stale / "alignment.json").write_text("{}")
+    runner.loop()
+    assert runner_record(root, "profile-seed0")["status"] == "completed"
+    assert not (stale / "alignment.json").exists()
+
+
+def test_a_plan_entry_timed_false_never_waits_for_the_device_to_itself(tmp_path, monkeypatch):
+    plan_path, root = tiny_setting(tmp_path), tmp_path / "gpu"
+    text = plan_path.read_text()
+    full = "  - {experiment: tiny, axes: [conditions/full], seeds: [0]}\n"
+    assert full in text
+    plan_path.write_text(text.replace(full, full.replace("}", ", timed: false}")))
+    runner, _, _ = fake_runner(monkeypatch, plan_path, root, {}, no_timing_runs=False)
+    alone = {p.run.name: runner.needs_alone(p) for p in runner.plan.runs}
+    assert not alone["full-seed0"] and alone["galore-seed0"] and not alone["profile-seed0"]
+
+
+def test_the_report_times_an_experiment_on_the_device_of_its_baselines_runs_alone(tmp_path):
+    """``timing_device``: the device most runs of the baseline point (GaLore) had to themselves,
+    though more runs of the other points had another device; without a baseline run alone, the
+    device most runs had."""
+    plan = plan_module.load_plan(tiny_setting(tmp_path))
+    devices = {"galore-seed0": "H100", "full-seed0": "H200", "rank-seed0": "H200"}
+
+    def alone(planned):
+        device = devices.get(planned.run.name)
+        return None if device is None else {"device": device}
+
+    assert plan_module.timing_device(plan, "tiny", alone) == "H100"
+    del devices["galore-seed0"]
+    assert plan_module.timing_device(plan, "tiny", alone) == "H200"
+
+
+def test_a_long_train_log_keeps_its_tail(tmp_path):
+    """``_trim``: a run's output past ``TAIL_BYTES`` keeps its last bytes (where a stop or an
+    error shows), marked as cut."""
+    path = tmp_path / "train.log"
+    lines = [f"line {i}\n".encode() for i in range(100_000)]
+    path.write_bytes(b"".join(lines))
+    runner_module._trim(path)
+    data = path.read_bytes()
+    assert data.startswith(b"[... cut ...]\n") and data.endswith(lines[-1])
+    assert len(data) == runner_module.TAIL_BYTES + len(b"[... cut ...]\n")
