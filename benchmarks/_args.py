@@ -46,3 +46,10 @@ def check_out(parser: argparse.ArgumentParser, out: str | None) -> None:
         parser.error(f"--out {out} is a directory: give a file path")
     if not path.parent.is_dir():
         parser.error(f"--out {out}: no directory {path.parent}")
+
+
+def check_files(parser: argparse.ArgumentParser, paths) -> None:
+    """Refuses input files that are not there, all named in one line, before any work."""
+    missing = [p for p in paths if not pathlib.Path(p).is_file()]
+    if missing:
+        parser.error(f"no file {', '.join(missing)}")

@@ -36,7 +36,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _args import check_out, positive  # noqa: E402  (this script's folder: sys.path[0])
+from _args import check_files, check_out, positive  # noqa: E402  (this script's folder: sys.path[0])
 
 from train import store as token_store  # noqa: E402
 from train.config import DataSection  # noqa: E402
@@ -138,13 +138,7 @@ def main() -> None:
     if not shards:
         parser.error(f"--shards: no file matches {args.shards}")
     validation = args.validation.split(",")
-    missing = [
-        p
-        for p in validation + [args.tokenizer] * (args.tokenizer != "bytes")
-        if not pathlib.Path(p).is_file()
-    ]
-    if missing:
-        parser.error(f"no file {', '.join(missing)}")
+    check_files(parser, validation + ([] if args.tokenizer == "bytes" else [args.tokenizer]))
     tokenizer = str(pathlib.Path(args.tokenizer).resolve()) if args.tokenizer != "bytes" else "bytes"
     work = pathlib.Path(args.work_dir or tempfile.mkdtemp(prefix="data_pipeline_"))
     section = DataSection(source="files", paths=shards, validation_paths=validation, tokenizer=tokenizer)

@@ -24,7 +24,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _args import positive  # noqa: E402  (this script's folder: sys.path[0])
+from _args import check_files, positive  # noqa: E402  (this script's folder: sys.path[0])
 
 from train.export import write_tokenizer  # noqa: E402
 from train.sources import Counts, SentencePieceTokenizer, file_documents  # noqa: E402
@@ -96,9 +96,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=positive, default=8000, help="of the model --train-bpe trains")
     parser.add_argument("paths", nargs="+", help="JSON-lines files with a text field")
     args = parser.parse_args()
-    missing = [p for p in [args.tokenizer or args.train_bpe, *args.paths] if not pathlib.Path(p).is_file()]
-    if missing:
-        parser.error(f"no file {', '.join(missing)}")
+    check_files(parser, [args.tokenizer or args.train_bpe, *args.paths])
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = args.tokenizer or train_bpe(args.train_bpe, args.vocab_size, pathlib.Path(tmp) / "bpe")
         print(json.dumps(compare(tokenizer, args.paths), indent=2, ensure_ascii=False))

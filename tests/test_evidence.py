@@ -1254,7 +1254,8 @@ def test_the_archive_holds_completed_and_failed_runs_not_unfinished_ones(tmp_pat
 def _measurable_run(run_dir: pathlib.Path, device: str, resumed: bool = False) -> None:
     """A completed run's files as ``measure`` reads them: 4 steps in 2 s on ``device``."""
     optimizer = {"name": "moara", "host": "none", "decompose": False, "rank_allocation": "uniform"}
-    finished_run(run_dir, {"mode": "train", "optimizer": optimizer})
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"mode": "train", "optimizer": optimizer}))
     rows = [{"step": 0, "loss": 1.0, "wall_s": 0.0}, {"step": 4, "loss": 0.5, "wall_s": 2.0}]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {"status": "completed", "steps": 4, "device_kind": device}
