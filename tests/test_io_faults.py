@@ -13,10 +13,12 @@ import pathlib
 import shlex
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import cpu_devices
 from test_train import FAST, TINY, losses, run_cli
 
 from train import __main__ as trainer
@@ -504,3 +506,43 @@ def test_a_real_full_disk_ends_the_run_with_74_and_resume_after_freeing_space(tm
         )
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+SPACE_OF_A_SHARE = """
+import shutil, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from train import checkpoint
+from train.errors import IOFault
+from train.rundir import RunDir
+
+mesh = Mesh(np.asarray(jax.devices()), ("d",))
+mib = jnp.zeros((256, 1024), jnp.float32)  # 1 MiB
+state = {
+    "replicated": jax.device_put(mib, NamedSharding(mesh, PartitionSpec())),  # a copy on each device
+    "sharded": jax.device_put(mib, NamedSharding(mesh, PartitionSpec("d"))),  # a quarter on each
+}
+ckpt = checkpoint.Checkpointer(RunDir(sys.argv[1]), keep=1, every=1)
+usage = shutil.disk_usage
+checkpoint.shutil.disk_usage = lambda path: usage(path)._replace(free=0)
+try:
+    ckpt.save(1, state, {})
+except IOFault as e:
+    print(e)
+"""
+
+
+def test_the_room_a_save_needs_counts_a_replicated_array_once(tmp_path):
+    """On 4 devices, a state of 1 MiB replicated on each and 1 MiB sharded over them: the save
+    writes 2 MiB (orbax writes one copy of a replicated array), and the refusal on a full disk
+    says so with the margin for orbax's metadata (1 MiB), not 5 MiB of copies plus it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SPACE_OF_A_SHARE, str(tmp_path / "run")],
+        env=cpu_devices(4),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no space left on device (it needs 3.0 MiB, 0.0 MiB are free)" in proc.stdout, proc.stdout
+    assert not any(p.name.isdigit() for p in (tmp_path / "run" / "checkpoints").iterdir())

@@ -550,11 +550,62 @@ def test_a_resume_onto_checkpoints_of_other_settings_or_of_no_config_is_refused_
     assert f"--resume: {run} holds checkpoints but no config.yaml to check" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("stored", "expected", "found"),
+    [
+        ({"w": (4,)}, {"w": (4,), "x": (3,)}, "['x']: stored nothing, expected (3,)"),
+        ({"w": (4,), "x": (3,)}, {"w": (4,)}, "['x']: stored (3,), expected nothing"),
+    ],
+    ids=["a leaf the run adds", "a leaf the run lacks"],
+)
+def test_a_state_with_a_leaf_more_or_fewer_than_the_checkpoints_is_refused_by_name(
+    stored, expected, found, tmp_path
+):
+    """Settings whose state has a leaf the checkpoint lacks, or lacks one it holds (as a host
+    of other state would): the resume names that leaf, before any array is read, and keeps
+    the checkpoint."""
+    import jax
+    import jax.numpy as jnp
+
+    from train.checkpoint import Checkpointer
+
+    run = RunDir(tmp_path / "run")
+    ckpt = Checkpointer(run, keep=3, every=2)
+    ckpt.save(2, {key: jnp.ones(shape) for key, shape in stored.items()}, {"iterator": 1})
+    ckpt.close()
+    ckpt = Checkpointer(run, keep=3, every=2)
+    abstract = {key: jax.ShapeDtypeStruct(shape, jnp.float32) for key, shape in expected.items()}
+    refusal = f"holds another state than this run's settings make ({found})"
+    with pytest.raises(UserError, match=re.escape(refusal)):
+        ckpt.restore_latest(abstract, lambda state: None, say=pytest.fail)
+    assert ckpt.steps() == [2] and not run.rejected.exists()
+    ckpt.close()
+
+
+@pytest.mark.parametrize(
+    ("message", "said"),
+    [
+        ("Read failed. Tensorstore says more here.\nand a second line", "Read failed"),
+        ("shape (4,) vs. stored (8,). More", "shape (4,) vs. stored (8,)"),  # "vs. s": not a sentence's end
+        ("word " * 60, ("word " * 40).strip() + " ..."),  # over 200 characters: cut at a word
+        ("", ""),
+    ],
+    ids=["two sentences", "an abbreviation", "a long one", "none"],
+)
+def test_a_failed_reads_error_is_said_by_its_first_sentence(message, said):
+    """What a refused checkpoint's line quotes of the library's error: its first sentence of
+    its first line, at most 200 characters."""
+    from train.checkpoint import _first_sentence
+
+    assert _first_sentence(RuntimeError(message)) == said
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", [truncate])  # each kind of damage: test_verification_names_...
 def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
+    written = (run / "checksums" / "8.json").read_text()
     reason = damage(run / "checkpoints" / "8") or "files changed since it was written"
     proc = run_cli(
         run, *FAST, "train.steps=10", "checkpoint.every=2", "checkpoint.keep=3", extra=["--resume"]
@@ -562,6 +613,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_next_older(damage, finish
     assert f"checkpoint 8 is not usable: {reason}" in proc.stdout, proc.stdout
     assert "resuming from step 6" in proc.stdout and "Traceback" not in proc.stderr
     assert (run / "rejected_checkpoints" / "8").is_dir()
+    # Its checksums go with it: what it held when it was written.
+    assert (run / "rejected_checkpoints" / "8.checksums.json").read_text() == written
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 10
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == list(range(1, 11))
