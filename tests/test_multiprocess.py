@@ -573,6 +573,8 @@ def test_launcher_relay_drops_jaxlib_dump_and_names_the_lost_process(monkeypatch
     assert relay.peer_lost and relay.connected and relay.declared is None
     lost = distributed.lost_processes(b"".join(relay.dropped).decode())
     assert lost == [1]
+    several = JAXLIB_DUMP[fatal:].replace(b"heartbeats):\n1\n", b"heartbeats):\n3, 1\n").decode()
+    assert distributed.lost_processes(several) == [1, 3]
     assert distributed.lost_processes("Either the leader task was preempted/died/restarted") == [0]
     monkeypatch.setenv("JAX_PROCESS_ID", "0")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
@@ -582,6 +584,9 @@ def test_launcher_relay_drops_jaxlib_dump_and_names_the_lost_process(monkeypatch
     assert relay.peer_lost and not relay.connected
     line = distributed.peer_lost_line([], relay.connected)
     assert line.startswith("error: process 0 of 2 did not connect to every process through the coordinator")
+    # The trainer's status after output without its line's end: the output is passed on, ended
+    out, relay = _relay(b"a line without its end" + b"moara-jax-worker-exit-status 75\n")
+    assert out == b"a line without its end\n" and relay.declared == 75
 
 
 @pytest.mark.slow
@@ -631,7 +636,8 @@ def test_jax_variables_take_precedence_over_slurms(tmp_path):
 
 def test_a_slurm_step_gives_jax_the_steps_number_of_processes(monkeypatch):
     """SLURM_NTASKS (what jax.distributed reads) may be the allocation's: the trainer passes the
-    step's count; JAX's own variables are checked."""
+    step's count, also where the coordinator's address alone is given (SLURM's process id is
+    read then); JAX's three variables are passed as they are, and checked."""
     import jax
 
     calls = []
@@ -641,8 +647,14 @@ def test_a_slurm_step_gives_jax_the_steps_number_of_processes(monkeypatch):
         monkeypatch.setenv(name, value)
     distributed.initialize()
     assert calls[-1]["num_processes"] == 2 and "cluster_detection_method" not in calls[-1]
-    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")  # the coordinator alone named:
+    distributed.initialize()  # SLURM's process id is read, with the step's count
+    assert calls[-1]["num_processes"] == 2 and "cluster_detection_method" not in calls[-1]
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    distributed.initialize()  # JAX's three variables: nothing read from SLURM
+    given = {key: calls[-1].get(key) for key in ("num_processes", "process_id", "cluster_detection_method")}
+    assert given == {"num_processes": 2, "process_id": 1, "cluster_detection_method": "deactivate"}
     monkeypatch.setenv("JAX_PROCESS_ID", "one")
     with pytest.raises(UserError, match="JAX_PROCESS_ID must be a whole number"):
         distributed.initialize()

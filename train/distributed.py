@@ -157,7 +157,7 @@ def initialize() -> None:
         # JAX's three variables say it all: no cluster's (SLURM's) variables read, which would
         # also give the process one GPU of its host.
         env["cluster_detection_method"] = "deactivate"
-    elif not os.environ.get("JAX_COORDINATOR_ADDRESS") and slurm_step_tasks() > 1:
+    elif slurm_step_tasks() > 1:  # (the address alone given: SLURM's id and count are read)
         env.setdefault("num_processes", slurm_step_tasks())  # the step's, not the allocation's
     jax.config.update("jax_enable_preemption_service", False)
     try:
