@@ -380,7 +380,8 @@ def test_a_run_dir_on_a_read_only_disk_is_named_as_made_or_as_found(tmp_path, mo
 
 def test_a_run_file_written_over_keeps_its_old_text_when_the_write_fails(tmp_path, monkeypatch):
     """``config.yaml``, ``model.json`` and ``summary.json`` are replaced whole or not at all: a
-    resume stopped by a full disk leaves the config the next ``--resume`` compares with."""
+    resume stopped by a full disk leaves the config the next ``--resume`` compares with. Unchanged
+    text is not written again, unless a new file is asked for."""
     from train.rundir import write_atomically
 
     path = tmp_path / "config.yaml"
@@ -388,6 +389,9 @@ def test_a_run_file_written_over_keeps_its_old_text_when_the_write_fails(tmp_pat
     before = path.stat().st_mtime_ns
     write_atomically(path, "train: {steps: 4}\n")  # unchanged: not written again
     assert path.stat().st_mtime_ns == before
+    inode = path.stat().st_ino
+    write_atomically(path, "train: {steps: 4}\n", if_changed=False)  # a new file all the same, as a
+    assert path.stat().st_ino != inode  # resume's metrics.jsonl is, for a reader following the old
 
     def half_then_full(self, text, *args, **kwargs):
         with open(self, "w") as f:

@@ -20,7 +20,7 @@ from test_train import FAST, ROOT, TINY, losses, run_cli
 from train.compare import compare
 from train.errors import EXIT_PREEMPTED, IOFault, UserError
 from train.metrics import DivergenceGuard
-from train.rundir import RunDir, RunLock, read_metrics
+from train.rundir import RunDir, RunLock, dedupe_by_step, read_metrics
 
 
 def start_cli(run_dir, *sets, extra=()):
@@ -69,6 +69,58 @@ def test_a_directory_of_the_users_own_files_is_no_run_dir(tmp_path, capsys):
     for run_dir in (copied, logged, tmp_path / "new"):
         with RunLock(run_dir):
             assert RunLock.held(run_dir)
+
+
+def test_the_rows_of_a_metrics_file_are_its_objects_of_a_step(tmp_path):
+    """A line cut short by a kill, bytes that are not UTF-8, and JSON that is not an object with a
+    whole-number step are left out; the rows that are stay, in their order."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(
+        b'{"step": 1, "loss": 2.5}\n'
+        b'{"step": 2, "lo\n'  # cut short
+        b'{"step": 2, "loss": \xff}\n'  # not UTF-8
+        b"\n5\n[1, 2]\n"
+        b'{"note": "no step"}\n{"step": "3", "loss": 1.0}\n{"step": 3.5, "loss": 1.0}\n'
+        b'{"step": 4, "eval_ppl": 9.0}'  # the last line, without its end
+    )
+    assert read_metrics(path) == [{"step": 1, "loss": 2.5}, {"step": 4, "eval_ppl": 9.0}]
+
+
+def test_a_step_written_again_is_read_as_its_last_row():
+    """A resumed run writes again the steps after its checkpoint: each step's last row is the one
+    read, in step order, and rows without the key asked for are left out."""
+    rows = [
+        {"step": 1, "loss": 3.0},
+        {"step": 2, "loss": 2.0},
+        {"step": 2, "eval_ppl": 9.0},
+        {"step": 1, "loss": 1.5},  # written again after a resume from step 0
+    ]
+    assert dedupe_by_step(rows, "loss") == [{"step": 1, "loss": 1.5}, {"step": 2, "loss": 2.0}]
+    assert dedupe_by_step(rows, "eval_ppl") == [{"step": 2, "eval_ppl": 9.0}]
+
+
+def test_a_run_dir_whose_first_save_did_not_finish_is_a_new_run(tmp_path):
+    """orbax writes a checkpoint under a temporary name and renames it when it is complete: a run
+    killed during its first save has no checkpoint to resume from, and starts again."""
+    run = RunDir(tmp_path / "run")
+    (run.checkpoints / "4.orbax-checkpoint-tmp-1732912345").mkdir(parents=True)
+    assert not run.has_checkpoints() and run.state() == "new"
+    (run.checkpoints / "4").mkdir()
+    assert run.has_checkpoints() and run.state() == "resumable"
+
+
+def test_a_reopened_runs_last_checkpoint_is_kept_as_links_to_its_files(tmp_path):
+    """A completed run resumed to go on keeps its last checkpoint out of orbax's rotation as hard
+    links to its files: no second copy of the weights on the disk."""
+    run = RunDir(tmp_path / "run")
+    weights = run.checkpoints / "4" / "state" / "weights"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(bytes(1024))
+    run.write_summary({"status": "completed", "steps": 4})
+    assert run.reopen(4).name == "summary.completed-4.json"
+    kept = run / "checkpoints.completed-4" / "state" / "weights"
+    assert kept.stat().st_ino == weights.stat().st_ino and weights.stat().st_nlink == 2
+    assert run.summary()["status"] == "interrupted"
 
 
 @pytest.mark.slow

@@ -650,6 +650,21 @@ def test_unreadable_inputs_and_tokenizer_files_are_one_line_errors(tmp_path, sp_
     assert make_tokenizer("~/spiece.model").vocab_size == 40
 
 
+def test_a_runs_tokenizer_is_known_by_its_content_not_its_file_name(sp_model, tmp_path):
+    """The tokenizer a run dir's summary records is checked by content (sha256, sizes): the same
+    model file copied under another name is the run's (test_interop: another one is refused)."""
+    from train.rundir import RunDir
+
+    recorded = make_tokenizer(sp_model).identity()
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_config({"data": {"tokenizer": sp_model}})
+    run.write_summary({"data": {"tokenizer": recorded}})
+    renamed = tmp_path / "renamed.model"
+    renamed.write_bytes(pathlib.Path(sp_model).read_bytes())
+    assert run.tokenizer(str(renamed)).identity() == recorded | {"name": "renamed.model"}
+
+
 def test_max_documents_takes_the_first_documents_across_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(planning, "PIECE_BYTES", 3000)  # a plain file in several byte ranges
     paths = write_corpus(tmp_path / "corpus", files=3, docs=30)
