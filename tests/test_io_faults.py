@@ -536,6 +536,7 @@ except IOFault as e:
 """
 
 
+@pytest.mark.slow  # a process of its own on 4 devices
 def test_the_room_a_save_needs_counts_a_replicated_array_once(tmp_path):
     """On 4 devices, a state of 1 MiB replicated on each and 1 MiB sharded over them: the save
     writes 2 MiB (orbax writes one copy of a replicated array), and the refusal on a full disk
