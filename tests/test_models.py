@@ -480,7 +480,9 @@ def test_a_config_with_rope_scaling_is_a_static_argument_of_jit():
     params = models.init_params(cfg, jax.random.PRNGKey(0))
     tokens = jnp.zeros((1, 8), jnp.int32)
     logits = jax.jit(models.forward, static_argnums=0)(cfg, params, tokens)
-    np.testing.assert_array_equal(logits, models.forward(cfg, params, tokens))
+    # jit fuses what the eager call runs op by op: float32 rounding may differ by an ulp (1.2e-7
+    # measured in one of the suite's runs), so the two are compared within a few ulps.
+    np.testing.assert_allclose(logits, models.forward(cfg, params, tokens), rtol=0, atol=1e-6)
     assert (
         cfg.rope_scaling == LLAMA3
         and json.loads(json.dumps(dataclasses.asdict(cfg)["rope_scaling"])) == LLAMA3
