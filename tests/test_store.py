@@ -658,7 +658,6 @@ def test_a_runs_tokenizer_is_known_by_its_content_not_its_file_name(sp_model, tm
     recorded = make_tokenizer(sp_model).identity()
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
-    run.write_config({"data": {"tokenizer": sp_model}})
     run.write_summary({"data": {"tokenizer": recorded}})
     renamed = tmp_path / "renamed.model"
     renamed.write_bytes(pathlib.Path(sp_model).read_bytes())
